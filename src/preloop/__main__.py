@@ -1,0 +1,5 @@
+"""`python -m preloop` is the `preloop` command."""
+
+from preloop.cli import main
+
+main()

@@ -1,0 +1,56 @@
+"""The `preloop` click group and the one place user errors become one line + exit code."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, NoReturn
+
+import click
+
+from preloop import __version__
+from preloop.errors import PreloopError
+
+__all__ = ["cli", "emit_json", "fail", "main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, "-V", "--version", prog_name="preloop")
+def cli() -> None:
+    """Run GitHub Actions workflows against a snapshot of your workspace.
+
+    State lives under $PRELOOP_HOME (default ~/.preloop); `preloop config`
+    lists every PRELOOP_* setting.
+    """
+
+
+def emit_json(document: Any) -> None:
+    """Prints one JSON document for scripts (sorted keys, trailing newline)."""
+    click.echo(json.dumps(document, indent=2, sort_keys=True, default=str))
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Ends the command with one line on stderr and `code`."""
+    click.echo(f"preloop: error: {message}", err=True)
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: user errors never print a traceback."""
+    try:
+        cli.main(args=argv, prog_name="preloop", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("preloop: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except PreloopError as exc:
+        fail(str(exc), exc.exit_code)
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        fail(f"{where}{exc.strerror or exc}")
+    except KeyboardInterrupt:
+        click.echo("preloop: interrupted", err=True)
+        sys.exit(130)
+    sys.exit(0)

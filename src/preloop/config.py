@@ -1,0 +1,157 @@
+"""Every `PRELOOP_*` knob in one table: name, default, parser, one-line doc.
+
+Read a knob with `get("PRELOOP_HOME")`; a bad value raises `ConfigError`
+naming the variable. `preloop config` prints the table. Later features add
+their rows to `KNOBS`, nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from preloop.errors import ConfigError
+
+__all__ = [
+    "KNOBS",
+    "Knob",
+    "get",
+    "parse_bool",
+    "parse_bytes",
+    "parse_nonnegative_int",
+    "parse_path",
+    "parse_positive_int",
+    "preloop_home",
+    "state_dir",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """One environment variable: `default` is a raw string (parsed like user input)
+    or a callable computing it from the environment at read time."""
+
+    name: str
+    default: str | Callable[[Mapping[str, str]], str]
+    parser: Callable[[str], Any]
+    doc: str
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(raw: str) -> int:
+    """`123`, `50GiB`, `1.5 GB`: a non-negative byte count (SI and IEC units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", raw)
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"expected a byte count such as 1073741824, 50GiB or 500MB, got {raw!r}")
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+
+
+def parse_positive_int(raw: str) -> int:
+    """A whole number >= 1."""
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"expected a whole number >= 1, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"expected a whole number >= 1, got {raw!r}")
+    return value
+
+
+def parse_nonnegative_int(raw: str) -> int:
+    """A whole number >= 0."""
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(f"expected a whole number >= 0, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"expected a whole number >= 0, got {raw!r}")
+    return value
+
+
+def parse_bool(raw: str) -> bool:
+    """1/0, true/false, yes/no, on/off."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true or false, got {raw!r}")
+
+
+def parse_path(raw: str) -> Path:
+    """A path; `~` is expanded. Relative paths are taken from the current directory."""
+    if not raw.strip():
+        raise ValueError("expected a path, got an empty value")
+    return Path(raw).expanduser().absolute()
+
+
+def _home_default(env: Mapping[str, str]) -> str:
+    return str(Path("~/.preloop").expanduser())
+
+
+def _state_default(env: Mapping[str, str]) -> str:
+    return str(preloop_home(env) / "state")
+
+
+KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in [
+        Knob("PRELOOP_HOME", _home_default, parse_path, "preloop's home directory."),
+        Knob(
+            "PRELOOP_STATE_DIR",
+            _state_default,
+            parse_path,
+            "State directory: snapshots, object cache, lite store, logs.",
+        ),
+    ]
+}
+
+
+def get(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of knob `name` from `env` (default: `os.environ`)."""
+    knob = KNOBS[name]
+    env = os.environ if env is None else env
+    raw = env.get(name)
+    if raw is None:
+        raw = knob.default(env) if callable(knob.default) else knob.default
+        try:
+            return knob.parser(raw)
+        except ValueError as exc:  # a default is ours: failing here is a bug
+            raise AssertionError(f"default of {name} does not parse: {exc}") from exc
+    try:
+        return knob.parser(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc} ({knob.doc.rstrip('.')})") from None
+
+
+def preloop_home(env: Mapping[str, str] | None = None) -> Path:
+    """`$PRELOOP_HOME`, default `~/.preloop`."""
+    value: Path = get("PRELOOP_HOME", env)
+    return value
+
+
+def state_dir(env: Mapping[str, str] | None = None) -> Path:
+    """`$PRELOOP_STATE_DIR`, default `$PRELOOP_HOME/state`."""
+    value: Path = get("PRELOOP_STATE_DIR", env)
+    return value

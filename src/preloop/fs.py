@@ -1,0 +1,37 @@
+"""Filesystem measurements: the native byte walker's Python face."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from preloop import _native
+
+__all__ = ["TreeSize", "tree_bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class TreeSize:
+    """What `du` reports for a tree.
+
+    `apparent_bytes` matches `du -sb`, `allocated_bytes` matches
+    `du -s --block-size=1` (st_blocks * 512). A hard-linked inode is counted
+    once, in bytes and in `files`/`symlinks`.
+    """
+
+    apparent_bytes: int
+    allocated_bytes: int
+    files: int
+    dirs: int
+    symlinks: int
+
+
+def tree_bytes(path: str | os.PathLike[str], *, one_file_system: bool = True) -> TreeSize:
+    """Sums the tree at `path` without following symlinks.
+
+    The walk is iterative (any depth), runs without the GIL, and with
+    `one_file_system` skips mount points and everything below them
+    (like `du -x`). An entry that vanishes during the walk is
+    skipped; any other error raises `OSError` whose `filename` is the exact path.
+    """
+    return TreeSize(*_native.tree_bytes(os.fspath(path), one_file_system))

@@ -81,15 +81,25 @@ def make_tree(root: Path, spec: TreeSpec) -> Path:
 
 def cached_tree(spec: TreeSpec, cache_dir: Path | None = None) -> Path:
     """The tree for `spec`, built once under `cache_dir`
-    (default `$PRELOOP_BENCH_TREES` or /var/tmp/preloop-bench-trees)."""
+    (default `$PRELOOP_BENCH_TREES` or /var/tmp/preloop-bench-trees).
+
+    Concurrent callers (several bench sessions) serialise on a flock, and a
+    tree is only used once its completion marker exists, so an interrupted
+    build is rebuilt rather than measured.
+    """
+    import fcntl
+
     base = cache_dir or Path(os.environ.get("PRELOOP_BENCH_TREES", "/var/tmp/preloop-bench-trees"))
+    base.mkdir(parents=True, exist_ok=True)
     key = f"{spec.name}-{spec.files}-{spec.dirs}-{spec.large_files}-{spec.seed}"
     root = base / key
     marker = base / f"{key}.complete"
-    if marker.exists() and root.is_dir():
-        return root
-    if root.exists():
-        shutil.rmtree(root)
-    make_tree(root, spec)
-    marker.write_text("complete\n")
+    with open(base / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists() and root.is_dir():
+            return root
+        if root.exists():
+            shutil.rmtree(root)
+        make_tree(root, spec)
+        marker.write_text("complete\n")
     return root

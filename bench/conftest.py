@@ -1,0 +1,41 @@
+"""Benchmark plumbing: side-by-side groups and a ratio table at the end.
+
+Every benchmark sets `benchmark.group` to what is compared (a tree, a
+workload) and `benchmark.extra_info["impl"]` to who is measured; the first
+implementation named in `BASELINES` found in a group is the reference, and the
+terminal summary prints every other implementation's mean time as a ratio of it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+# The implementation whose time is the denominator, by preference.
+BASELINES = ("preloop",)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    session = getattr(config, "_benchmarksession", None)
+    if session is None or not session.benchmarks:
+        return
+    groups: dict[str, dict[str, float]] = defaultdict(dict)
+    for bench in session.benchmarks:
+        if not bench.stats or bench.has_error:
+            continue
+        impl = bench.extra_info.get("impl", bench.name)
+        groups[bench.group or bench.name][impl] = bench.stats.mean
+    if not groups:
+        return
+    tr = terminalreporter
+    tr.write_sep("=", "ratios (mean time / preloop's mean time; >1 means preloop is faster)")
+    for group, impls in sorted(groups.items()):
+        base = next((impls[b] for b in BASELINES if b in impls), None)
+        if base is None:
+            continue
+        parts = []
+        for impl, mean in sorted(impls.items(), key=lambda kv: kv[1]):
+            parts.append(f"{impl} {mean * 1000:.1f} ms (x{mean / base:.2f})")
+        tr.write_line(f"{group}: " + ", ".join(parts))

@@ -1,13 +1,12 @@
 """Type stub for the Cython extension `preloop._native`."""
 
 import os
+from collections.abc import Callable, Iterable
+from typing import Literal
 
 def tree_bytes(
     path: str | bytes | os.PathLike[str] | os.PathLike[bytes], one_file_system: bool = True
 ) -> tuple[int, int, int, int, int]: ...
-
-from collections.abc import Callable, Iterable
-from typing import Literal
 
 _Path = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from functools import partial
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from preloop.fingerprint.digest import Fingerprint, FingerprintMode, Root, fingerprint
@@ -32,7 +33,10 @@ class FingerprintQueue:
     ) -> Fingerprint:
         """`preloop.fingerprint.fingerprint` through the queue."""
         async with self._lock:
-            return await anyio.to_thread.run_sync(partial(fingerprint, roots, mode=mode))
+            result = await anyio.to_thread.run_sync(partial(fingerprint, roots, mode=mode))
+        # A caller cancelled during its walk gets the cancellation, not a stale result.
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return result
 
     async def fingerprint_settled(
         self,

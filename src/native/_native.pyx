@@ -4,10 +4,14 @@
 Every entry point releases the GIL for the whole of its syscalls and hashing.
 """
 import os
+import stat as _stat
 
-from libc.stdlib cimport free
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.exc cimport PyErr_CheckSignals
+from libc.errno cimport EINTR
+from libc.stdlib cimport free, malloc
 
-from native cimport pl_error, pl_tree_size, pl_tree_bytes
+from native cimport *
 
 
 cdef object _raise_pl_error(pl_error *error):
@@ -37,3 +41,308 @@ def tree_bytes(path, bint one_file_system=True):
     if rc != 0:
         _raise_pl_error(&error)
     return (size.apparent_bytes, size.allocated_bytes, size.files, size.dirs, size.symlinks)
+
+
+
+# ---------------------------------------------------------------- SHA-256
+
+_IMPLS = {"auto": PL_SHA256_AUTO, "portable": PL_SHA256_PORTABLE, "hardware": PL_SHA256_HARDWARE}
+
+
+cdef int _impl_code(str impl) except -1:
+    try:
+        return _IMPLS[impl]
+    except KeyError:
+        raise ValueError(f"unknown SHA-256 implementation {impl!r}: use one of {sorted(_IMPLS)}")
+
+
+def sha256_hardware_available():
+    """True when this CPU has SHA-NI (x86-64) or the ARMv8 SHA-256 instructions."""
+    return bool(pl_sha256_hardware_available())
+
+
+def sha256_default_impl():
+    """Name of the path fingerprints use: "sha-ni", "armv8-ce" or "portable"."""
+    return pl_sha256_default_name().decode()
+
+
+def set_sha256_default(str impl):
+    """Pins the SHA-256 path fingerprints use ("auto", "portable", "hardware");
+    for tests and benchmarks. Raises ValueError when the path is unavailable."""
+    if pl_sha256_set_default(_impl_code(impl)) != 0:
+        raise ValueError(f"SHA-256 implementation {impl!r} is not available on this CPU")
+
+
+cdef class Sha256:
+    """Streaming SHA-256 on a chosen path ("auto", "portable" or "hardware")."""
+
+    cdef pl_sha256 ctx
+    cdef bint done
+
+    def __cinit__(self, str impl="auto"):
+        if pl_sha256_init_impl(&self.ctx, _impl_code(impl)) != 0:
+            raise ValueError(f"SHA-256 implementation {impl!r} is not available on this CPU")
+        self.done = False
+
+    def update(self, const unsigned char[::1] data not None):
+        if self.done:
+            raise ValueError("update() after digest()")
+        cdef size_t n = data.shape[0]
+        cdef const unsigned char *p = &data[0] if n else NULL
+        if n >= 65536:
+            with nogil:
+                pl_sha256_update(&self.ctx, p, n)
+        else:
+            pl_sha256_update(&self.ctx, p, n)
+
+    def digest(self):
+        cdef unsigned char out[32]
+        if self.done:
+            raise ValueError("digest() may be called once")
+        self.done = True
+        pl_sha256_final(&self.ctx, out)
+        return PyBytes_FromStringAndSize(<char *>out, 32)
+
+
+# ---------------------------------------------------------------- host slots
+
+DEFAULT_COORDINATION_DIR = "/var/tmp/preloop-coordination"
+HOST_SLOTS = 4
+cdef int _HOST_SLOTS = HOST_SLOTS
+
+_SHARING = (
+    "every process sharing the host cap, in every sandbox and for every user, must be able to "
+    "open it read-only: directory mode 1777 (at least a+rx), files mode 0666 (at least a+r)"
+)
+
+
+def coordination_dir():
+    """The host coordination directory: $PRELOOP_COORDINATION_DIR or the fixed default.
+    Never derived from TMPDIR."""
+    return os.environ.get("PRELOOP_COORDINATION_DIR") or DEFAULT_COORDINATION_DIR
+
+
+cdef object _slots_exception(pl_slots_error *e):
+    from preloop.errors import CoordinationError
+
+    cdef bytes raw = e.path if e.path != NULL else b""
+    free(e.path)
+    e.path = NULL
+    path = os.fsdecode(raw)
+    reason = os.strerror(e.err) if e.err else ""
+    if e.kind == PL_SLOTS_E_SYMLINK:
+        msg = (f"coordination path {path} is a symlink; refusing to follow it. Remove it so "
+               f"preloop can recreate it as a regular entry ({_SHARING})")
+    elif e.kind == PL_SLOTS_E_NOTREG:
+        msg = (f"coordination file {path} is not a regular file; remove it so preloop can "
+               f"recreate it ({_SHARING})")
+    elif e.kind == PL_SLOTS_E_NOTDIR:
+        msg = (f"coordination directory {path} is not a directory; remove it so preloop can "
+               f"recreate it ({_SHARING})")
+    elif e.kind == PL_SLOTS_E_CREATE:
+        msg = (f"cannot create coordination entry {path}: {reason}. Its parent must be writable "
+               f"to create it (or run prepare_host_coordination() as a user who can); "
+               f"{_SHARING}")
+    elif e.kind == PL_SLOTS_E_LOCK:
+        msg = f"cannot lock coordination file {path}: {reason}; {_SHARING}"
+    elif e.kind == PL_SLOTS_E_NOMEM:
+        return MemoryError()
+    else:
+        msg = f"cannot open coordination entry {path} read-only: {reason}; {_SHARING}"
+    return CoordinationError(msg, path)
+
+
+cdef bint _interrupted(pl_slots_error *e) except -1:
+    """True (after running Python's signal handlers) when a wait was interrupted."""
+    if e.kind == PL_SLOTS_E_LOCK and e.err == EINTR:
+        free(e.path)
+        e.path = NULL
+        PyErr_CheckSignals()
+        return True
+    return False
+
+
+def slots_prepare(directory, int nslots=HOST_SLOTS):
+    """Creates or adopts the coordination directory and its files (never truncating
+    or unlinking existing ones); returns nothing. Raises CoordinationError."""
+    cdef bytes d = os.fsencode(directory)
+    cdef const char *c_dir = d
+    cdef pl_slots_error e
+    cdef int rc
+    with nogil:
+        rc = pl_slots_prepare(c_dir, nslots, &e)
+    if rc != 0:
+        raise _slots_exception(&e)
+
+
+def slots_acquire(directory, int nslots=HOST_SLOTS, bint blocking=True, long pid=0):
+    """Takes a host slot: returns (fd, slot index), or None when not blocking and every
+    slot is taken. Closing fd releases the slot. `pid` (tests) picks the full-cap slot."""
+    cdef bytes d = os.fsencode(directory)
+    cdef const char *c_dir = d
+    cdef pl_slots_error e
+    cdef pl_slot s
+    cdef int rc
+    cdef int block = 1 if blocking else 0
+    if nslots < 1:
+        raise ValueError(f"slots must be >= 1, got {nslots}")
+    while True:
+        with nogil:
+            rc = pl_slots_acquire(c_dir, nslots, block, pid, &s, &e)
+        if rc == 0:
+            return (s.fd, s.slot)
+        if rc == 1:
+            return None
+        if not _interrupted(&e):
+            raise _slots_exception(&e)
+
+
+# ---------------------------------------------------------------- fingerprint
+
+cdef object _stat_dict(pl_fp_stat *s):
+    return {
+        "type": _stat.filemode(s.mode)[0].replace("-", "f"),
+        "dev": s.dev,
+        "ino": s.ino,
+        "size": s.size,
+        "mode": oct(s.mode),
+        "mtime_ns": s.mtime_ns,
+        "ctime_ns": s.ctime_ns,
+    }
+
+
+def _resolve_roots(roots):
+    """Resolves, de-duplicates and byte-sorts roots; refuses a missing root or one
+    inside another root."""
+    from preloop.errors import FingerprintRootError
+
+    if isinstance(roots, (str, bytes, os.PathLike)):
+        roots = [roots]
+    resolved = set()
+    for root in roots:
+        raw = os.fsencode(root)
+        try:
+            real = os.path.realpath(raw, strict=True)
+        except OSError as exc:
+            name = os.fsdecode(raw)
+            raise FingerprintRootError(
+                f"fingerprint root {name} cannot be used: {exc.strerror}; "
+                "declare roots that exist", name) from None
+        resolved.add(real)
+    if not resolved:
+        raise FingerprintRootError("no fingerprint roots given; pass at least one path", "")
+    ordered = sorted(resolved)
+    for i in range(1, len(ordered)):
+        for j in range(i):
+            outer = ordered[j].rstrip(b"/") + b"/"
+            if ordered[i].startswith(outer):
+                inner = os.fsdecode(ordered[i])
+                raise FingerprintRootError(
+                    f"fingerprint root {inner} lies inside root {os.fsdecode(ordered[j])}; "
+                    "declare only the outer one", inner)
+    return ordered
+
+
+def fingerprint(roots, str mode="content", directory=None):
+    """Fingerprints roots under a host slot (blocking in the kernel for one).
+
+    Returns (digest, files, bytes, [(root, digest, files, bytes), ...]) with hex
+    digests and roots as resolved str paths, in byte order.
+    """
+    from preloop.errors import TreeChangedWhileHashing
+
+    cdef int c_mode
+    if mode == "content":
+        c_mode = PL_FP_CONTENT
+    elif mode == "metadata":
+        c_mode = PL_FP_METADATA
+    else:
+        raise ValueError(f"fingerprint mode must be 'content' or 'metadata', got {mode!r}")
+    ordered = _resolve_roots(roots)
+    cdef bytes d = os.fsencode(directory if directory is not None else coordination_dir())
+    cdef const char *c_dir = d
+    cdef size_t n = len(ordered)
+    cdef const char **c_roots = <const char **>malloc(n * sizeof(char *))
+    cdef pl_fp_result *per = <pl_fp_result *>malloc(n * sizeof(pl_fp_result))
+    cdef pl_fp_result total
+    cdef pl_fp_error e
+    cdef int rc
+    cdef size_t i
+    if c_roots == NULL or per == NULL:
+        free(c_roots)
+        free(per)
+        raise MemoryError()
+    try:
+        for i in range(n):
+            c_roots[i] = <bytes>ordered[i]
+        while True:
+            with nogil:
+                rc = pl_fingerprint(c_roots, n, c_mode, c_dir, _HOST_SLOTS, per, &total, &e)
+            if rc == 0:
+                break
+            if e.kind == PL_FP_E_SLOTS:
+                if _interrupted(&e.slots):
+                    continue
+                raise _slots_exception(&e.slots)
+            raw = e.path if e.path != NULL else b""
+            free(e.path)
+            e.path = NULL
+            path = os.fsdecode(raw)
+            if e.kind == PL_FP_E_CHANGED:
+                after = None if e.err else _stat_dict(&e.after)
+                raise TreeChangedWhileHashing(path, _stat_dict(&e.before), after)
+            if e.kind == PL_FP_E_NOMEM:
+                raise MemoryError()
+            raise OSError(e.err, os.strerror(e.err), path)
+        roots_out = [
+            (os.fsdecode(ordered[i]), (<bytes>per[i].digest[:32]).hex(), per[i].files, per[i].bytes)
+            for i in range(n)
+        ]
+        return ((<bytes>total.digest[:32]).hex(), total.files, total.bytes, roots_out)
+    finally:
+        free(c_roots)
+        free(per)
+
+
+# ---------------------------------------------------------------- test hooks
+
+_after_read_callback = None
+_full_scan_callback = None
+
+
+cdef void _after_read_trampoline(const char *path) noexcept nogil:
+    with gil:
+        try:
+            _after_read_callback(os.fsdecode(path))
+        except BaseException:
+            pass
+
+
+cdef void _full_scan_trampoline(const char *path) noexcept nogil:
+    with gil:
+        try:
+            _full_scan_callback(os.fsdecode(path))
+        except BaseException:
+            pass
+
+
+def set_test_hooks(after_read=None, full_scan=None):
+    """Test-only: `after_read(path)` runs after a file's bytes were read and before its
+    second lstat; `full_scan(slot_path)` runs after a scan found every slot taken,
+    before blocking on `slot_path`. None (the default) removes a hook."""
+    global _after_read_callback, _full_scan_callback
+    _after_read_callback = after_read
+    _full_scan_callback = full_scan
+    _install_hooks(after_read is not None, full_scan is not None)
+
+
+cdef void _install_hooks(bint after_read, bint full_scan) noexcept:
+    global pl_fp_after_read_hook, pl_slots_full_hook
+    if after_read:
+        pl_fp_after_read_hook = _after_read_trampoline
+    else:
+        pl_fp_after_read_hook = NULL
+    if full_scan:
+        pl_slots_full_hook = _full_scan_trampoline
+    else:
+        pl_slots_full_hook = NULL

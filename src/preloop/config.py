@@ -124,6 +124,12 @@ KNOBS: dict[str, Knob] = {
             parse_path,
             "State directory: snapshots, object cache, lite store, logs.",
         ),
+        Knob(
+            "PRELOOP_COORDINATION_DIR",
+            "/var/tmp/preloop-coordination",
+            parse_path,
+            "Host directory of the fingerprint slot semaphore (tests); never derived from TMPDIR.",
+        ),
     ]
 }
 

@@ -2,6 +2,7 @@
 registers itself on `cli` when imported below."""
 
 from preloop.cli import config_cmd, du  # noqa: F401  (registration)
+from preloop.cli import fingerprint as _fingerprint  # noqa: F401  (registration)
 from preloop.cli.app import cli, main
 
 __all__ = ["cli", "main"]

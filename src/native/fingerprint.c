@@ -1,0 +1,583 @@
+/* Native tree fingerprints. See fingerprint.h and README "Fingerprints". */
+#include "fingerprint.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+void (*pl_fp_after_read_hook)(const char *path) = NULL;
+
+#define BUF_SIZE (256 * 1024) /* the walk's one streaming buffer: dents and file bytes */
+#define MAX_OPEN_DIRS 64      /* deeper ancestors are reopened through ".." on the way up */
+
+static const char CONTENT_SCHEMA[] = "preloop/tree-digest/v1"; /* + NUL, hashed with it */
+static const char METADATA_SCHEMA[] = "preloop/tree-metadata/v1";
+static const char ROOTS_SCHEMA[] = "preloop/roots-digest/v1";
+
+typedef struct {
+    size_t name_off;
+    uint32_t name_len;
+    struct stat st;
+} entry;
+
+typedef struct {
+    int fd;
+    uint64_t dev, ino;
+    entry *entries;
+    size_t n, next;
+    char *names;
+    size_t prefix_len; /* length of the relative path of this directory plus '/' */
+} fframe;
+
+typedef struct {
+    const char *root;
+    int mode;
+    pl_sha256 tree;
+    uint8_t *buf;
+    char *rel;
+    size_t rel_len, rel_cap;
+    fframe *frames;
+    size_t depth, frames_cap;
+    char *link;
+    size_t link_cap;
+    uint64_t skip_dev, skip_ino; /* the coordination directory: never fingerprinted */
+    pl_fp_result *res;
+    pl_fp_error *error;
+} fwalk;
+
+static void to_fp_stat(const struct stat *st, pl_fp_stat *o) {
+    o->mode = (uint32_t)st->st_mode;
+    o->dev = (uint64_t)st->st_dev;
+    o->ino = (uint64_t)st->st_ino;
+    o->size = (uint64_t)st->st_size;
+    o->mtime_ns = (int64_t)st->st_mtim.tv_sec * 1000000000 + st->st_mtim.tv_nsec;
+    o->ctime_ns = (int64_t)st->st_ctim.tv_sec * 1000000000 + st->st_ctim.tv_nsec;
+}
+
+static int same_stat(const struct stat *a, const struct stat *b) {
+    return a->st_mode == b->st_mode && a->st_dev == b->st_dev && a->st_ino == b->st_ino &&
+           a->st_size == b->st_size && a->st_mtim.tv_sec == b->st_mtim.tv_sec &&
+           a->st_mtim.tv_nsec == b->st_mtim.tv_nsec && a->st_ctim.tv_sec == b->st_ctim.tv_sec &&
+           a->st_ctim.tv_nsec == b->st_ctim.tv_nsec;
+}
+
+/* root + "/" + the first rel_len bytes of the relative path. */
+static char *full_path(const fwalk *w, size_t rel_len) {
+    size_t rl = strlen(w->root);
+    while (rel_len > 0 && w->rel[rel_len - 1] == '/')
+        rel_len--;
+    char *p = malloc(rl + rel_len + 2);
+    if (!p)
+        return NULL;
+    memcpy(p, w->root, rl);
+    size_t n = rl;
+    if (rel_len) {
+        if (rl == 0 || w->root[rl - 1] != '/')
+            p[n++] = '/';
+        memcpy(p + n, w->rel, rel_len);
+        n += rel_len;
+    }
+    p[n] = '\0';
+    return p;
+}
+
+static int fail_os(fwalk *w, int err, size_t rel_len) {
+    w->error->kind = PL_FP_E_OS;
+    w->error->err = err;
+    w->error->path = full_path(w, rel_len);
+    return -1;
+}
+
+static int fail_nomem(fwalk *w) {
+    w->error->kind = PL_FP_E_NOMEM;
+    w->error->err = ENOMEM;
+    w->error->path = strdup(w->root);
+    return -1;
+}
+
+/* `after` NULL: the entry is gone. */
+static int fail_changed(fwalk *w, const struct stat *before, const struct stat *after) {
+    w->error->kind = PL_FP_E_CHANGED;
+    w->error->err = after ? 0 : ENOENT;
+    w->error->path = full_path(w, w->rel_len);
+    to_fp_stat(before, &w->error->before);
+    if (after)
+        to_fp_stat(after, &w->error->after);
+    return -1;
+}
+
+static void put_frame(pl_sha256 *ctx, const void *data, size_t len) {
+    uint8_t be[8];
+    for (int i = 0; i < 8; i++)
+        be[i] = (uint8_t)((uint64_t)len >> (56 - 8 * i));
+    pl_sha256_update(ctx, be, 8);
+    pl_sha256_update(ctx, data, len);
+}
+
+static void put_u64(pl_sha256 *ctx, uint64_t v) {
+    uint8_t be[8];
+    for (int i = 0; i < 8; i++)
+        be[i] = (uint8_t)(v >> (56 - 8 * i));
+    put_frame(ctx, be, 8);
+}
+
+static const char *kind_name(mode_t m) {
+    switch (m & S_IFMT) {
+    case S_IFREG:
+        return "file";
+    case S_IFDIR:
+        return "dir";
+    case S_IFLNK:
+        return "symlink";
+    case S_IFIFO:
+        return "fifo";
+    case S_IFSOCK:
+        return "socket";
+    case S_IFCHR:
+        return "char";
+    case S_IFBLK:
+        return "block";
+    default:
+        return "unknown";
+    }
+}
+
+static int rel_append(fwalk *w, const char *name, size_t len, int slash) {
+    size_t need = w->rel_len + len + 2;
+    if (need > w->rel_cap) {
+        size_t ncap = w->rel_cap ? w->rel_cap : 4096;
+        while (ncap < need)
+            ncap *= 2;
+        char *n = realloc(w->rel, ncap);
+        if (!n)
+            return -1;
+        w->rel = n;
+        w->rel_cap = ncap;
+    }
+    memcpy(w->rel + w->rel_len, name, len);
+    w->rel_len += len;
+    if (slash)
+        w->rel[w->rel_len++] = '/';
+    w->rel[w->rel_len] = '\0';
+    return 0;
+}
+
+/* Raw-byte order of relative paths, a directory compared as if its name ended
+ * in '/' (git's tree order): a directory's entries then directly follow it. */
+static int entry_cmp(const void *pa, const void *pb, void *names) {
+    const entry *a = pa, *b = pb;
+    const unsigned char *na = (const unsigned char *)names + a->name_off;
+    const unsigned char *nb = (const unsigned char *)names + b->name_off;
+    size_t i = 0;
+    for (;; i++) {
+        int ca = i < a->name_len ? na[i] : (i == a->name_len && S_ISDIR(a->st.st_mode) ? '/' : -1);
+        int cb = i < b->name_len ? nb[i] : (i == b->name_len && S_ISDIR(b->st.st_mode) ? '/' : -1);
+        if (ca != cb)
+            return ca < cb ? -1 : 1;
+        if (ca < 0)
+            return 0;
+    }
+}
+
+/* Lists, stats and sorts the top frame's entries. */
+static int scan_dir(fwalk *w, fframe *f) {
+    size_t names_len = 0, names_cap = 0, n = 0, cap = 0;
+    char *names = NULL;
+    entry *es = NULL;
+    for (;;) {
+        ssize_t got = getdents64(f->fd, w->buf, BUF_SIZE);
+        if (got < 0) {
+            free(names);
+            free(es);
+            return fail_os(w, errno, f->prefix_len);
+        }
+        if (got == 0)
+            break;
+        for (ssize_t pos = 0; pos < got;) {
+            struct dirent64 *d = (struct dirent64 *)(w->buf + pos);
+            pos += d->d_reclen;
+            const char *name = d->d_name;
+            if (name[0] == '.' && (name[1] == '\0' || (name[1] == '.' && name[2] == '\0')))
+                continue;
+            size_t len = strlen(name);
+            if (names_len + len + 1 > names_cap || n == cap) {
+                size_t nc = names_cap ? names_cap * 2 : 4096;
+                while (nc < names_len + len + 1)
+                    nc *= 2;
+                char *nn = realloc(names, nc);
+                entry *ne = n == cap ? realloc(es, (cap ? cap * 2 : 64) * sizeof *es) : es;
+                if (nn)
+                    names = nn, names_cap = nc;
+                if (ne && n == cap)
+                    es = ne, cap = cap ? cap * 2 : 64;
+                if (!nn || !ne) {
+                    free(names);
+                    free(es);
+                    return fail_nomem(w);
+                }
+            }
+            memcpy(names + names_len, name, len + 1);
+            es[n].name_off = names_len;
+            es[n].name_len = (uint32_t)len;
+            names_len += len + 1;
+            n++;
+        }
+    }
+    size_t kept = 0;
+    for (size_t i = 0; i < n; i++) {
+        entry *e = &es[i];
+        if (fstatat(f->fd, names + e->name_off, &e->st, AT_SYMLINK_NOFOLLOW) != 0) {
+            if (errno == ENOENT)
+                continue; /* removed after the listing: as if removed before it */
+            int err = errno;
+            size_t save = w->rel_len;
+            w->rel_len = f->prefix_len;
+            (void)rel_append(w, names + e->name_off, e->name_len, 0);
+            fail_os(w, err, w->rel_len);
+            w->rel_len = save;
+            free(names);
+            free(es);
+            return -1;
+        }
+        if (S_ISDIR(e->st.st_mode) && (uint64_t)e->st.st_dev == w->skip_dev &&
+            (uint64_t)e->st.st_ino == w->skip_ino)
+            continue;
+        es[kept++] = *e;
+    }
+    if (kept > 1)
+        qsort_r(es, kept, sizeof *es, entry_cmp, names);
+    f->entries = es;
+    f->names = names;
+    f->n = kept;
+    f->next = 0;
+    return 0;
+}
+
+static void emit_metadata(fwalk *w, const struct stat *st) {
+    const char *kind = kind_name(st->st_mode);
+    put_frame(&w->tree, kind, strlen(kind));
+    put_frame(&w->tree, w->rel, w->rel_len);
+    put_u64(&w->tree, (uint64_t)st->st_mode);
+    put_u64(&w->tree, (uint64_t)st->st_size);
+    put_u64(&w->tree, (uint64_t)((int64_t)st->st_mtim.tv_sec * 1000000000 + st->st_mtim.tv_nsec));
+    if (S_ISREG(st->st_mode)) {
+        w->res->files++;
+        w->res->bytes += (uint64_t)st->st_size;
+    }
+}
+
+/* Hashes one regular file with the stability check around it. */
+static int emit_file(fwalk *w, int dirfd, const char *name, const struct stat *before) {
+    int fd = openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0) {
+        if (errno == ENOENT || errno == ELOOP)
+            return fail_changed(w, before, NULL);
+        return fail_os(w, errno, w->rel_len);
+    }
+    struct stat opened;
+    if (fstat(fd, &opened) != 0) {
+        int err = errno;
+        close(fd);
+        return fail_os(w, err, w->rel_len);
+    }
+    if (!same_stat(before, &opened)) {
+        close(fd);
+        return fail_changed(w, before, &opened);
+    }
+    pl_sha256 file;
+    pl_sha256_init(&file);
+    uint64_t total = 0;
+    for (;;) {
+        ssize_t got = read(fd, w->buf, BUF_SIZE);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            int err = errno;
+            close(fd);
+            return fail_os(w, err, w->rel_len);
+        }
+        if (got == 0)
+            break;
+        pl_sha256_update(&file, w->buf, (size_t)got);
+        total += (uint64_t)got;
+    }
+    close(fd);
+    if (pl_fp_after_read_hook) {
+        char *p = full_path(w, w->rel_len);
+        if (p)
+            pl_fp_after_read_hook(p);
+        free(p);
+    }
+    struct stat after;
+    if (fstatat(dirfd, name, &after, AT_SYMLINK_NOFOLLOW) != 0) {
+        if (errno == ENOENT)
+            return fail_changed(w, before, NULL);
+        return fail_os(w, errno, w->rel_len);
+    }
+    if (!same_stat(before, &after) || total != (uint64_t)before->st_size)
+        return fail_changed(w, before, &after);
+    uint8_t digest[PL_SHA256_DIGEST];
+    pl_sha256_final(&file, digest);
+    uint8_t exec = (before->st_mode & S_IXUSR) ? 1 : 0;
+    put_frame(&w->tree, "file", 4);
+    put_frame(&w->tree, w->rel, w->rel_len);
+    put_frame(&w->tree, &exec, 1);
+    put_u64(&w->tree, total);
+    put_frame(&w->tree, digest, sizeof digest);
+    w->res->files++;
+    w->res->bytes += total;
+    return 0;
+}
+
+static int emit_symlink(fwalk *w, int dirfd, const char *name, const struct stat *before) {
+    size_t need = (size_t)before->st_size + 1;
+    if (need > w->link_cap) {
+        char *n = realloc(w->link, need);
+        if (!n)
+            return fail_nomem(w);
+        w->link = n;
+        w->link_cap = need;
+    }
+    ssize_t got = readlinkat(dirfd, name, w->link, w->link_cap);
+    if (got < 0) {
+        if (errno == ENOENT || errno == EINVAL)
+            return fail_changed(w, before, NULL);
+        return fail_os(w, errno, w->rel_len);
+    }
+    struct stat after;
+    if (fstatat(dirfd, name, &after, AT_SYMLINK_NOFOLLOW) != 0) {
+        if (errno == ENOENT)
+            return fail_changed(w, before, NULL);
+        return fail_os(w, errno, w->rel_len);
+    }
+    if (!same_stat(before, &after) || (uint64_t)got != (uint64_t)before->st_size)
+        return fail_changed(w, before, &after);
+    put_frame(&w->tree, "symlink", 7);
+    put_frame(&w->tree, w->rel, w->rel_len);
+    put_frame(&w->tree, w->link, (size_t)got);
+    return 0;
+}
+
+static int emit(fwalk *w, int dirfd, const char *name, const struct stat *st) {
+    if (w->mode == PL_FP_METADATA) {
+        emit_metadata(w, st);
+        return 0;
+    }
+    if (S_ISREG(st->st_mode))
+        return emit_file(w, dirfd, name, st);
+    if (S_ISLNK(st->st_mode))
+        return emit_symlink(w, dirfd, name, st);
+    const char *kind = kind_name(st->st_mode);
+    put_frame(&w->tree, kind, strlen(kind));
+    put_frame(&w->tree, w->rel, w->rel_len);
+    return 0;
+}
+
+static int push_frame(fwalk *w, int fd, const struct stat *st) {
+    if (w->depth == w->frames_cap) {
+        size_t nc = w->frames_cap ? w->frames_cap * 2 : 64;
+        fframe *nf = realloc(w->frames, nc * sizeof *nf);
+        if (!nf)
+            return -1;
+        w->frames = nf;
+        w->frames_cap = nc;
+    }
+    fframe *f = &w->frames[w->depth++];
+    memset(f, 0, sizeof *f);
+    f->fd = fd;
+    f->dev = (uint64_t)st->st_dev;
+    f->ino = (uint64_t)st->st_ino;
+    f->prefix_len = w->rel_len;
+    if (w->depth > MAX_OPEN_DIRS) {
+        fframe *old = &w->frames[w->depth - 1 - MAX_OPEN_DIRS];
+        if (old->fd >= 0) {
+            close(old->fd);
+            old->fd = -1;
+        }
+    }
+    return 0;
+}
+
+/* Pops the top frame, reopening its parent through ".." when the parent's
+ * descriptor was closed to bound open descriptors. */
+static int pop_frame(fwalk *w) {
+    fframe *f = &w->frames[w->depth - 1];
+    int rc = 0;
+    if (w->depth > 1) {
+        fframe *p = &w->frames[w->depth - 2];
+        if (p->fd < 0) {
+            int fd = openat(f->fd, "..", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+            struct stat st;
+            if (fd < 0) {
+                rc = fail_os(w, errno, p->prefix_len);
+            } else if (fstat(fd, &st) != 0) {
+                rc = fail_os(w, errno, p->prefix_len);
+                close(fd);
+            } else if ((uint64_t)st.st_dev != p->dev || (uint64_t)st.st_ino != p->ino) {
+                w->rel_len = p->prefix_len;
+                struct stat before = st;
+                before.st_dev = (dev_t)p->dev;
+                before.st_ino = (ino_t)p->ino;
+                rc = fail_changed(w, &before, &st);
+                close(fd);
+            } else {
+                p->fd = fd;
+            }
+        }
+    }
+    close(f->fd);
+    free(f->entries);
+    free(f->names);
+    w->depth--;
+    return rc;
+}
+
+static int walk_dir(fwalk *w, int root_fd, const struct stat *root_st) {
+    if (push_frame(w, root_fd, root_st) != 0) {
+        close(root_fd);
+        return fail_nomem(w);
+    }
+    if (scan_dir(w, &w->frames[0]) != 0)
+        return -1;
+    while (w->depth > 0) {
+        fframe *f = &w->frames[w->depth - 1];
+        if (f->next == f->n) {
+            if (pop_frame(w) != 0)
+                return -1;
+            continue;
+        }
+        entry *e = &f->entries[f->next++];
+        const char *name = f->names + e->name_off;
+        w->rel_len = f->prefix_len;
+        if (rel_append(w, name, e->name_len, 0) != 0)
+            return fail_nomem(w);
+        if (emit(w, f->fd, name, &e->st) != 0)
+            return -1;
+        if (!S_ISDIR(e->st.st_mode))
+            continue;
+        int fd = openat(f->fd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0) {
+            if (errno == ENOENT || errno == ENOTDIR || errno == ELOOP)
+                return fail_changed(w, &e->st, NULL);
+            return fail_os(w, errno, w->rel_len);
+        }
+        struct stat st;
+        if (fstat(fd, &st) != 0) {
+            int err = errno;
+            close(fd);
+            return fail_os(w, err, w->rel_len);
+        }
+        if (st.st_dev != e->st.st_dev || st.st_ino != e->st.st_ino) {
+            close(fd);
+            return fail_changed(w, &e->st, &st);
+        }
+        if (rel_append(w, "", 0, 1) != 0) {
+            close(fd);
+            return fail_nomem(w);
+        }
+        if (push_frame(w, fd, &st) != 0) {
+            close(fd);
+            return fail_nomem(w);
+        }
+        if (scan_dir(w, &w->frames[w->depth - 1]) != 0)
+            return -1;
+    }
+    return 0;
+}
+
+static int fingerprint_root(fwalk *w) {
+    const char *schema = w->mode == PL_FP_METADATA ? METADATA_SCHEMA : CONTENT_SCHEMA;
+    pl_sha256_init(&w->tree);
+    pl_sha256_update(&w->tree, schema, strlen(schema) + 1);
+    w->rel_len = 0;
+    if (rel_append(w, "", 0, 0) != 0)
+        return fail_nomem(w);
+    struct stat st;
+    if (lstat(w->root, &st) != 0)
+        return fail_os(w, errno, 0);
+    int rc;
+    if (S_ISDIR(st.st_mode)) {
+        int fd = open(w->root, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0)
+            return fail_os(w, errno, 0);
+        struct stat opened;
+        if (fstat(fd, &opened) != 0) {
+            int err = errno;
+            close(fd);
+            return fail_os(w, err, 0);
+        }
+        rc = walk_dir(w, fd, &opened);
+        while (w->depth > 0) { /* after an error: close what is still open */
+            fframe *f = &w->frames[--w->depth];
+            if (f->fd >= 0)
+                close(f->fd);
+            free(f->entries);
+            free(f->names);
+        }
+    } else {
+        /* A file root is one entry with an empty relative path. */
+        char *slash = strrchr(w->root, '/');
+        char *parent = slash ? strndup(w->root, slash == w->root ? 1 : (size_t)(slash - w->root)) : strdup(".");
+        if (!parent)
+            return fail_nomem(w);
+        int dfd = open(parent, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        free(parent);
+        if (dfd < 0)
+            return fail_os(w, errno, 0);
+        rc = emit(w, dfd, slash ? slash + 1 : w->root, &st);
+        close(dfd);
+    }
+    if (rc == 0)
+        pl_sha256_final(&w->tree, w->res->digest);
+    return rc;
+}
+
+int pl_fingerprint(const char *const *roots, size_t nroots, int mode, const char *coordination_dir,
+                   int nslots, pl_fp_result *per_root, pl_fp_result *total, pl_fp_error *error) {
+    memset(error, 0, sizeof *error);
+    memset(total, 0, sizeof *total);
+    pl_slot slot;
+    int rc = pl_slots_acquire(coordination_dir, nslots, 1, 0, &slot, &error->slots);
+    if (rc != 0) {
+        error->kind = PL_FP_E_SLOTS;
+        error->err = error->slots.err;
+        return -1;
+    }
+    fwalk w;
+    memset(&w, 0, sizeof w);
+    w.mode = mode;
+    w.error = error;
+    w.skip_dev = slot.dir_dev;
+    w.skip_ino = slot.dir_ino;
+    w.buf = malloc(BUF_SIZE);
+    if (!w.buf) {
+        w.root = nroots ? roots[0] : "";
+        rc = fail_nomem(&w);
+    }
+    for (size_t i = 0; rc == 0 && i < nroots; i++) {
+        w.root = roots[i];
+        memset(&per_root[i], 0, sizeof per_root[i]);
+        w.res = &per_root[i];
+        rc = fingerprint_root(&w);
+        total->files += per_root[i].files;
+        total->bytes += per_root[i].bytes;
+    }
+    close(slot.fd); /* releases the host slot */
+    free(w.buf);
+    free(w.rel);
+    free(w.link);
+    free(w.frames);
+    if (rc != 0)
+        return -1;
+    pl_sha256 all;
+    pl_sha256_init(&all);
+    pl_sha256_update(&all, ROOTS_SCHEMA, sizeof ROOTS_SCHEMA);
+    for (size_t i = 0; i < nroots; i++)
+        put_frame(&all, per_root[i].digest, PL_SHA256_DIGEST);
+    pl_sha256_final(&all, total->digest);
+    return 0;
+}

@@ -1,0 +1,56 @@
+/* Host-wide slot semaphore: at most N cooperating holders per host.
+ *
+ * One fixed directory holds `admission` and `slot-0..N-1`. A slot is held by an
+ * exclusive flock(2) on a descriptor opened O_RDONLY|O_NOFOLLOW|O_CLOEXEC, so a
+ * read-only bind mount (a sandbox) shares the same locks and closing the
+ * descriptor, or dying, releases the slot. Waiting blocks in the kernel.
+ *
+ * Admission is held only while scanning for a free slot; at full cap the waiter
+ * releases admission and blocks on slot `pid % N`, so waiters spread over the
+ * slots instead of queueing on admission behind slot 0.
+ */
+#ifndef PRELOOP_SLOTS_H
+#define PRELOOP_SLOTS_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+/* What went wrong, so the caller can say which sharing mode a path needs. */
+enum {
+    PL_SLOTS_OK = 0,
+    PL_SLOTS_E_SYMLINK = 1,  /* a coordination path is a symlink: refused */
+    PL_SLOTS_E_NOTREG = 2,   /* a coordination file is not a regular file */
+    PL_SLOTS_E_NOTDIR = 3,   /* the coordination directory is not a directory */
+    PL_SLOTS_E_OPEN = 4,     /* read-only open failed (errno in err) */
+    PL_SLOTS_E_CREATE = 5,   /* cold-start creation or publication failed */
+    PL_SLOTS_E_LOCK = 6,     /* flock failed; EINTR means interrupted: retry */
+    PL_SLOTS_E_NOMEM = 7,
+};
+
+typedef struct {
+    int kind;
+    int err;    /* errno */
+    char *path; /* malloc'd; caller frees */
+} pl_slots_error;
+
+/* A held slot: close(fd) releases it. dev/ino identify the directory. */
+typedef struct {
+    int fd;
+    int slot;
+    uint64_t dir_dev, dir_ino;
+} pl_slot;
+
+/* Test hook, NULL in production: called after a scan found every slot taken and
+ * admission was released, just before blocking on `slot_path`. */
+extern void (*pl_slots_full_hook)(const char *slot_path);
+
+/* Creates or adopts the directory and its files; never truncates or unlinks an
+ * existing one. 0 ok, -1 with *error filled. */
+int pl_slots_prepare(const char *dir, int nslots, pl_slots_error *error);
+
+/* Takes a slot. `pid` picks the full-cap slot (0: getpid()). With blocking=0
+ * returns 1 instead of waiting when every slot is taken. 0 ok, -1 error. */
+int pl_slots_acquire(const char *dir, int nslots, int blocking, long pid, pl_slot *out,
+                     pl_slots_error *error);
+
+#endif

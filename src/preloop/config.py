@@ -124,6 +124,12 @@ KNOBS: dict[str, Knob] = {
             parse_path,
             "State directory: snapshots, object cache, lite store, logs.",
         ),
+        Knob(
+            "PRELOOP_SNAPSHOT_CONCURRENCY_PER_NAMESPACE",
+            "4",
+            parse_positive_int,
+            "Snapshot captures of one namespace (tenant) that run at once in a process.",
+        ),
     ]
 }
 

@@ -130,6 +130,12 @@ KNOBS: dict[str, Knob] = {
             parse_path,
             "Host directory of the fingerprint slot semaphore (tests); never derived from TMPDIR.",
         ),
+        Knob(
+            "PRELOOP_SNAPSHOT_CONCURRENCY_PER_NAMESPACE",
+            "4",
+            parse_positive_int,
+            "Snapshot captures of one namespace (tenant) that run at once in a process.",
+        ),
     ]
 }
 

@@ -1,7 +1,11 @@
 """The `preloop` command. Each command group lives in its own module here and
 registers itself on `cli` when imported below."""
 
-from preloop.cli import config_cmd, du  # noqa: F401  (registration)
+from preloop.cli import (  # noqa: F401  (registration)
+    config_cmd,
+    du,
+    snapshot,
+)
 from preloop.cli import fingerprint as _fingerprint  # noqa: F401  (registration)
 from preloop.cli.app import cli, main
 

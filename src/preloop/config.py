@@ -124,6 +124,12 @@ KNOBS: dict[str, Knob] = {
             parse_path,
             "State directory: snapshots, object cache, lite store, logs.",
         ),
+        Knob(
+            "PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES",
+            "100GiB",
+            parse_bytes,
+            "Byte cap of the shared snapshot object cache (e.g. 50GiB); 0 disables eviction.",
+        ),
     ]
 }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,36 +184,32 @@ def _list_dir(path: str) -> list[os.DirEntry[str]] | None:
         raise CacheReferenceError(path, exc.strerror or str(exc)) from None
 
 
-def _repositories(state_dir: Path) -> list[tuple[str, str]]:
-    """(repository path, name relative to snapshots/) of every run repository
-    layout that may hold an alternates file: published and staging directories
-    and the nested `repository.git` of either."""
-    snapshots = os.fspath(layout.snapshots_dir(state_dir))
-    top = _list_dir(snapshots)
-    if top is None:
-        return []
+def _with_nested(entry: os.DirEntry[str], rel: str) -> list[tuple[str, str]]:
+    nested = layout.STAGING_REPOSITORY_NAME
+    return [(entry.path, rel), (os.path.join(entry.path, nested), f"{rel}/{nested}")]
+
+
+def _staging_repositories(state_dir: Path) -> list[tuple[str, str]]:
+    staged = _list_dir(os.fspath(layout.staging_dir(state_dir)))
     found: list[tuple[str, str]] = []
-
-    def add(entry: os.DirEntry[str], rel: str) -> None:
-        found.append((entry.path, rel))
-        found.append(
-            (
-                os.path.join(entry.path, layout.STAGING_REPOSITORY_NAME),
-                f"{rel}/{layout.STAGING_REPOSITORY_NAME}",
-            )
-        )
-
-    for entry in top:
-        if not _is_dir(entry):
-            continue  # a plain file cannot carry objects/info/alternates
-        if entry.name == layout.STAGING_DIR_NAME:
-            staged = _list_dir(entry.path)
-            for child in staged or ():
-                if _is_dir(child):
-                    add(child, f"{layout.STAGING_DIR_NAME}/{child.name}")
-        else:
-            add(entry, entry.name)
+    for child in staged or ():
+        if _is_dir(child):  # owner markers are plain files
+            found += _with_nested(child, f"{layout.STAGING_DIR_NAME}/{child.name}")
     return found
+
+
+def _published_repositories(state_dir: Path) -> list[tuple[str, str]]:
+    top = _list_dir(os.fspath(layout.snapshots_dir(state_dir)))
+    found: list[tuple[str, str]] = []
+    for entry in top or ():
+        if entry.name != layout.STAGING_DIR_NAME and _is_dir(entry):
+            found += _with_nested(entry, entry.name)
+    return found
+
+
+def _lazy_chain(state_dir: Path) -> Iterator[tuple[str, str]]:
+    yield from _staging_repositories(state_dir)
+    yield from _published_repositories(state_dir)
 
 
 def snapshot_object_cache_references(state_dir: Path) -> CacheReferences:
@@ -222,7 +219,10 @@ def snapshot_object_cache_references(state_dir: Path) -> CacheReferences:
     `CacheReferenceError` on any unreadable directory, file or line."""
     real_cache = os.path.realpath(layout.cache_dir(state_dir))
     by_key: dict[str, list[str]] = {}
-    for repo, rel in _repositories(state_dir):
+    # Repositories only ever move from staging to published (publication is a
+    # rename), so reading staging completely before listing the published
+    # directory cannot miss one that is being published during the scan.
+    for repo, rel in _lazy_chain(state_dir):
         content = _read_alternates(repo)
         if content is None:
             continue

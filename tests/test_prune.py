@@ -30,6 +30,7 @@ from preloop.snapshot.prune import (
     SkipReason,
     measure_object_cache,
     object_cache_max_bytes,
+    prune_after_capture,
     prune_snapshot_object_cache_sync,
 )
 from preloop.snapshot.references import snapshot_object_cache_references
@@ -465,3 +466,14 @@ def test_set_last_use_orders_measure(state: Path) -> None:
     a, b, c, d = four_entries(state)
     set_last_use(state, d, T0 - 60)
     assert [u.key for u in measure_object_cache(state)] == [d, a, b, c]
+
+
+def test_post_capture_hook_records_the_use(state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, c, d = four_entries(state)
+    index = layout.cache_index_path(state, a)
+    index.write_bytes(b"DIRC")
+    os.utime(index, (T0, T0))
+    monkeypatch.setenv(MAX_BYTES_KNOB, "0")  # record the use only; no prune
+    prune_after_capture(state, a)
+    assert [u.key for u in measure_object_cache(state)] == [b, c, d, a]
+    assert index.stat().st_mtime == T0  # git's racy-clean check relies on the index time

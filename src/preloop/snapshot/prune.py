@@ -10,12 +10,13 @@ all three, measured with the native walker `preloop.fs.tree_bytes`. The
 `<key>.lock` file is never removed (every process must lock the same inode).
 
 **Last use** of an entry is the newest modification time among `<key>.git`
-(the directory: git renames lock files into it whenever a fetch or clone
-updates refs, `FETCH_HEAD` or `packed-refs`), `<key>.git/FETCH_HEAD`,
-`<key>.last-head` and `<key>.index`. `ensure_object_cache` writes the index
-sidecar on every capture (`git add -A` against the persisted index) and the
-other three whenever it clones or fetches, so each use moves the time forward.
-Entries are evicted oldest last use first, ties broken by key.
+(the directory: set when the entry is cloned into place), `<key>.last-head` and
+`<key>.index`. `ensure_object_cache` rewrites `<key>.last-head` whenever the
+HEAD it syncs moves, and the post-capture hook `prune_after_capture` touches it
+after every successful capture, so a capture that reuses an unchanged entry
+counts as a use too. (The index sidecar's time is only read, never set: git's
+racy-clean check depends on it.) Entries are evicted oldest last use first, ties
+broken by key.
 
 **Safety.** Every candidate is retired under its per-entry cache lock, taken with
 `try_acquire_cache_lock` only (a busy entry is skipped, never waited for), and
@@ -47,6 +48,7 @@ worker thread keeps ownership until the walk returns.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import logging
@@ -367,7 +369,6 @@ def _last_use_ns(state_dir: Path, key: str) -> int:
     repo = layout.cache_repository(state_dir, key)
     return max(
         _mtime_ns(repo),
-        _mtime_ns(repo / "FETCH_HEAD"),
         _mtime_ns(layout.cache_last_head_path(state_dir, key)),
         _mtime_ns(layout.cache_index_path(state_dir, key)),
     )
@@ -874,8 +875,11 @@ def request_object_cache_prune(
 
 def prune_after_capture(state_dir: Path, cache_key: str) -> None:
     """Post-capture hook (`preloop.snapshot.hooks`): runs after each successful
-    capture, outside the cache lock, and requests a background prune; a prune
+    capture, outside the cache lock. It records the use of entry `cache_key`
+    (touches `<key>.last-head`) and requests a background prune; a prune
     already running absorbs the request."""
+    with contextlib.suppress(FileNotFoundError):
+        os.utime(layout.cache_last_head_path(state_dir, cache_key))
     if layout.cache_dir(state_dir).is_dir():
         request_object_cache_prune(state_dir)
 

@@ -83,7 +83,6 @@ def set_last_use(state_dir: Path, key: str, when: float) -> None:
     """Sets every last-use marker of the entry (see `preloop.snapshot.prune`) to `when`."""
     repo = layout.cache_repository(state_dir, key)
     for path in (
-        repo / "FETCH_HEAD",
         repo,
         layout.cache_last_head_path(state_dir, key),
         layout.cache_index_path(state_dir, key),

@@ -130,6 +130,12 @@ KNOBS: dict[str, Knob] = {
             parse_bytes,
             "Byte cap of the shared snapshot object cache (e.g. 50GiB); 0 disables eviction.",
         ),
+        Knob(
+            "PRELOOP_SNAPSHOT_CONCURRENCY_PER_NAMESPACE",
+            "4",
+            parse_positive_int,
+            "Snapshot captures of one namespace (tenant) that run at once in a process.",
+        ),
     ]
 }
 

@@ -1,0 +1,354 @@
+"""Local workspace capture: a commit holding exactly what `git add -A` in the
+workspace would stage, built without changing anything in the workspace.
+
+git runs against the *workspace's own repository* (`GIT_DIR`, `GIT_WORK_TREE`),
+so its `.gitignore` files, `info/exclude`, `core.excludesFile`, attributes
+(`eol`, filters), `core.autocrlf` and `core.fileMode` apply as they would for
+the user, but every write is redirected:
+
+- the index is a private file in the staging directory (`GIT_INDEX_FILE`);
+- new objects go to the cache entry (`GIT_OBJECT_DIRECTORY`), the workspace's
+  objects are only read (`GIT_ALTERNATE_OBJECT_DIRECTORIES`);
+- hooks, split index, auto-gc and signing are off; `GIT_OPTIONAL_LOCKS=0`.
+
+The index: the first capture seeds it from a copy of the workspace's index
+(whose stat data lets `git add -A` skip unchanged files). Later captures start
+from the persisted `<key>.index` sidecar, reset to the tree of the workspace's
+index (`read-tree --reset` keeps stat data of unchanged entries), so the tracked
+set is the workspace's while only files changed since the last capture are
+rehashed. Either way `git add -A` then adds untracked-not-ignored files, drops
+deleted ones and rehashes changed ones. Nested repositories that `git add -A`
+would record as new gitlinks (unregistered) are dropped; registered submodules
+stay gitlinks at their checked-out commit.
+
+Blobs that the workspace had staged but the cache lacks are copied into the
+cache (one pack) before publication, so a run repository only ever depends on
+its cache entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from preloop.process import CommandFailed
+from preloop.snapshot import layout
+from preloop.snapshot.cache import ensure_object_cache
+from preloop.snapshot.capture import (
+    CaptureLimits,
+    CaptureState,
+    Snapshot,
+    create_run_repository,
+    publish,
+    run_capture,
+    write_snapshot_ref,
+)
+from preloop.snapshot.errors import SnapshotCaptureTimeout, SnapshotError
+from preloop.snapshot.gitcmd import git, git_env
+from preloop.snapshot.hooks import AfterCapture
+from preloop.snapshot.permits import NamespacePermits, namespace_from_url
+from preloop.snapshot.work import CaptureFaults
+
+__all__ = ["SNAPSHOT_IDENTITY", "capture_workspace", "commit_env", "inspect_repository"]
+
+# Fixed identity and date: the same tree on the same parents is the same commit.
+SNAPSHOT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "preloop",
+    "GIT_AUTHOR_EMAIL": "preloop@snapshot.invalid",
+    "GIT_AUTHOR_DATE": "@0 +0000",
+    "GIT_COMMITTER_NAME": "preloop",
+    "GIT_COMMITTER_EMAIL": "preloop@snapshot.invalid",
+    "GIT_COMMITTER_DATE": "@0 +0000",
+}
+
+_EMPTY_TREE = {
+    "sha1": "4b825dc642cb6eb9a060e54bf8d69288fbee4904",
+    "sha256": "6ef19b41225c5369f1c104d45d8d85efa9b057b53b14b4b9b939dd74decc5321",
+}
+
+_EMBEDDED = "warning: adding embedded git repository: "
+
+
+def commit_env(base: dict[str, str]) -> dict[str, str]:
+    """`base` plus the fixed snapshot identity and date."""
+    return {**base, **SNAPSHOT_IDENTITY}
+
+
+@dataclass(frozen=True, slots=True)
+class Repository:
+    """A workspace's repository as git sees it."""
+
+    toplevel: Path
+    git_dir: Path
+    common_dir: Path
+    objects: Path
+    object_format: str
+    head: str | None
+
+
+async def inspect_repository(workspace: Path) -> Repository:
+    """Finds the repository of `workspace` (a work tree or a directory in one)."""
+    if not workspace.is_dir():
+        raise SnapshotError(f"workspace {workspace} is not a directory: pass a git work tree")
+    env = git_env()
+    result = await git(
+        [
+            "rev-parse",
+            "--path-format=absolute",
+            "--is-inside-work-tree",
+            "--show-toplevel",
+            "--absolute-git-dir",
+            "--git-common-dir",
+            "--git-path",
+            "objects",
+            "--show-object-format",
+        ],
+        env=env,
+        cwd=workspace,
+        check=False,
+    )
+    lines = result.stdout_text().splitlines()
+    if result.returncode != 0 or len(lines) != 6 or lines[0] != "true":
+        raise SnapshotError(
+            f"workspace {workspace} is not inside a git work tree "
+            f"({result.stderr_text().strip() or 'bare repository'}): "
+            "run `git init` there or pass the path of a checkout"
+        )
+    head = await git(
+        ["rev-parse", "--quiet", "--verify", "HEAD^{commit}"], env=env, cwd=workspace, check=False
+    )
+    return Repository(
+        toplevel=Path(lines[1]),
+        git_dir=Path(lines[2]),
+        common_dir=Path(lines[3]),
+        objects=Path(lines[4]),
+        object_format=lines[5],
+        head=head.stdout_text().strip() if head.returncode == 0 else None,
+    )
+
+
+async def default_namespace(repo: Repository) -> str:
+    """The owner in `remote.origin.url`, or `default`."""
+    result = await git(
+        ["config", "--get", "remote.origin.url"],
+        env=git_env({"GIT_DIR": str(repo.git_dir)}),
+        check=False,
+    )
+    return namespace_from_url(result.stdout_text().strip() if result.returncode == 0 else None)
+
+
+def _copy_if_exists(src: Path, dst: Path) -> bool:
+    """Copies `src` (keeping its mtime, which racy-git checks compare against)."""
+    try:
+        shutil.copy2(src, dst)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _move_into_place(src: Path, dst: Path) -> None:
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        tmp = dst.with_name(f".{dst.name}.tmp")
+        shutil.copy2(src, tmp)
+        os.rename(tmp, dst)
+
+
+async def _workspace_index_tree(
+    cap: CaptureState, repo: Repository, env: dict[str, str]
+) -> str | None:
+    """The tree of the workspace's index (written from a copy of it), the
+    empty tree without an index, or None when it has unmerged entries."""
+    copy = cap.staging / "workspace-index"
+    if not await cap.work.run("copy-index", _copy_if_exists, repo.git_dir / "index", copy):
+        return _EMPTY_TREE[repo.object_format]
+    result = await git(["write-tree"], env={**env, "GIT_INDEX_FILE": str(copy)}, check=False)
+    if result.returncode != 0:
+        return None
+    return result.stdout_text().strip()
+
+
+async def _drop_unregistered_repositories(
+    added_stderr: str, env: dict[str, str], toplevel: Path
+) -> list[str]:
+    paths = [
+        line[len(_EMBEDDED) :] for line in added_stderr.splitlines() if line.startswith(_EMBEDDED)
+    ]
+    if paths:
+        await git(
+            ["update-index", "--force-remove", "--", *paths],
+            env={**env, "GIT_LITERAL_PATHSPECS": "1"},
+            cwd=toplevel,
+        )
+    return paths
+
+
+async def copy_missing_objects(
+    cache_repository: Path, source_git_dir: Path, commit: str, exclude: list[str]
+) -> int:
+    """Copies objects reachable from `commit` (and not from `exclude`) that the
+    cache lacks from the source repository; returns how many."""
+    cache_env = git_env({"GIT_DIR": str(cache_repository)})
+    listing = await git(
+        [
+            "rev-list",
+            "--objects",
+            "--missing=print",
+            commit,
+            *(["--not", *exclude] if exclude else []),
+        ],
+        env=cache_env,
+    )
+    missing = [ln[1:] for ln in listing.stdout_text().splitlines() if ln.startswith("?")]
+    if not missing:
+        return 0
+    try:
+        pack = await git(
+            ["pack-objects", "--stdout", "--quiet"],
+            env=git_env({"GIT_DIR": str(source_git_dir)}),
+            stdin="".join(f"{oid}\n" for oid in missing).encode(),
+        )
+    except CommandFailed as exc:
+        raise SnapshotError(
+            f"snapshot commit {commit} needs {len(missing)} object(s) that neither the cache "
+            f"{cache_repository} nor the repository {source_git_dir} has ({exc}); "
+            "run `git fsck` in the repository"
+        ) from None
+    await git(["index-pack", "--stdin", "--quiet"], env=cache_env, stdin=pack.stdout)
+    return len(missing)
+
+
+async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
+    state_dir = cap.state_dir
+    key = layout.cache_key_for_repository(repo.common_dir)
+    entry = await ensure_object_cache(
+        state_dir,
+        repo.common_dir,
+        [repo.head] if repo.head else [],
+        key=key,
+        run_id=cap.run_id,
+        work=cap.work,
+    )
+    cap.pins.append(entry.pin)
+    await cap.work.run(
+        "create-repository",
+        lambda: create_run_repository(
+            cap.staging_repository,
+            [entry.objects],
+            object_format=repo.object_format,
+            run_id=cap.run_id,
+            nonce=cap.nonce,
+            kind="workspace",
+            namespace=cap.namespace,
+            source=str(repo.toplevel),
+        ),
+    )
+    entry.pin.drop()  # the staging alternates protect the entry from here on
+
+    index = cap.staging / "index"
+    env = git_env(
+        {
+            "GIT_DIR": str(repo.git_dir),
+            "GIT_WORK_TREE": str(repo.toplevel),
+            "GIT_INDEX_FILE": str(index),
+            "GIT_OBJECT_DIRECTORY": str(entry.objects),
+            "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(repo.objects),
+        }
+    )
+    persisted = layout.cache_index_path(state_dir, key)
+    warm = await cap.work.run("copy-index", _copy_if_exists, persisted, index)
+    if warm:
+        base_tree = await _workspace_index_tree(cap, repo, env)
+        if base_tree is None:
+            warm = False
+        else:
+            reset = await git(["read-tree", "--reset", base_tree], env=env, check=False)
+            warm = reset.returncode == 0
+    if not warm:
+        with contextlib.suppress(FileNotFoundError):
+            index.unlink()
+        await cap.work.run("copy-index", _copy_if_exists, repo.git_dir / "index", index)
+    added = await git(["add", "--all"], env=env, cwd=repo.toplevel)
+    await _drop_unregistered_repositories(added.stderr_text(), env, repo.toplevel)
+    tree = (await git(["write-tree"], env=env)).stdout_text().strip()
+    parents = (repo.head,) if repo.head else ()
+    commit_args = ["commit-tree", "--no-gpg-sign", tree, "-m", "preloop snapshot"]
+    for parent in parents:
+        commit_args += ["-p", parent]
+    commit = (await git(commit_args, env=commit_env(env))).stdout_text().strip()
+    await copy_missing_objects(entry.repository, repo.git_dir, commit, list(parents))
+
+    await cap.work.run("write-ref", write_snapshot_ref, cap.staging_repository, commit)
+    await cap.work.run("publish", publish, cap)
+    verified = await git(
+        ["rev-parse", "--verify", "--quiet", "refs/heads/snapshot^{tree}"],
+        env=git_env({"GIT_DIR": str(cap.run_repository)}),
+        check=False,
+    )
+    if verified.stdout_text().strip() != tree:
+        raise SnapshotError(
+            f"published snapshot {cap.run_repository} of run {cap.run_id} does not resolve to "
+            f"tree {tree}: the cache entry {entry.repository} is damaged; remove it and retry"
+        )
+    await cap.work.run("persist-index", _move_into_place, index, persisted)
+    return Snapshot(
+        run_id=cap.run_id,
+        kind="workspace",
+        repository=cap.run_repository,
+        commit=commit,
+        tree=tree,
+        parents=parents,
+        cache_key=key,
+        namespace=cap.namespace,
+        source=str(repo.toplevel),
+    )
+
+
+async def capture_workspace(
+    state_dir: Path,
+    workspace: Path,
+    run_id: str,
+    *,
+    namespace: str | None = None,
+    limits: CaptureLimits | None = None,
+    permits: NamespacePermits | None = None,
+    after_capture: AfterCapture | None = None,
+    faults: CaptureFaults | None = None,
+) -> Snapshot:
+    """Captures the work tree at `workspace` (staged, unstaged and
+    untracked-not-ignored content) as `refs/heads/snapshot` of the new run
+    repository `<state_dir>/snapshots/<run_id>`. The namespace defaults to the
+    owner of `remote.origin.url`, else `default`."""
+    workspace = Path(workspace).absolute()
+    layout.validate_run_id(run_id)
+    limits = limits or CaptureLimits()
+    started = time.monotonic()
+    try:
+        with anyio.fail_after(limits.timeout):
+            repo = await inspect_repository(workspace)
+            if namespace is None:
+                namespace = await default_namespace(repo)
+    except TimeoutError:
+        raise SnapshotCaptureTimeout(run_id, limits.timeout, []) from None
+    return await run_capture(
+        state_dir,
+        run_id,
+        "workspace",
+        namespace,
+        lambda cap: _capture_body(cap, repo),
+        limits=limits,
+        permits=permits,
+        after_capture=after_capture,
+        faults=faults,
+        elapsed=time.monotonic() - started,
+    )

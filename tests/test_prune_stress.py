@@ -37,7 +37,8 @@ CHILD = textwrap.dedent(
     from preloop.snapshot.prune import SnapshotObjectCacheSweep
     from preloop.snapshot.workspace import capture_workspace
 
-    state, workspace, name, cycles = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    state, workspace = Path(sys.argv[1]), Path(sys.argv[2])
+    name, cycles = sys.argv[3], int(sys.argv[4])
 
     def say(**doc):
         print(json.dumps(doc), flush=True)

@@ -103,10 +103,12 @@ async def ensure_object_cache(
     run_id: str | None = None,
     lock_timeout: float = CACHE_LOCK_TIMEOUT,
     work: BlockingWork | None = None,
+    record_head: bool = True,
 ) -> CacheEntry:
     """Makes the cache entry of the local repository `source` (its common git
-    directory) contain the commits `want` (the first is recorded as the last
-    synced HEAD), and returns it pinned."""
+    directory) contain the commits `want`, and returns it pinned. With
+    `record_head`, `want[0]` is the source's HEAD: it is recorded in
+    `<key>.last-head`, and nothing is fetched while it equals the recorded one."""
     state_dir = Path(state_dir).absolute()
     key = key or layout.cache_key_for_repository(source)
     repository = layout.cache_repository(state_dir, key)
@@ -124,7 +126,7 @@ async def ensure_object_cache(
             last_head = None
         else:
             last_head = _read_last_head(last_head_path)
-        if want and want[0] != last_head:
+        if want and not (record_head and want[0] == last_head and len(want) == 1):
             missing = await _missing(repository, want)
             if missing:
                 refspecs = [f"+{oid}:refs/preloop/want/{oid}" for oid in missing]
@@ -132,7 +134,8 @@ async def ensure_object_cache(
                     ["fetch", "--quiet", "--no-tags", "--no-write-fetch-head", source, *refspecs],
                     env=_cache_repo_env(repository),
                 )
-            await _inline(work, "last-head", _write_atomic, last_head_path, want[0] + "\n")
+            if record_head:
+                await _inline(work, "last-head", _write_atomic, last_head_path, want[0] + "\n")
         pin = CachePin.create(state_dir, key, run_id)
     finally:
         lock.release()

@@ -131,6 +131,12 @@ KNOBS: dict[str, Knob] = {
             "Host directory of the fingerprint slot semaphore (tests); never derived from TMPDIR.",
         ),
         Knob(
+            "PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES",
+            "100GiB",
+            parse_bytes,
+            "Byte cap of the shared snapshot object cache (e.g. 50GiB); 0 disables eviction.",
+        ),
+        Knob(
             "PRELOOP_SNAPSHOT_CONCURRENCY_PER_NAMESPACE",
             "4",
             parse_positive_int,

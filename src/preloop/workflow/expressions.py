@@ -34,7 +34,7 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import ROUND_HALF_UP, Context, Decimal
 from typing import Any
 
 from preloop.errors import PreloopError
@@ -185,6 +185,11 @@ def _js_number_string(x: float) -> str:
     return (digits if k == 1 else digits[0] + "." + digits[1:]) + es
 
 
+_FIFTEEN_PLACES = Decimal("1e-15")
+# Up to 21 integer digits plus 15 decimals must fit (the default is 28 digits).
+_FIXED_CONTEXT = Context(prec=40, rounding=ROUND_HALF_UP)
+
+
 def _number_string(x: float | int) -> str:
     """How GitHub renders a number as text: at most 15 decimals, no trailing
     zeros (`+x.toFixed(15)` then ToString, as the TypeScript engine does)."""
@@ -197,7 +202,7 @@ def _number_string(x: float | int) -> str:
     if x.is_integer() and abs(x) < 2**53:
         return str(int(x))
     if abs(x) < 1e21:
-        fixed = Decimal(x).quantize(Decimal("1e-15"), rounding=ROUND_HALF_UP)
+        fixed = Decimal(x).quantize(_FIFTEEN_PLACES, context=_FIXED_CONTEXT)
         x = float(fixed)
     return _js_number_string(x)
 

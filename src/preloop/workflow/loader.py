@@ -326,7 +326,8 @@ class _Reader:
             if isinstance(v, YScalar):
                 if isinstance(v.value, str):
                     self.check_template(v, v.value)
-                out[str(k.value)] = v.value
+                # Environment variables are strings (`A: 1` is "1").
+                out[str(k.value)] = ex.coerce_string(v.value)
             else:
                 self.err(v, f"{what} value '{k.value}' must be a string, not {_kind(v)}")
         return frozen_map(out)

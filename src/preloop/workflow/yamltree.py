@@ -130,7 +130,7 @@ def _convert(node: yaml.Node, path: str, errors: list[Diagnostic], depth: int = 
         errors.append(Diagnostic(path, line, col, "YAML nesting is too deep"))
         return YScalar(None, line, col)
     if isinstance(node, yaml.ScalarNode):
-        if node.style is None and node.tag != "tag:yaml.org,2002:str":
+        if not node.style:  # plain (the C composer says '', the Python one None)
             return YScalar(resolve_plain(node.value), line, col)
         return YScalar(node.value, line, col, quoted=True)
     if isinstance(node, yaml.SequenceNode):

@@ -23,6 +23,9 @@ def write(repo: Path, name: str, text: str) -> Path:
     return p
 
 
+CALLABLE = "on: workflow_call\njobs:\n  x:\n    runs-on: a\n    steps: [{run: b}]\n"
+
+
 def errors(repo: Path, text: str, name: str = "w.yml") -> list[str]:
     path = write(repo, name, text)
     with pytest.raises(WorkflowError) as info:
@@ -193,7 +196,8 @@ def test_no_job_without_needs(repo: Path) -> None:
         """,
     )
     assert err == [
-        ".github/workflows/w.yml:3:3: the workflow must contain at least one job with no dependencies",
+        ".github/workflows/w.yml:3:3: the workflow must contain at least one job "
+        "with no dependencies",
         ".github/workflows/w.yml:4:12: dependency cycle: a -> a",
     ]
 

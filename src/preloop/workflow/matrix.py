@@ -91,6 +91,8 @@ def expand_matrix(matrix: Matrix, *, allow_empty: bool = False) -> list[dict[str
     matches nothing, more than 256 legs, or (unless `allow_empty`) no legs.
     """
     if not matrix.vectors and not matrix.include:
+        if allow_empty:
+            return []
         raise MatrixError("a matrix needs at least one vector or an `include` list")
     product = 1
     for key, values in matrix.vectors:

@@ -180,7 +180,12 @@ def test_dependency_cycle_is_named(repo: Path) -> None:
             steps: [{run: echo}]
         """,
     )
-    assert err == [".github/workflows/w.yml:11:12: dependency cycle: a -> c -> b -> a"]
+    # Every edge of the cycle is reported, as GitHub does.
+    assert err == [
+        ".github/workflows/w.yml:7:19: dependency cycle: a -> c -> b -> a",
+        ".github/workflows/w.yml:11:12: dependency cycle: a -> c -> b -> a",
+        ".github/workflows/w.yml:15:12: dependency cycle: a -> c -> b -> a",
+    ]
 
 
 def test_no_job_without_needs(repo: Path) -> None:
@@ -399,7 +404,7 @@ def test_every_error_reported_at_once(repo: Path) -> None:
         ".github/workflows/w.yml:4:12",  # unknown need
         ".github/workflows/w.yml:6:9",  # step with neither
         ".github/workflows/w.yml:7:3",  # invalid job id
-        ".github/workflows/w.yml:9:19",  # expression syntax (a quoted scalar: at its start)
+        ".github/workflows/w.yml:9:20",  # expression syntax, at its `${{`
     ]
 
 

@@ -8,6 +8,7 @@ Every problem is collected (nothing stops at the first) and reported as
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -222,6 +223,7 @@ class _Reader:
         self.path = path
         self.depth = depth
         self.errors: list[Diagnostic] = []
+        self.source = ""
 
     # -- helpers ------------------------------------------------------------
     def err(self, node: YNode | YScalar, message: str) -> None:
@@ -258,35 +260,44 @@ class _Reader:
         if "${{" not in text:
             return
         try:
-            for expr in ex.expressions_in(text):
-                self.check_expression(node, expr, text)
+            segments = ex.template_segments(text)
         except ex.ExpressionError as exc:
-            self.err(node, f"invalid expression: {exc}")
+            # GitHub places an unclosed `${{` at the start of the value.
+            self.err(node, f"invalid expression: {exc.reason}")
+            return
+        k = 0
+        for is_expr, seg in segments:
+            if is_expr:
+                self.check_expression(node, seg, k)
+                k += 1
 
-    def check_expression(self, node: YNode, expr: str, text: str | None = None) -> None:
+    def check_expression(self, node: YNode, expr: str, k: int = -1) -> None:
         try:
             parsed = ex.parse(expr)
         except ex.ExpressionError as exc:
-            self.at_expression(node, exc, text, expr)
+            self.err_at(node, k, f"invalid expression `{expr}`: {exc.reason} (column {exc.column})")
             return
         unknown = sorted(parsed.contexts - ex.CONTEXT_NAMES)
         if unknown:
-            self.err(node, f"unrecognized named-value '{unknown[0]}' in expression `{expr}`")
+            self.err_at(node, k, f"unrecognized named-value '{unknown[0]}' in expression `{expr}`")
 
-    def at_expression(
-        self, node: YNode, exc: ex.ExpressionError, text: str | None, expr: str
-    ) -> None:
-        line, col = node.line, node.column
-        # For a plain one-line scalar the column inside the expression maps
-        # onto the file exactly.
-        if isinstance(node, YScalar) and not node.quoted and exc.line == 1:
-            src = text if text is not None else expr
-            offset = src.find(expr) if text is not None else 0
-            if offset >= 0 and "\n" not in src:
-                col = node.column + offset + exc.column - 1
-        self.errors.append(
-            Diagnostic(self.path, line, col, f"invalid expression `{expr}`: {exc.reason}")
-        )
+    def err_at(self, node: YNode, k: int, message: str) -> None:
+        """An error about the k-th `${{` of a scalar, placed where that `${{`
+        is in the file (GitHub's convention); k < 0 means the scalar itself."""
+        if isinstance(node, YScalar) and k >= 0 and 0 <= node.start < node.end:
+            raw = self.source[node.start : node.end]
+            at = -1
+            for _ in range(k + 1):
+                at = raw.find("${{", at + 1)
+                if at < 0:
+                    break
+            if at >= 0:
+                index = node.start + at
+                line = self.source.count("\n", 0, index) + 1
+                col = index - (self.source.rfind("\n", 0, index) + 1) + 1
+                self.errors.append(Diagnostic(self.path, line, col, message))
+                return
+        self.err(node, message)
 
     def bool_or_expr(self, node: YNode | None, what: str, default: bool) -> bool | str:
         if node is None:
@@ -345,6 +356,7 @@ class _Reader:
 
     # -- workflow -----------------------------------------------------------
     def read(self, text: str) -> Workflow | None:
+        self.source = text
         root, yaml_errors = compose(text, self.path)
         self.errors.extend(yaml_errors)
         if root is None:
@@ -585,9 +597,12 @@ class _Reader:
                         key = frozenset(cycle)
                         if key not in reported:
                             reported.add(key)
-                            for n in need_nodes.get(node, []):
-                                if n.value == nxt:
-                                    self.err(n, "dependency cycle: " + " -> ".join(cycle))
+                            # Every edge of the cycle, as GitHub reports it.
+                            text = "dependency cycle: " + " -> ".join(cycle)
+                            for src, dst in itertools.pairwise(cycle):
+                                for n in need_nodes.get(src, []):
+                                    if n.value == dst:
+                                        self.err(n, text)
                 else:
                     color[node] = 2
                     path.pop()
@@ -693,8 +708,7 @@ class _Reader:
             return None
         text = text.strip()
         assert isinstance(node, YScalar)
-        if "${{" in text:
-            self.check_template(node, text)
+        if "${{" in text:  # already checked by self.string
             try:
                 segs = ex.template_segments(text)
             except ex.ExpressionError:
@@ -702,7 +716,7 @@ class _Reader:
             if len(segs) == 1 and segs[0][0]:
                 return segs[0][1]
             return text
-        self.check_expression(node, text, text)
+        self.check_expression(node, text)
         return text
 
     def runs_on(self, node: YNode | None, job: YMap) -> Any:

@@ -43,6 +43,8 @@ class YScalar:
     line: int
     column: int
     quoted: bool = False
+    start: int = -1  # character offsets of the scalar in the source text
+    end: int = -1
 
     @property
     def kind(self) -> str:
@@ -130,9 +132,10 @@ def _convert(node: yaml.Node, path: str, errors: list[Diagnostic], depth: int = 
         errors.append(Diagnostic(path, line, col, "YAML nesting is too deep"))
         return YScalar(None, line, col)
     if isinstance(node, yaml.ScalarNode):
+        start, end = node.start_mark.index, node.end_mark.index
         if not node.style:  # plain (the C composer says '', the Python one None)
-            return YScalar(resolve_plain(node.value), line, col)
-        return YScalar(node.value, line, col, quoted=True)
+            return YScalar(resolve_plain(node.value), line, col, False, start, end)
+        return YScalar(node.value, line, col, True, start, end)
     if isinstance(node, yaml.SequenceNode):
         return YSeq(tuple(_convert(n, path, errors, depth + 1) for n in node.value), line, col)
     assert isinstance(node, yaml.MappingNode)

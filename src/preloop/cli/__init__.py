@@ -5,6 +5,7 @@ from preloop.cli import (  # noqa: F401  (registration)
     cache,
     config_cmd,
     du,
+    plan,
     snapshot,
 )
 from preloop.cli import fingerprint as _fingerprint  # noqa: F401  (registration)

@@ -124,6 +124,13 @@ KNOBS: dict[str, Knob] = {
             parse_path,
             "State directory: snapshots, object cache, lite store, logs.",
         ),
+        Knob(
+            "PRELOOP_STORE_URL",
+            "",
+            str,
+            "Scheduler store: postgresql://... for a shared PostgreSQL, sqlite:///path, "
+            "or empty for the lite store at $PRELOOP_STATE_DIR/preloop.db.",
+        ),
     ]
 }
 

@@ -4,7 +4,6 @@ and on PostgreSQL (`pg_url`)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,18 +11,6 @@ import pytest
 from preloop.control import NonTerminalConclusion, Store, open_store
 from preloop.testing.plans import PlanBuilder, drive, profile_plan
 from preloop.workflow.plan import ConcurrencySpec, Plan
-
-
-@pytest.fixture(params=["lite", "pg"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "lite":
-        s = open_store(str(tmp_path / "preloop.db"))
-    else:
-        s = open_store(request.getfixturevalue("pg_url"))
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def statuses(store: Store, run_id: int) -> dict[str, str | None]:
@@ -551,7 +538,7 @@ def test_profiles_finish_without_graph_loads(store: Store) -> None:
 
 
 def test_schema_version_and_reopen(store: Store, tmp_path: Path) -> None:
-    url = store._db.url
+    url = store.url
     again = open_store(url if store.dialect == "pg" else url[len("sqlite://") :])
     again.close()
 

@@ -12,6 +12,9 @@ from preloop.testing.pg import scratch_schema
 
 PG_ENV = "PRELOOP_TEST_PG_URL"
 
+# The scheduler suite's `store` fixture (lite and pg).
+pytest_plugins = ["preloop.testing.control_fixtures"]
+
 
 def _require_pg() -> bool:
     return os.environ.get("PRELOOP_REQUIRE_PG", "") not in ("", "0")

@@ -142,6 +142,13 @@ KNOBS: dict[str, Knob] = {
             parse_positive_int,
             "Snapshot captures of one namespace (tenant) that run at once in a process.",
         ),
+        Knob(
+            "PRELOOP_STORE_URL",
+            "",
+            str,
+            "Scheduler store: postgresql://... for a shared PostgreSQL, sqlite:///path, "
+            "or empty for the lite store at $PRELOOP_STATE_DIR/preloop.db.",
+        ),
     ]
 }
 

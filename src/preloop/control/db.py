@@ -1,0 +1,293 @@
+"""Connections for the two stores: lite (SQLite) and pg (PostgreSQL).
+
+Both expose the same `Tx` (one transaction): SQL is written once with `?`
+placeholders; the pg backend rewrites them to `%s`. Every statement is counted
+against the operation that runs it; `lock_run` is timed on PostgreSQL (wait),
+and so is the time from taking the run lock to commit (settle lock hold).
+
+lite: one connection per store object, WAL, `synchronous=NORMAL`, a busy
+timeout, every transaction `BEGIN IMMEDIATE` (SQLite has one writer, so
+transactions never deadlock; several processes wait on the busy timeout).
+
+pg: a `psycopg_pool.ConnectionPool`; READ COMMITTED; a transaction that hits
+a deadlock or serialization failure is retried from the start (counted, so
+tests can assert there were none).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from preloop.control.counters import Counters
+from preloop.control.schema import MIGRATIONS, render
+from preloop.errors import PreloopError
+
+__all__ = ["Backend", "LiteBackend", "PgBackend", "Row", "StoreError", "Tx"]
+
+Row = dict[str, Any]
+T = TypeVar("T")
+Dialect = Literal["lite", "pg"]
+
+# A transaction-scoped advisory lock key: "preloop" migrations.
+_MIGRATION_LOCK = 0x7072656C6F6F70
+
+
+class StoreError(PreloopError):
+    """The scheduler store cannot be opened or used."""
+
+
+class Tx:
+    """One transaction. `op` names the operation its statements count against."""
+
+    __slots__ = ("_backend", "_cur", "_pg", "lock_taken_ns", "op", "statements")
+
+    def __init__(self, backend: Backend, cur: Any, op: str) -> None:
+        self._backend = backend
+        self._cur = cur
+        self._pg = backend.dialect == "pg"
+        self.op = op
+        self.statements = 0
+        self.lock_taken_ns = 0
+
+    @property
+    def dialect(self) -> Dialect:
+        return self._backend.dialect
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
+        """Runs one statement; returns its rows (empty for statements without)."""
+        self.statements += 1
+        if self._pg:
+            self._cur.execute(_pg_sql(sql), params)
+            return list(self._cur.fetchall()) if self._cur.description else []
+        cur = self._cur.execute(sql, params)
+        if cur.description is None:
+            return []
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> Row | None:
+        rows = self.execute(sql, params)
+        return rows[0] if rows else None
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        if not rows:
+            return
+        self.statements += 1
+        if self._pg:
+            self._cur.executemany(_pg_sql(sql), rows)
+        else:
+            self._cur.executemany(sql, rows)
+
+    def lock_run(self, run_id: int) -> Row | None:
+        """The run row, locked (pg: `FOR UPDATE`, wait timed; lite already holds
+        the write lock). Lock order: this comes before any job row."""
+        sql = "SELECT id, status, cancel_requested, conc_group, context FROM runs WHERE id = ?"
+        if not self._pg:
+            row = self.one(sql, (run_id,))
+            self.lock_taken_ns = self.lock_taken_ns or time.perf_counter_ns()
+            return row
+        t0 = time.perf_counter_ns()
+        row = self.one(sql + " FOR UPDATE", (run_id,))
+        t1 = time.perf_counter_ns()
+        self._backend.counters.add_lock_run_wait(t1 - t0)
+        self.lock_taken_ns = self.lock_taken_ns or t1
+        return row
+
+    def try_lock_run(self, run_id: int) -> Row | None:
+        """The run row if it can be locked without waiting (pg `SKIP LOCKED`):
+        used only when the caller already holds a different run's lock, so no
+        transaction ever waits on run rows out of order."""
+        sql = "SELECT id, status, cancel_requested, conc_group, context FROM runs WHERE id = ?"
+        if not self._pg:
+            return self.one(sql, (run_id,))
+        return self.one(sql + " FOR UPDATE SKIP LOCKED", (run_id,))
+
+    def next_wait_seq(self) -> int:
+        row = self.one("UPDATE wait_seq SET value = value + 1 WHERE id = 1 RETURNING value")
+        assert row is not None
+        return int(row["value"])
+
+
+_PG_CACHE: dict[str, str] = {}
+
+
+def _pg_sql(sql: str) -> str:
+    out = _PG_CACHE.get(sql)
+    if out is None:
+        out = _PG_CACHE[sql] = sql.replace("?", "%s")
+    return out
+
+
+class Backend(ABC):
+    """What the scheduler needs from a database."""
+
+    dialect: Dialect
+    url: str
+
+    def __init__(self) -> None:
+        self.counters = Counters()
+
+    @abstractmethod
+    def transaction(self, op: str, fn: Callable[[Tx], T]) -> T:
+        """Runs `fn` in one transaction (retried whole on a pg deadlock)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Releases the connection(s)."""
+
+    def _finish(self, tx: Tx, committed_ns: int) -> None:
+        self.counters.add_statements(tx.op, tx.statements)
+        if tx.lock_taken_ns and self.dialect == "pg":
+            self.counters.add_settle_lock_hold(committed_ns - tx.lock_taken_ns)
+
+
+class LiteBackend(Backend):
+    """SQLite in WAL mode; one connection guarded by a lock."""
+
+    dialect: Dialect = "lite"
+
+    def __init__(self, path: Path, busy_timeout_ms: int = 30_000) -> None:
+        super().__init__()
+        self.url = f"sqlite:///{path}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(
+                str(path),
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=busy_timeout_ms / 1000,
+            )
+            self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+            self._conn.execute("PRAGMA journal_mode = WAL")
+            self._conn.execute("PRAGMA synchronous = NORMAL")
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(
+                f"cannot open the lite store at {path}: {exc} (check the directory is writable)"
+            ) from None
+        self._lock = threading.RLock()
+        self._migrate()
+
+    def _migrate(self) -> None:
+        def apply(tx: Tx) -> None:
+            tx.execute(
+                "CREATE TABLE IF NOT EXISTS preloop_schema_version (version INTEGER NOT NULL)"
+            )
+            row = tx.one("SELECT version FROM preloop_schema_version")
+            have = int(row["version"]) if row else 0
+            if row is None:
+                tx.execute("INSERT INTO preloop_schema_version (version) VALUES (0)")
+            _check_version(have, self.url)
+            for migration in MIGRATIONS[have:]:
+                for statement in migration:
+                    tx.execute(render(statement, "lite"))
+            tx.execute("UPDATE preloop_schema_version SET version = ?", (len(MIGRATIONS),))
+
+        self.transaction("migrate", apply)
+
+    def transaction(self, op: str, fn: Callable[[Tx], T]) -> T:
+        with self._lock:
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            tx = Tx(self, conn, op)
+            try:
+                result = fn(tx)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            self._finish(tx, time.perf_counter_ns())
+            return result
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+class PgBackend(Backend):
+    """PostgreSQL through a psycopg 3 connection pool."""
+
+    dialect: Dialect = "pg"
+
+    def __init__(self, url: str, max_size: int = 8) -> None:
+        super().__init__()
+        import psycopg
+        from psycopg.rows import dict_row
+        from psycopg_pool import ConnectionPool
+
+        self.url = url
+        self._errors = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+        self._pool = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=max_size,
+            kwargs={"row_factory": dict_row, "autocommit": False},
+            open=False,
+        )
+        try:
+            self._pool.open(wait=True, timeout=30)
+        except Exception as exc:
+            self._pool.close()
+            raise StoreError(
+                f"cannot connect to the PostgreSQL store {_redact(url)}: {exc} "
+                "(check PRELOOP_STORE_URL and that the server is running)"
+            ) from None
+        self._migrate()
+
+    def _migrate(self) -> None:
+        def apply(tx: Tx) -> None:
+            tx.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
+            tx.execute(
+                "CREATE TABLE IF NOT EXISTS preloop_schema_version (version INTEGER NOT NULL)"
+            )
+            row = tx.one("SELECT version FROM preloop_schema_version")
+            have = int(row["version"]) if row else 0
+            if row is None:
+                tx.execute("INSERT INTO preloop_schema_version (version) VALUES (0)")
+            _check_version(have, self.url)
+            for migration in MIGRATIONS[have:]:
+                for statement in migration:
+                    tx.execute(render(statement, "pg"))
+            tx.execute("UPDATE preloop_schema_version SET version = ?", (len(MIGRATIONS),))
+
+        self.transaction("migrate", apply)
+
+    def transaction(self, op: str, fn: Callable[[Tx], T]) -> T:
+        while True:
+            with self._pool.connection() as conn:
+                tx = None
+                try:
+                    with conn.transaction(), conn.cursor() as cur:
+                        tx = Tx(self, cur, op)
+                        result = fn(tx)
+                except self._errors:
+                    self.counters.add_deadlock_retry()
+                    continue
+                self._finish(tx, time.perf_counter_ns())
+                return result
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def _check_version(have: int, url: str) -> None:
+    if have > len(MIGRATIONS):
+        raise StoreError(
+            f"the store {_redact(url)} has schema version {have}, newer than this preloop "
+            f"knows ({len(MIGRATIONS)}): upgrade preloop"
+        )
+
+
+def _redact(url: str) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url

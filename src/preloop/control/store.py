@@ -1,0 +1,1420 @@
+"""The scheduler: one `Store` over lite (SQLite) or pg (PostgreSQL).
+
+Every public operation is one transaction (`Backend.transaction`) and reads
+only the rows it involves: the run row, the job rows it changes, the `units`
+rows of the needs it evaluates, the cohort and concurrency-group rows it
+admits through. Nothing reads a whole run ("graph load") except the
+`list_jobs` query, which counts itself in `counters.graph_loads`.
+
+Lock order (PostgreSQL; SQLite has one writer and cannot deadlock)
+ 1. the operation's own run row (`Tx.lock_run`, `SELECT ... FOR UPDATE`),
+    before any job, unit, cohort or group row of that run;
+ 2. concurrency-group rows, each locked by the statement that changes it;
+ 3. cohort rows, units rows, job rows of the locked run.
+ A path that must touch another run (a job-level waiter or a pending run in a
+ shared concurrency group, a holder to cancel) takes that run's row with
+ `FOR UPDATE SKIP LOCKED` only, never waiting: whoever holds that run row
+ commits without waiting on us, and we remember the group; right after our
+ commit a follow-up transaction (`_retry_groups`) re-examines it, and
+ `expire_leases` (the reaper) re-examines every free group with waiters, so
+ a skipped waiter is retried, never lost. Claims lock a single job row with
+ `FOR UPDATE SKIP LOCKED` and nothing else; heartbeats update one job row.
+
+Job statuses: blocked (needs not ended) -> parked (max-parallel cap) ->
+waiting (concurrency group) -> queued -> running -> completed; a caller is
+`folding` while its inner jobs run; a deferred job becomes `expanded` once
+its legs exist. Conclusions: success, failure, cancelled, skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from preloop import config
+from preloop.control.conditions import (
+    ExpressionError,
+    MatrixError,
+    ancestor_status,
+    evaluate_expr,
+    expand_matrix_value,
+    should_run,
+)
+from preloop.control.counters import Counters
+from preloop.control.db import Backend, LiteBackend, PgBackend, Row, StoreError, Tx
+from preloop.errors import PreloopError
+from preloop.workflow.plan import Plan, PlannedJob
+
+__all__ = [
+    "TERMINAL",
+    "Completion",
+    "Heartbeat",
+    "JobInfo",
+    "Lease",
+    "NonTerminalConclusion",
+    "RunInfo",
+    "Store",
+    "StoreError",
+    "UnknownRun",
+    "open_store",
+]
+
+Conclusion = Literal["success", "failure", "cancelled", "skipped"]
+TERMINAL: frozenset[str] = frozenset({"success", "failure", "cancelled", "skipped"})
+QUEUE_MAX = 100  # GitHub's `queue: max` pending limit
+SEQ_STRIDE = 4096  # room below each planned seq for deferred legs
+DEFAULT_LEASE_SECONDS = 60.0
+
+# Columns the cascade needs from a job row.
+_JOB = (
+    "run_id, id, seq, base_id, kind, needs, if_expr, cohort, continue_on_error, "
+    "conc_group, conc_group_expr, conc_cancel, conc_queue_max, caller, status, "
+    "anc_fail, anc_bad, holds_slot, holds_group, remaining_needs, remaining_inner, "
+    "matrix, strategy, outputs_expr, deferred_matrix, cancel_requested, wait_seq, capped"
+)
+
+
+class NonTerminalConclusion(PreloopError):
+    """complete_job/settle_job was given a status that does not end a job."""
+
+    exit_code = 2
+
+
+class UnknownRun(PreloopError):
+    """No run or job with that id exists in the store."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A claimed job. The runner heartbeats it and completes it."""
+
+    run_id: int
+    job_id: str
+    name: str
+    token: str
+    runner: str
+    expires_at: float
+    attempt: int
+    spec: dict[str, Any]
+    matrix: dict[str, Any] | None
+    strategy: dict[str, Any] | None
+    timeout_minutes: float
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """`held` is False when the lease is gone (job ended or expired);
+    `cancel_requested` tells the runner to stop the job."""
+
+    held: bool
+    cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    run_id: int
+    job_id: str
+    conclusion: str
+    changed: bool  # False for a duplicate completion
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    id: int
+    workflow: str
+    name: str
+    event: str
+    status: str
+    conclusion: str | None
+    cancel_requested: bool
+    remaining_jobs: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobInfo:
+    run_id: int
+    id: str
+    name: str
+    base_id: str
+    kind: str
+    status: str
+    conclusion: str | None
+    outputs: dict[str, Any]
+    reason: str | None
+    runner: str | None
+    cancel_requested: bool
+    inner_job_ids: tuple[str, ...]
+
+
+def open_store(url: str | None = None) -> Store:
+    """Opens (creating and migrating) a store.
+
+    `url`: `postgresql://...` (or `postgres://`), `sqlite:///path`, a plain
+    path, or None for `$PRELOOP_STORE_URL`, else the lite store at
+    `<state dir>/preloop.db`.
+    """
+    if url is None:
+        url = config.get("PRELOOP_STORE_URL") or None
+    if url is None:
+        return Store(LiteBackend(config.state_dir() / "preloop.db"))
+    if url.startswith(("postgresql://", "postgres://")):
+        return Store(PgBackend(url))
+    if url.startswith("sqlite:///"):
+        return Store(LiteBackend(Path(url[len("sqlite://") :])))
+    if "://" in url:
+        raise StoreError(
+            f"unsupported store URL {url!r}: use postgresql://... or sqlite:///path "
+            "(PRELOOP_STORE_URL)"
+        )
+    return Store(LiteBackend(Path(url)))
+
+
+def _dumps(v: Any) -> str:
+    return json.dumps(v, sort_keys=True, separators=(",", ":"))
+
+
+def _loads(v: str | None) -> Any:
+    return None if v is None else json.loads(v)
+
+
+class Store:
+    """The scheduler API. Thread-safe; each method is one transaction."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._db = backend
+
+    @property
+    def dialect(self) -> str:
+        return self._db.dialect
+
+    @property
+    def url(self) -> str:
+        """The store's URL (`sqlite:///...` or `postgresql://...`)."""
+        return self._db.url
+
+    @property
+    def counters(self) -> Counters:
+        return self._db.counters
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ submit
+
+    def submit_run(self, plan: Plan, *, github: dict[str, Any] | None = None) -> int:
+        """Stores `plan` as a new run and promotes its root jobs; returns the run id."""
+        context = {"env": plan.env, "inputs": plan.inputs, "github": github or {}}
+        cascade_groups: set[str] = set()
+
+        def tx_fn(tx: Tx) -> int:
+            now = time.time()
+            conc = plan.concurrency
+            group = None
+            if conc is not None:
+                group = conc.group
+                if group is None and conc.group_expr:
+                    group = str(evaluate_expr(conc.group_expr, context))
+            row = tx.one(
+                "INSERT INTO runs (workflow, name, event, status, remaining_jobs, conc_group, "
+                "conc_cancel, conc_queue_max, context, created_at) "
+                "VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?) RETURNING id",
+                (
+                    plan.workflow,
+                    plan.name,
+                    plan.event,
+                    len(plan.jobs),
+                    group,
+                    int(bool(conc and conc.cancel_in_progress)),
+                    int(bool(conc and conc.queue_max)),
+                    _dumps(context),
+                    now,
+                ),
+            )
+            assert row is not None
+            run_id = int(row["id"])
+            tx.lock_run(run_id)
+            _insert_plan(tx, run_id, plan)
+            c = _Cascade(tx, self)
+            if group is not None and not c.acquire_run_group(run_id, group, conc):
+                c.finish()
+                cascade_groups.update(c.retry_groups)
+                return run_id
+            c.start_run(run_id)
+            c.finish()
+            cascade_groups.update(c.retry_groups)
+            return run_id
+
+        run_id = self._db.transaction("submit_run", tx_fn)
+        self._retry_groups(cascade_groups)
+        return run_id
+
+    # ------------------------------------------------------------------ claims
+
+    def claim_job(
+        self, runner: str, labels: Sequence[str], *, lease_seconds: float = DEFAULT_LEASE_SECONDS
+    ) -> Lease | None:
+        """Claims the first queued job (FIFO by run, then job seq) whose
+        `runs-on` labels are all among `labels` (case-insensitive)."""
+        wanted = sorted({lb.strip().lower() for lb in labels if lb.strip()})
+        token = secrets.token_hex(16)
+
+        def tx_fn(tx: Tx) -> Lease | None:
+            now = time.time()
+            marks = ", ".join("?" for _ in wanted)
+            if not wanted:
+                match = "j.runs_on = '[]'"
+                lock = " FOR UPDATE SKIP LOCKED" if tx.dialect == "pg" else ""
+            elif tx.dialect == "pg":
+                match = (
+                    "NOT EXISTS (SELECT 1 FROM json_array_elements_text(j.runs_on::json) AS l(v) "
+                    f"WHERE l.v NOT IN ({marks}))"
+                )
+                lock = " FOR UPDATE SKIP LOCKED"
+            else:
+                match = (
+                    f"NOT EXISTS (SELECT 1 FROM json_each(j.runs_on) WHERE value NOT IN ({marks}))"
+                )
+                lock = ""
+            row = tx.one(
+                "UPDATE jobs SET status = 'running', runner = ?, lease_token = ?, "
+                "lease_expires = ?, started_at = ?, attempt = attempt + 1 "
+                "WHERE (run_id, id) = (SELECT j.run_id, j.id FROM jobs j "
+                f"WHERE j.status = 'queued' AND {match} ORDER BY j.run_id, j.seq LIMIT 1{lock}) "
+                "RETURNING run_id, id, name, attempt, spec, matrix, strategy, timeout_minutes",
+                (runner, token, now + lease_seconds, now, *wanted),
+            )
+            if row is None:
+                return None
+            return Lease(
+                run_id=int(row["run_id"]),
+                job_id=row["id"],
+                name=row["name"],
+                token=token,
+                runner=runner,
+                expires_at=now + lease_seconds,
+                attempt=int(row["attempt"]),
+                spec=_loads(row["spec"]),
+                matrix=_loads(row["matrix"]),
+                strategy=_loads(row["strategy"]),
+                timeout_minutes=float(row["timeout_minutes"]),
+            )
+
+        return self._db.transaction("claim_job", tx_fn)
+
+    def heartbeat(self, lease: Lease, *, lease_seconds: float = DEFAULT_LEASE_SECONDS) -> Heartbeat:
+        """Extends `lease`; tells the runner whether to stop."""
+
+        def tx_fn(tx: Tx) -> Heartbeat:
+            row = tx.one(
+                "UPDATE jobs SET lease_expires = ? WHERE run_id = ? AND id = ? "
+                "AND lease_token = ? AND status = 'running' RETURNING cancel_requested",
+                (time.time() + lease_seconds, lease.run_id, lease.job_id, lease.token),
+            )
+            if row is None:
+                return Heartbeat(held=False, cancel_requested=True)
+            return Heartbeat(held=True, cancel_requested=bool(row["cancel_requested"]))
+
+        return self._db.transaction("heartbeat", tx_fn)
+
+    def job_context(self, run_id: int, job_id: str) -> dict[str, Any]:
+        """The contexts a runner evaluates steps with: `needs` (direct needs:
+        result and outputs), `env`, `inputs`, `github`, `matrix`, `strategy`."""
+
+        def tx_fn(tx: Tx) -> dict[str, Any]:
+            job = tx.one(
+                "SELECT needs, matrix, strategy FROM jobs WHERE run_id = ? AND id = ?",
+                (run_id, job_id),
+            )
+            run = tx.one("SELECT context FROM runs WHERE id = ?", (run_id,))
+            if job is None or run is None:
+                raise UnknownRun(f"run {run_id} has no job {job_id!r}")
+            ctx: dict[str, Any] = dict(json.loads(run["context"]))
+            ctx["needs"] = _needs_view(tx, run_id, json.loads(job["needs"]))
+            ctx["matrix"] = _loads(job["matrix"]) or {}
+            ctx["strategy"] = _loads(job["strategy"]) or {}
+            return ctx
+
+        return self._db.transaction("job_context", tx_fn)
+
+    # ------------------------------------------------------------------ settle
+
+    def complete_job(
+        self, lease: Lease, conclusion: str, outputs: dict[str, Any] | None = None
+    ) -> Completion:
+        """A runner's result for its leased job. Idempotent; a job that was
+        cancelled (or told to stop) stays cancelled."""
+        return self._settle(
+            "complete_job", lease.run_id, lease.job_id, conclusion, outputs, None, lease.token
+        )
+
+    def settle_job(
+        self,
+        run_id: int,
+        job_id: str,
+        conclusion: str,
+        outputs: dict[str, Any] | None = None,
+        *,
+        reason: str | None = None,
+    ) -> Completion:
+        """Ends any not-yet-ended job (the engine's path: a job that could not
+        start, a local failure). Same guards as `complete_job`."""
+        return self._settle("settle_job", run_id, job_id, conclusion, outputs, reason, None)
+
+    def _settle(
+        self,
+        op: str,
+        run_id: int,
+        job_id: str,
+        conclusion: str,
+        outputs: dict[str, Any] | None,
+        reason: str | None,
+        token: str | None,
+    ) -> Completion:
+        if conclusion not in TERMINAL:
+            raise NonTerminalConclusion(
+                f"run {run_id} job {job_id!r}: {conclusion!r} does not end a job; "
+                f"use one of {', '.join(sorted(TERMINAL))}"
+            )
+        groups: set[str] = set()
+
+        def tx_fn(tx: Tx) -> Completion:
+            run = tx.lock_run(run_id)
+            job = tx.one(
+                f"SELECT {_JOB}, conclusion, lease_token FROM jobs WHERE run_id = ? AND id = ?",
+                (run_id, job_id),
+            )
+            if run is None or job is None:
+                raise UnknownRun(f"run {run_id} has no job {job_id!r}")
+            if job["status"] in ("completed", "expanded"):
+                return Completion(run_id, job_id, job["conclusion"] or "skipped", False)
+            if token is not None and (job["status"] != "running" or job["lease_token"] != token):
+                raise StoreError(
+                    f"run {run_id} job {job_id!r}: the lease is not held (status {job['status']})"
+                )
+            if job["kind"] == "caller" and job["status"] == "folding":
+                raise StoreError(
+                    f"run {run_id} job {job_id!r} is a reusable-workflow caller: it ends "
+                    "when its inner jobs end"
+                )
+            final = conclusion
+            if job["cancel_requested"] and conclusion != "skipped":
+                final = "cancelled"
+            c = _Cascade(tx, self)
+            c.note_run(run)
+            c.conclude(job, final, outputs or {}, reason)
+            c.finish()
+            groups.update(c.retry_groups)
+            return Completion(run_id, job_id, final, True)
+
+        result = self._db.transaction(op, tx_fn)
+        self._retry_groups(groups)
+        return result
+
+    def cancel_run(self, run_id: int) -> bool:
+        """Cancels a run: queued jobs are cancelled, running jobs told to stop,
+        `always()` jobs still run. Returns False when the run had already ended."""
+        groups: set[str] = set()
+
+        def tx_fn(tx: Tx) -> bool:
+            run = tx.lock_run(run_id)
+            if run is None:
+                raise UnknownRun(f"no run {run_id}")
+            c = _Cascade(tx, self)
+            changed = c.cancel_run(run)
+            c.finish()
+            groups.update(c.retry_groups)
+            return changed
+
+        result = self._db.transaction("cancel_run", tx_fn)
+        self._retry_groups(groups)
+        return result
+
+    def expire_leases(self, now: float | None = None) -> int:
+        """Fails every running job whose lease expired before `now` (cascading)
+        and retries free concurrency groups with waiters. Returns jobs failed."""
+        now = time.time() if now is None else now
+
+        def find(tx: Tx) -> list[Row]:
+            return tx.execute(
+                "SELECT run_id, id, runner FROM jobs WHERE status = 'running' AND "
+                "lease_expires < ? "
+                "ORDER BY lease_expires LIMIT 500",
+                (now,),
+            )
+
+        expired = self._db.transaction("expire_leases", find)
+        failed = 0
+        groups: set[str] = set()
+        for item in expired:
+
+            def tx_fn(tx: Tx, item: Row = item) -> int:
+                run = tx.lock_run(int(item["run_id"]))
+                job = tx.one(
+                    f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id = ? AND status = 'running' "
+                    "AND lease_expires < ?",
+                    (item["run_id"], item["id"], now),
+                )
+                if run is None or job is None:
+                    return 0
+                c = _Cascade(tx, self)
+                c.note_run(run)
+                final = "cancelled" if job["cancel_requested"] else "failure"
+                c.conclude(
+                    job,
+                    final,
+                    {},
+                    f"the lease of runner {item['runner']!r} expired: it stopped heart-beating",
+                )
+                c.finish()
+                groups.update(c.retry_groups)
+                return 1
+
+            failed += self._db.transaction("expire_leases", tx_fn)
+        free = self._db.transaction(
+            "expire_leases",
+            lambda tx: [
+                r["name"]
+                for r in tx.execute(
+                    "SELECT name FROM conc_groups g WHERE holder_run IS NULL AND ("
+                    "EXISTS (SELECT 1 FROM jobs j WHERE j.conc_group = g.name AND j.status = "
+                    "'waiting') "
+                    "OR EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = g.name AND r.status "
+                    "= 'pending'))"
+                )
+            ],
+        )
+        groups.update(free)
+        self._retry_groups(groups)
+        return failed
+
+    def _retry_groups(self, groups: set[str]) -> None:
+        """Promotes waiters of groups a transaction could not reach without
+        waiting on another run's lock (see the module docstring)."""
+        for _ in range(3):
+            if not groups:
+                return
+            again: set[str] = set()
+            for name in sorted(groups):
+
+                def tx_fn(tx: Tx, name: str = name, again: set[str] = again) -> None:
+                    c = _Cascade(tx, self)
+                    c.promote_group(name)
+                    c.finish()
+                    again.update(c.retry_groups)
+
+                self._db.transaction("retry_group", tx_fn)
+            groups = again
+
+    # ------------------------------------------------------------------ queries
+
+    def get_run(self, run_id: int) -> RunInfo:
+        row = self._db.transaction(
+            "query", lambda tx: tx.one("SELECT * FROM runs WHERE id = ?", (run_id,))
+        )
+        if row is None:
+            raise UnknownRun(f"no run {run_id} in the store {self._db.url}")
+        return _run_info(row)
+
+    def list_runs(self, limit: int = 50) -> list[RunInfo]:
+        rows = self._db.transaction(
+            "query", lambda tx: tx.execute("SELECT * FROM runs ORDER BY id DESC LIMIT ?", (limit,))
+        )
+        return [_run_info(r) for r in rows]
+
+    def get_job(self, run_id: int, job_id: str) -> JobInfo:
+        row = self._db.transaction(
+            "query",
+            lambda tx: tx.one("SELECT * FROM jobs WHERE run_id = ? AND id = ?", (run_id, job_id)),
+        )
+        if row is None:
+            raise UnknownRun(f"run {run_id} has no job {job_id!r}")
+        return _job_info(row)
+
+    def list_jobs(self, run_id: int) -> list[JobInfo]:
+        """Every job of a run (a whole-run read: counted as a graph load)."""
+        self.counters.add_graph_load()
+        rows = self._db.transaction(
+            "query",
+            lambda tx: tx.execute(
+                "SELECT * FROM jobs WHERE run_id = ? ORDER BY seq, id", (run_id,)
+            ),
+        )
+        return [_job_info(r) for r in rows]
+
+
+def _run_info(row: Row) -> RunInfo:
+    return RunInfo(
+        id=int(row["id"]),
+        workflow=row["workflow"],
+        name=row["name"],
+        event=row["event"],
+        status=row["status"],
+        conclusion=row["conclusion"],
+        cancel_requested=bool(row["cancel_requested"]),
+        remaining_jobs=int(row["remaining_jobs"]),
+    )
+
+
+def _job_info(row: Row) -> JobInfo:
+    return JobInfo(
+        run_id=int(row["run_id"]),
+        id=row["id"],
+        name=row["name"],
+        base_id=row["base_id"],
+        kind=row["kind"],
+        status=row["status"],
+        conclusion=row["conclusion"],
+        outputs=_loads(row["outputs"]) or {},
+        reason=row["reason"],
+        runner=row["runner"],
+        cancel_requested=bool(row["cancel_requested"]),
+        inner_job_ids=tuple(json.loads(row["inner_job_ids"])),
+    )
+
+
+def _start_unit(caller: str) -> str:
+    """The unit an inner root job of `caller` waits on: the caller's start."""
+    return f"^{caller}"
+
+
+def _insert_plan(tx: Tx, run_id: int, plan: Plan) -> None:
+    """Inserts jobs, dependency edges, units and cohorts of a new run."""
+    jobs = plan.jobs
+    unit_members: dict[str, int] = {}
+    unit_caller: dict[str, str | None] = {}
+    inner_units: dict[str, set[str]] = {}
+    for j in jobs:
+        unit_members[j.base_id] = unit_members.get(j.base_id, 0) + 1
+        unit_caller[j.base_id] = j.caller
+        if j.caller is not None:
+            inner_units.setdefault(j.caller, set()).add(j.base_id)
+    capped = {c.id for c in plan.cohorts if c.max_parallel is not None}
+    job_rows = []
+    dep_rows = []
+    for j in jobs:
+        needs = list(dict.fromkeys(j.needs))
+        edges = list(needs)
+        if j.caller is not None and not any(unit_caller.get(n) == j.caller for n in needs):
+            edges.append(_start_unit(j.caller))
+        for need in edges:
+            dep_rows.append((run_id, need, j.id))
+        job_rows.append(
+            (
+                *_job_row(run_id, j, len(edges), len(inner_units.get(j.id, ()))),
+                int(j.cohort in capped),
+            )
+        )
+    tx.executemany(
+        "INSERT INTO jobs (run_id, id, seq, base_id, name, kind, needs, if_expr, runs_on, cohort, "
+        "matrix, strategy, continue_on_error, timeout_minutes, conc_group, conc_group_expr, "
+        "conc_cancel, conc_queue_max, outputs_expr, caller, inner_job_ids, deferred_matrix, spec, "
+        "status, remaining_needs, remaining_inner, capped) VALUES "
+        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'blocked', ?, ?, ?)",
+        job_rows,
+    )
+    tx.executemany("INSERT INTO deps (run_id, need, job_id) VALUES (?, ?, ?)", dep_rows)
+    units = [(run_id, b, unit_caller[b], n) for b, n in unit_members.items()]
+    units += [(run_id, _start_unit(c), None, 1) for c in inner_units]
+    tx.executemany(
+        "INSERT INTO units (run_id, base_id, caller, remaining) VALUES (?, ?, ?, ?)", units
+    )
+    tx.executemany(
+        "INSERT INTO cohorts (run_id, id, max_parallel, fail_fast, total) VALUES (?, ?, ?, ?, ?)",
+        [(run_id, c.id, c.max_parallel, int(c.fail_fast), c.total) for c in plan.cohorts],
+    )
+
+
+def _job_row(
+    run_id: int, j: PlannedJob, remaining_needs: int, remaining_inner: int
+) -> tuple[Any, ...]:
+    conc = j.concurrency
+    return (
+        run_id,
+        j.id,
+        j.seq * SEQ_STRIDE,
+        j.base_id,
+        j.name,
+        j.kind,
+        _dumps(list(dict.fromkeys(j.needs))),
+        j.if_expr,
+        _dumps(sorted({lb.lower() for lb in j.runs_on})),
+        j.cohort,
+        _dumps(j.matrix) if j.matrix is not None else None,
+        _dumps(j.strategy) if j.strategy is not None else None,
+        int(j.continue_on_error),
+        j.timeout_minutes,
+        conc.group if conc else None,
+        conc.group_expr if conc else None,
+        int(bool(conc and conc.cancel_in_progress)),
+        int(bool(conc and conc.queue_max)),
+        _dumps(j.outputs),
+        j.caller,
+        _dumps(list(j.inner_job_ids)),
+        j.deferred_matrix,
+        _dumps(j.spec),
+        remaining_needs,
+        remaining_inner,
+    )
+
+
+def _needs_view(tx: Tx, run_id: int, needs: list[str]) -> dict[str, Any]:
+    """The job-scoped `needs` context: result and outputs of each direct need."""
+    if not needs:
+        return {}
+    marks = ", ".join("?" for _ in needs)
+    rows = tx.execute(
+        f"SELECT base_id, result, outputs FROM units WHERE run_id = ? AND base_id IN ({marks})",
+        (run_id, *needs),
+    )
+    return {
+        r["base_id"]: {"result": r["result"], "outputs": json.loads(r["outputs"])} for r in rows
+    }
+
+
+def _unit_result(u: Row) -> str:
+    if u["n_failure"]:
+        return "failure"
+    if u["n_cancelled"]:
+        return "cancelled"
+    if u["n_success"]:
+        return "success"
+    return "skipped"
+
+
+class _Cascade:
+    """The work one transaction does after a state change: concluding jobs,
+    ending units, promoting dependents, admitting cohort legs, waking waiters,
+    folding callers and ending runs. Runs a worklist (no recursion depth)."""
+
+    def __init__(self, tx: Tx, store: Store) -> None:
+        self.tx = tx
+        self.store = store
+        self.runs: dict[int, Row] = {}  # locked run rows (with parsed context)
+        self.run_delta: dict[int, list[int]] = {}  # run -> [remaining delta, failed delta]
+        self.retry_groups: set[str] = set()
+        self.work: list[tuple[str, tuple[Any, ...]]] = []
+
+    # -- run rows
+
+    def note_run(self, run: Row) -> None:
+        self.runs[int(run["id"])] = dict(run)
+
+    def run(self, run_id: int) -> Row:
+        row = self.runs.get(run_id)
+        if row is None:
+            locked = self.tx.lock_run(run_id)
+            assert locked is not None
+            row = self.runs[run_id] = dict(locked)
+        return row
+
+    def context(self, run_id: int) -> dict[str, Any]:
+        run = self.run(run_id)
+        ctx = run.get("_ctx")
+        if ctx is None:
+            ctx = run["_ctx"] = json.loads(run["context"])
+        assert isinstance(ctx, dict)
+        return ctx
+
+    def job_contexts(self, job: Row) -> dict[str, Any]:
+        ctx = dict(self.context(int(job["run_id"])))
+        ctx["needs"] = _needs_view(self.tx, int(job["run_id"]), json.loads(job["needs"]))
+        ctx["matrix"] = _loads(job["matrix"]) or {}
+        ctx["strategy"] = _loads(job["strategy"]) or {}
+        return ctx
+
+    # -- driving
+
+    def finish(self) -> None:
+        """Drains the worklist and flushes run counters (which may end runs,
+        which may resume other runs: loop until quiet)."""
+        while True:
+            while self.work:
+                kind, args = self.work.pop()
+                getattr(self, "_do_" + kind)(*args)
+            if not self.run_delta:
+                return
+            deltas, self.run_delta = self.run_delta, {}
+            for run_id, (rem, failed) in sorted(deltas.items()):
+                if rem == 0 and failed == 0:
+                    continue
+                row = self.tx.one(
+                    "UPDATE runs SET remaining_jobs = remaining_jobs + ?, failed_jobs = "
+                    "failed_jobs + ? "
+                    "WHERE id = ? RETURNING remaining_jobs, failed_jobs, status, "
+                    "cancel_requested, conc_group",
+                    (rem, failed, run_id),
+                )
+                assert row is not None
+                if int(row["remaining_jobs"]) == 0 and row["status"] != "completed":
+                    self.end_run(run_id, row)
+
+    def start_run(self, run_id: int) -> None:
+        """Gates every root job of a run that may start (submit, or resume
+        after waiting on a workflow-level group)."""
+        roots = self.tx.execute(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND status = 'blocked' AND "
+            "remaining_needs = 0 "
+            "ORDER BY seq",
+            (run_id,),
+        )
+        for job in reversed(roots):
+            self.work.append(("gate", (job,)))
+        if not roots:
+            row = self.tx.one(
+                "SELECT remaining_jobs, failed_jobs, cancel_requested, conc_group FROM runs "
+                "WHERE id = ?",
+                (run_id,),
+            )
+            if row is not None and int(row["remaining_jobs"]) == 0:
+                self.end_run(run_id, row)
+
+    def end_run(self, run_id: int, row: Row) -> None:
+        if int(row["failed_jobs"]):
+            conclusion = "failure"
+        elif int(row["cancel_requested"]):
+            conclusion = "cancelled"
+        else:
+            conclusion = "success"
+        self.tx.execute(
+            "UPDATE runs SET status = 'completed', conclusion = ?, completed_at = ? WHERE id = ?",
+            (conclusion, time.time(), run_id),
+        )
+        self.run(run_id)["status"] = "completed"
+        group = row["conc_group"]
+        if group is not None:
+            released = self.tx.one(
+                "UPDATE conc_groups SET holder_run = NULL, holder_job = NULL "
+                "WHERE name = ? AND holder_run = ? AND holder_job IS NULL RETURNING name",
+                (group, run_id),
+            )
+            if released is not None:
+                self.promote_group(group)
+
+    # -- concluding
+
+    def conclude(
+        self, job: Row, conclusion: str, outputs: dict[str, Any], reason: str | None
+    ) -> None:
+        self.work.append(("conclude", (job, conclusion, outputs, reason)))
+
+    def _do_conclude(
+        self, job: Row, conclusion: str, outputs: dict[str, Any], reason: str | None
+    ) -> None:
+        tx = self.tx
+        run_id = int(job["run_id"])
+        changed = tx.one(
+            "UPDATE jobs SET status = 'completed', conclusion = ?, outputs = ?, reason = ?, "
+            "completed_at = ?, holds_slot = 0, holds_group = NULL, lease_token = NULL "
+            "WHERE run_id = ? AND id = ? AND status = ? RETURNING id",
+            (conclusion, _dumps(outputs), reason, time.time(), run_id, job["id"], job["status"]),
+        )
+        if changed is None:
+            return  # already ended by another path of this cascade
+        coe = bool(job["continue_on_error"])
+        effective = "success" if conclusion == "failure" and coe else conclusion
+        delta = self.run_delta.setdefault(run_id, [0, 0])
+        delta[0] -= 1
+        if effective == "failure":
+            delta[1] += 1
+        if job["holds_slot"]:
+            self.work.append(("release_slot", (run_id, job["cohort"])))
+        if job["holds_group"]:
+            self.work.append(("release_group", (job["holds_group"], run_id, job["id"])))
+        if conclusion == "failure" and not coe and job["cohort"] is not None:
+            self.work.append(("fail_fast", (run_id, job["cohort"], job["id"])))
+        # The member's share of its unit (base id).
+        column = {"success": "n_success", "failure": "n_failure", "cancelled": "n_cancelled"}.get(
+            effective, "n_skipped"
+        )
+        merged = None
+        if outputs:
+            prev = tx.one(
+                "SELECT outputs FROM units WHERE run_id = ? AND base_id = ?",
+                (run_id, job["base_id"]),
+            )
+            merged = {**(json.loads(prev["outputs"]) if prev else {}), **outputs}
+        unit = tx.one(
+            f"UPDATE units SET remaining = remaining - 1, {column} = {column} + 1, "
+            "anc_fail = CASE WHEN ? = 1 THEN 1 ELSE anc_fail END, "
+            "anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END, "
+            "outputs = COALESCE(?, outputs) "
+            "WHERE run_id = ? AND base_id = ? RETURNING *",
+            (
+                int(job["anc_fail"]),
+                int(job["anc_bad"]),
+                _dumps(merged) if merged is not None else None,
+                run_id,
+                job["base_id"],
+            ),
+        )
+        if unit is not None and int(unit["remaining"]) == 0:
+            self.work.append(("end_unit", (run_id, unit)))
+
+    def _do_end_unit(self, run_id: int, unit: Row) -> None:
+        tx = self.tx
+        result = _unit_result(unit)
+        base = unit["base_id"]
+        tx.execute(
+            "UPDATE units SET result = ? WHERE run_id = ? AND base_id = ?", (result, run_id, base)
+        )
+        fail = result == "failure" or bool(unit["anc_fail"])
+        bad = result != "success" or bool(unit["anc_bad"])
+        if unit["caller"] is not None:
+            caller = tx.one(
+                "UPDATE jobs SET remaining_inner = remaining_inner - 1 WHERE run_id = ? AND id "
+                "= ? "
+                f"AND status = 'folding' RETURNING {_JOB}",
+                (run_id, unit["caller"]),
+            )
+            if caller is not None and int(caller["remaining_inner"]) == 0:
+                self.work.append(("fold", (caller,)))
+        ready = tx.execute(
+            "UPDATE jobs SET remaining_needs = remaining_needs - 1, "
+            "anc_fail = CASE WHEN ? = 1 THEN 1 ELSE anc_fail END, "
+            "anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END "
+            "WHERE run_id = ? AND status = 'blocked' AND id IN "
+            "(SELECT job_id FROM deps WHERE run_id = ? AND need = ?) "
+            f"RETURNING {_JOB}",
+            (int(fail), int(bad), run_id, run_id, base),
+        )
+        ready = [j for j in ready if int(j["remaining_needs"]) == 0]
+        ready.sort(key=lambda j: (j["seq"], j["id"]), reverse=True)
+        for job in ready:
+            self.work.append(("gate", (job,)))
+
+    # -- gates
+
+    def _do_gate(self, job: Row) -> None:
+        """A job whose needs have all ended: decide skip/run, then admit."""
+        run_id = int(job["run_id"])
+        run = self.run(run_id)
+        if run["status"] == "completed":
+            return
+        status = ancestor_status(
+            run_cancelled=bool(run["cancel_requested"]),
+            anc_fail=bool(job["anc_fail"]),
+            anc_bad=bool(job["anc_bad"]),
+        )
+        if job["if_expr"] is None:
+            go = status == "success"
+        else:
+            try:
+                go = should_run(job["if_expr"], self.job_contexts(job), status)
+            except ExpressionError as exc:
+                self.conclude(job, "failure", {}, f"job {job['id']!r}: if: {exc}")
+                return
+        if not go:
+            self.skip(job, "cancelled" if status == "cancelled" else "skipped")
+            return
+        kind = job["kind"]
+        if kind == "caller":
+            self.start_caller(job)
+        elif kind == "deferred":
+            self.expand(job)
+        else:
+            self.admit(job)
+
+    def skip(self, job: Row, conclusion: str) -> None:
+        if job["kind"] == "caller":
+            self.skip_inner(int(job["run_id"]), job["id"], conclusion)
+        self.conclude(job, conclusion, {}, None)
+
+    def skip_inner(self, run_id: int, caller: str, conclusion: str) -> None:
+        """A caller that will not run: every job inside it (nested callers
+        included, by id prefix) ends with the caller's conclusion at once."""
+        lo, hi = caller + "/", caller + "0"  # '0' sorts right after '/'
+        rows = self.tx.execute(
+            "UPDATE jobs SET status = 'completed', conclusion = ?, completed_at = ? "
+            "WHERE run_id = ? AND id >= ? AND id < ? AND status = 'blocked' RETURNING id",
+            (conclusion, time.time(), run_id, lo, hi),
+        )
+        column = "n_cancelled" if conclusion == "cancelled" else "n_skipped"
+        self.tx.execute(
+            f"UPDATE units SET {column} = {column} + remaining, remaining = 0, result = ? "
+            "WHERE run_id = ? AND ((base_id >= ? AND base_id < ?) OR (base_id >= ? AND base_id "
+            "< ?))",
+            (conclusion, run_id, lo, hi, "^" + lo, "^" + hi),
+        )
+        self.tx.execute(
+            "UPDATE units SET remaining = 0, result = ? WHERE run_id = ? AND base_id = ?",
+            (conclusion, run_id, _start_unit(caller)),
+        )
+        self.run_delta.setdefault(run_id, [0, 0])[0] -= len(rows)
+
+    def start_caller(self, job: Row) -> None:
+        run_id = int(job["run_id"])
+        row = self.tx.one(
+            "UPDATE jobs SET status = 'folding' WHERE run_id = ? AND id = ? AND status = "
+            "'blocked' "
+            f"RETURNING {_JOB}",
+            (run_id, job["id"]),
+        )
+        if row is None:
+            return
+        if int(row["remaining_inner"]) == 0:
+            self.work.append(("fold", (row,)))
+            return
+        unit = self.tx.one(
+            "UPDATE units SET remaining = 0, n_success = 1 WHERE run_id = ? AND base_id = ? "
+            "RETURNING *",
+            (run_id, _start_unit(job["id"])),
+        )
+        if unit is not None:
+            self.work.append(("end_unit", (run_id, unit)))
+
+    def _do_fold(self, caller: Row) -> None:
+        """A caller whose inner jobs all ended: its conclusion and outputs."""
+        run_id = int(caller["run_id"])
+        cid = caller["id"]
+        rows = self.tx.execute(
+            "SELECT base_id, result, outputs FROM units WHERE run_id = ? AND caller = ?",
+            (run_id, cid),
+        )
+        inner = {
+            r["base_id"][len(cid) + 1 :]: {
+                "result": r["result"],
+                "outputs": json.loads(r["outputs"]),
+            }
+            for r in rows
+        }
+        results = {v["result"] for v in inner.values()}
+        conclusion = (
+            "failure"
+            if "failure" in results
+            else "cancelled"
+            if "cancelled" in results
+            else "success"
+        )
+        ctx = dict(self.context(run_id))
+        ctx["jobs"] = inner
+        outputs: dict[str, Any] = {}
+        reason = None
+        for name, expr in json.loads(caller["outputs_expr"]).items():
+            try:
+                outputs[name] = evaluate_expr(expr, ctx)
+            except ExpressionError as exc:
+                conclusion, reason = "failure", f"caller {cid!r} output {name!r}: {exc}"
+        self.conclude(caller, conclusion, outputs, reason)
+
+    def expand(self, job: Row) -> None:
+        """A deferred matrix job whose needs ended: evaluate the matrix, insert
+        its legs (ids persisted on the job and its caller), admit them."""
+        tx = self.tx
+        run_id = int(job["run_id"])
+        jid = job["id"]
+        try:
+            value = evaluate_expr(job["deferred_matrix"] or "", self.job_contexts(job))
+            legs = expand_matrix_value(value)
+        except (ExpressionError, MatrixError) as exc:
+            self.conclude(job, "failure", {}, f"job {jid!r}: matrix: {exc}")
+            return
+        if not legs:
+            self.conclude(job, "skipped", {}, f"job {jid!r}: the matrix expanded to no legs")
+            return
+        full = tx.one("SELECT * FROM jobs WHERE run_id = ? AND id = ?", (run_id, jid))
+        assert full is not None
+        cohort = tx.one(
+            "UPDATE cohorts SET total = ? WHERE run_id = ? AND id = ? RETURNING max_parallel, "
+            "fail_fast",
+            (len(legs), run_id, jid),
+        )
+        ids = [f"{jid}#{i}" for i in range(len(legs))]
+        strategy_base = _loads(full["strategy"]) or {}
+        rows = []
+        for i, (leg_id, matrix) in enumerate(zip(ids, legs, strict=True)):
+            strategy = {
+                **strategy_base,
+                "job-index": i,
+                "job-total": len(legs),
+                "fail-fast": bool(cohort["fail_fast"]) if cohort else True,
+                "max-parallel": (cohort["max_parallel"] if cohort else None) or len(legs),
+            }
+            name = f"{full['name']} ({', '.join(str(v) for v in matrix.values())})"
+            rows.append(
+                (
+                    run_id, leg_id, int(full["seq"]) + i + 1, jid, name, "job", full["needs"],
+                    full["if_expr"], full["runs_on"], jid if cohort else None, _dumps(matrix),
+                    _dumps(strategy), full["continue_on_error"], full["timeout_minutes"],
+                    full["conc_group"], full["conc_group_expr"], full["conc_cancel"],
+                    full["conc_queue_max"], full["outputs_expr"], full["caller"], "[]", None,
+                    full["spec"], int(full["anc_fail"]), int(full["anc_bad"]),
+                    int(bool(cohort and cohort["max_parallel"] is not None)),
+                )
+            )  # fmt: skip
+        tx.executemany(
+            "INSERT INTO jobs (run_id, id, seq, base_id, name, kind, needs, if_expr, runs_on, "
+            "cohort, "
+            "matrix, strategy, continue_on_error, timeout_minutes, conc_group, conc_group_expr, "
+            "conc_cancel, conc_queue_max, outputs_expr, caller, inner_job_ids, "
+            "deferred_matrix, spec, "
+            "anc_fail, anc_bad, capped, status, remaining_needs) VALUES "
+            "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+            "'blocked', 0)",
+            rows,
+        )
+        tx.execute(
+            "UPDATE jobs SET status = 'expanded', inner_job_ids = ?, completed_at = ? "
+            "WHERE run_id = ? AND id = ?",
+            (_dumps(ids), time.time(), run_id, jid),
+        )
+        tx.execute(
+            "UPDATE units SET remaining = remaining + ? WHERE run_id = ? AND base_id = ?",
+            (len(legs) - 1, run_id, jid),
+        )
+        self.run_delta.setdefault(run_id, [0, 0])[0] += len(legs) - 1
+        if full["caller"] is not None:
+            # Splice the legs into the caller's persisted inner job ids.
+            c = tx.one(
+                "SELECT inner_job_ids FROM jobs WHERE run_id = ? AND id = ?",
+                (run_id, full["caller"]),
+            )
+            if c is not None:
+                inner = json.loads(c["inner_job_ids"])
+                spliced: list[str] = []
+                for x in inner:
+                    spliced.extend(ids if x == jid else [x])
+                if jid not in inner:
+                    spliced.extend(ids)
+                tx.execute(
+                    "UPDATE jobs SET inner_job_ids = ? WHERE run_id = ? AND id = ?",
+                    (_dumps(spliced), run_id, full["caller"]),
+                )
+        fresh = tx.execute(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND base_id = ? AND status = 'blocked' "
+            "ORDER BY seq",
+            (run_id, jid),
+        )
+        for leg in reversed(fresh):
+            self.work.append(("admit", (leg,)))
+
+    # -- admission: cohort slot, then concurrency group
+
+    def admit(self, job: Row) -> None:
+        self.work.append(("admit", (job,)))
+
+    def _do_admit(self, job: Row) -> None:
+        run_id = int(job["run_id"])
+        if not job["capped"]:
+            self.through_group(job, holds_slot=False)
+            return
+        # SET expressions all read the old row, so `admitted` says whether
+        # this statement took a slot.
+        slot = self.tx.one(
+            "UPDATE cohorts SET admitted = CASE WHEN active < max_parallel THEN 1 ELSE 0 END, "
+            "active = CASE WHEN active < max_parallel THEN active + 1 ELSE active END "
+            "WHERE run_id = ? AND id = ? RETURNING admitted",
+            (run_id, job["cohort"]),
+        )
+        if slot is None or not slot["admitted"]:
+            self.tx.execute(
+                "UPDATE jobs SET status = 'parked' WHERE run_id = ? AND id = ?", (run_id, job["id"])
+            )
+            return
+        self.through_group(job, holds_slot=True)
+
+    def _do_release_slot(self, run_id: int, cohort: str) -> None:
+        """A leg gave its slot back: hand it to the next parked leg (seq order),
+        or return it to the cohort."""
+        nxt = self.tx.one(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND cohort = ? AND status = 'parked' "
+            "ORDER BY seq LIMIT 1",
+            (run_id, cohort),
+        )
+        if nxt is None:
+            self.tx.execute(
+                "UPDATE cohorts SET active = active - 1 WHERE run_id = ? AND id = ?",
+                (run_id, cohort),
+            )
+            return
+        self.through_group(nxt, holds_slot=True)
+
+    def through_group(self, job: Row, *, holds_slot: bool) -> None:
+        """The concurrency gate; ends by queueing the job or parking it as a waiter."""
+        tx = self.tx
+        run_id = int(job["run_id"])
+        group = job["conc_group"]
+        if group is None and job["conc_group_expr"]:
+            try:
+                group = str(evaluate_expr(job["conc_group_expr"], self.job_contexts(job)))
+            except ExpressionError as exc:
+                job = {**job, "holds_slot": int(holds_slot)}
+                self.conclude(job, "failure", {}, f"job {job['id']!r}: concurrency: {exc}")
+                return
+        if group is None:
+            tx.execute(
+                "UPDATE jobs SET status = 'queued', holds_slot = ? WHERE run_id = ? AND id = ?",
+                (int(holds_slot), run_id, job["id"]),
+            )
+            return
+        tx.execute(
+            "INSERT INTO conc_groups (name) VALUES (?) ON CONFLICT (name) DO NOTHING", (group,)
+        )
+        got = tx.one(
+            "UPDATE conc_groups SET holder_run = ?, holder_job = ? WHERE name = ? AND "
+            "holder_run IS NULL "
+            "AND NOT EXISTS (SELECT 1 FROM jobs w WHERE w.conc_group = ? AND w.status = 'waiting') "
+            "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = ? AND r.status = 'pending') "
+            "RETURNING name",
+            (run_id, job["id"], group, group, group),
+        )
+        if got is not None:
+            tx.execute(
+                "UPDATE jobs SET status = 'queued', holds_slot = ?, holds_group = ?, "
+                "conc_group = ? "
+                "WHERE run_id = ? AND id = ?",
+                (int(holds_slot), group, group, run_id, job["id"]),
+            )
+            return
+        seq = tx.next_wait_seq()
+        tx.execute(
+            "UPDATE jobs SET status = 'waiting', holds_slot = ?, conc_group = ?, wait_seq = ? "
+            "WHERE run_id = ? AND id = ?",
+            (int(holds_slot), group, seq, run_id, job["id"]),
+        )
+        self.make_room(group, bool(job["conc_queue_max"]), keep=(run_id, job["id"]))
+        if job["conc_cancel"]:
+            self.cancel_holder(group)
+        self.promote_group(group)
+
+    def make_room(self, group: str, queue_max: bool, keep: tuple[int, Any]) -> None:
+        """One pending waiter per group (a newer one replaces the older), or up
+        to QUEUE_MAX with `queue: max` (the oldest beyond it is cancelled)."""
+        limit = QUEUE_MAX if queue_max else 1
+        waiters = self.tx.execute(
+            "SELECT run_id, id, wait_seq, 0 AS is_run FROM jobs WHERE conc_group = ? AND "
+            "status = 'waiting' "
+            "UNION ALL SELECT id AS run_id, NULL AS id, wait_seq, 1 AS is_run FROM runs "
+            "WHERE conc_group = ? AND status = 'pending' ORDER BY wait_seq DESC",
+            (group, group),
+        )
+        for w in waiters[limit:]:
+            if (int(w["run_id"]), w["id"]) == keep:
+                continue
+            self.cancel_waiter(group, w)
+
+    def cancel_waiter(self, group: str, w: Row) -> None:
+        run_id = int(w["run_id"])
+        if run_id not in self.runs and self.tx.try_lock_run(run_id) is None:
+            self.retry_groups.add(group)
+            return
+        if w["is_run"]:
+            self.cancel_pending_run(run_id)
+            return
+        job = self.tx.one(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id = ? AND status = 'waiting'",
+            (run_id, w["id"]),
+        )
+        if job is not None:
+            self.run(run_id)
+            self.conclude(
+                job, "cancelled", {}, f"replaced by a newer job in concurrency group {group!r}"
+            )
+
+    def cancel_holder(self, group: str) -> None:
+        """`cancel-in-progress`: the group's holder (a job or a run) is cancelled."""
+        g = self.tx.one("SELECT holder_run, holder_job FROM conc_groups WHERE name = ?", (group,))
+        if g is None or g["holder_run"] is None:
+            return
+        run_id = int(g["holder_run"])
+        if run_id not in self.runs:
+            locked = self.tx.try_lock_run(run_id)
+            if locked is None:
+                self.retry_groups.add(group)
+                return
+            self.note_run(locked)
+        if g["holder_job"] is None:
+            self.cancel_run(self.run(run_id))
+            return
+        job = self.tx.one(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id = ?", (run_id, g["holder_job"])
+        )
+        if job is None:
+            return
+        if job["status"] == "running":
+            self.tx.execute(
+                "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND id = ?",
+                (run_id, job["id"]),
+            )
+        elif job["status"] == "queued":
+            self.conclude(
+                job, "cancelled", {}, f"cancelled in progress by concurrency group {group!r}"
+            )
+
+    def _do_release_group(self, group: str, run_id: int, job_id: str) -> None:
+        released = self.tx.one(
+            "UPDATE conc_groups SET holder_run = NULL, holder_job = NULL "
+            "WHERE name = ? AND holder_run = ? AND holder_job = ? RETURNING name",
+            (group, run_id, job_id),
+        )
+        if released is not None:
+            self.promote_group(group)
+
+    def promote_group(self, group: str) -> None:
+        """A free group takes its oldest waiter: a job (queued) or a run (resumed)."""
+        tx = self.tx
+        while True:
+            g = tx.one(
+                "UPDATE conc_groups SET holder_run = holder_run WHERE name = ? AND holder_run "
+                "IS NULL "
+                "RETURNING name",
+                (group,),
+            )
+            if g is None:
+                return
+            w = tx.one(
+                "SELECT run_id, id, wait_seq, 0 AS is_run FROM jobs WHERE conc_group = ? AND "
+                "status = 'waiting' "
+                "UNION ALL SELECT id AS run_id, NULL AS id, wait_seq, 1 AS is_run FROM runs "
+                "WHERE conc_group = ? AND status = 'pending' ORDER BY wait_seq LIMIT 1",
+                (group, group),
+            )
+            if w is None:
+                return
+            run_id = int(w["run_id"])
+            if run_id not in self.runs:
+                locked = tx.try_lock_run(run_id)
+                if locked is None:
+                    self.retry_groups.add(group)
+                    return
+                self.note_run(locked)
+            if w["is_run"]:
+                tx.execute(
+                    "UPDATE conc_groups SET holder_run = ?, holder_job = NULL WHERE name = ?",
+                    (run_id, group),
+                )
+                tx.execute("UPDATE runs SET status = 'running' WHERE id = ?", (run_id,))
+                self.run(run_id)["status"] = "running"
+                self.start_run(run_id)
+                return
+            row = tx.one(
+                "UPDATE jobs SET status = 'queued', holds_group = ? WHERE run_id = ? AND id = ? "
+                "AND status = 'waiting' RETURNING id",
+                (group, run_id, w["id"]),
+            )
+            if row is not None:
+                tx.execute(
+                    "UPDATE conc_groups SET holder_run = ?, holder_job = ? WHERE name = ?",
+                    (run_id, w["id"], group),
+                )
+                return
+
+    # -- workflow-level concurrency
+
+    def acquire_run_group(self, run_id: int, group: str, conc: Any) -> bool:
+        """True when the new run holds its workflow-level group and may start."""
+        tx = self.tx
+        tx.execute(
+            "INSERT INTO conc_groups (name) VALUES (?) ON CONFLICT (name) DO NOTHING", (group,)
+        )
+        got = tx.one(
+            "UPDATE conc_groups SET holder_run = ?, holder_job = NULL WHERE name = ? AND "
+            "holder_run IS NULL "
+            "AND NOT EXISTS (SELECT 1 FROM jobs w WHERE w.conc_group = ? AND w.status = 'waiting') "
+            "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = ? AND r.status = 'pending') "
+            "RETURNING name",
+            (run_id, group, group, group),
+        )
+        if got is not None:
+            return True
+        seq = tx.next_wait_seq()
+        tx.execute("UPDATE runs SET status = 'pending', wait_seq = ? WHERE id = ?", (seq, run_id))
+        self.run(run_id)["status"] = "pending"
+        self.make_room(group, bool(conc.queue_max), keep=(run_id, None))
+        if conc.cancel_in_progress:
+            self.cancel_holder(group)
+        self.promote_group(group)
+        return False
+
+    def cancel_pending_run(self, run_id: int) -> None:
+        """A run that never started (waiting on its workflow-level group) ends cancelled."""
+        tx = self.tx
+        rows = tx.execute(
+            "UPDATE jobs SET status = 'completed', conclusion = 'cancelled', completed_at = ? "
+            "WHERE run_id = ? AND status = 'blocked' RETURNING id",
+            (time.time(), run_id),
+        )
+        tx.execute(
+            "UPDATE units SET n_cancelled = n_cancelled + remaining, remaining = 0, result = "
+            "'cancelled' "
+            "WHERE run_id = ?",
+            (run_id,),
+        )
+        tx.execute(
+            "UPDATE runs SET status = 'completed', conclusion = 'cancelled', cancel_requested = 1, "
+            "remaining_jobs = remaining_jobs - ?, completed_at = ? WHERE id = ?",
+            (len(rows), time.time(), run_id),
+        )
+        self.run(run_id)["status"] = "completed"
+
+    # -- cancellation
+
+    def cancel_run(self, run: Row) -> bool:
+        tx = self.tx
+        run_id = int(run["id"])
+        self.note_run(run)
+        if run["status"] == "completed":
+            return False
+        if run["status"] == "pending":
+            self.cancel_pending_run(run_id)
+            return True
+        if int(run["cancel_requested"]):
+            return False
+        tx.execute("UPDATE runs SET cancel_requested = 1 WHERE id = ?", (run_id,))
+        self.runs[run_id]["cancel_requested"] = 1
+        active = tx.execute(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND status IN ('queued', 'parked', "
+            "'waiting', 'running') "
+            "ORDER BY seq DESC",
+            (run_id,),
+        )
+        for job in active:
+            keep = False
+            if job["if_expr"] is not None:
+                try:
+                    keep = should_run(job["if_expr"], self.job_contexts(job), "cancelled")
+                except ExpressionError:
+                    keep = False
+            if keep:
+                continue  # always() jobs still run, as on GitHub
+            if job["status"] == "running":
+                tx.execute(
+                    "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND id = ?",
+                    (run_id, job["id"]),
+                )
+            else:
+                # Concluded at once (see _do_fail_fast).
+                self._do_conclude(job, "cancelled", {}, "the run was cancelled")
+        return True
+
+    def _do_fail_fast(self, run_id: int, cohort: str, failed_id: str) -> None:
+        """fail-fast: the other in-progress and queued legs of the matrix are cancelled."""
+        c = self.tx.one(
+            "SELECT fail_fast FROM cohorts WHERE run_id = ? AND id = ?", (run_id, cohort)
+        )
+        if c is None or not c["fail_fast"]:
+            return
+        self.tx.execute(
+            "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND cohort = ? AND status = "
+            "'running'",
+            (run_id, cohort),
+        )
+        legs = self.tx.execute(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND cohort = ? "
+            "AND status IN ('queued', 'parked', 'waiting') ORDER BY seq DESC",
+            (run_id, cohort),
+        )
+        # Concluded here, not queued: a slot freed by one of them must not
+        # admit a sibling that is about to be cancelled.
+        for leg in legs:
+            self._do_conclude(leg, "cancelled", {}, f"fail-fast: leg {failed_id!r} failed")

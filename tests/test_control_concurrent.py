@@ -1,0 +1,121 @@
+"""Two processes claiming and settling against one store at once: no double
+claim, no lost completion, no deadlock (both stores; on PostgreSQL this is
+the lock-order test: run rows, cross-run concurrency groups, SKIP LOCKED)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from preloop.control import Store, open_store
+from preloop.testing.plans import PlanBuilder
+from preloop.workflow.plan import ConcurrencySpec
+
+WORKER = r"""
+import json, sys
+from preloop.control import open_store
+
+url, name = sys.argv[1], sys.argv[2]
+runs = [int(r) for r in sys.argv[3].split(",")]
+store = open_store(url)
+print("ready", flush=True)
+sys.stdin.readline()  # the go signal: both workers start together
+claimed = []
+while True:
+    lease = store.claim_job(name, ["linux"])
+    if lease is None:
+        if all(store.get_run(r).status == "completed" for r in runs):
+            break
+        store.expire_leases()  # the reaper pass an engine makes when idle
+        continue
+    claimed.append([lease.run_id, lease.job_id])
+    store.complete_job(lease, "failure" if lease.job_id.endswith("7") else "success", {"by": name})
+snap = store.counters.snapshot()
+print(json.dumps({"claimed": claimed, "deadlocks": snap.deadlock_retries,
+                  "graph_loads": snap.graph_loads}), flush=True)
+store.close()
+"""
+
+
+def test_two_processes_settle_and_claim_concurrently(store: Store, store_url: str) -> None:
+    # Run A: a capped matrix with an always-run merge; run B: legs in a
+    # job-level group shared with run C's legs (cross-run waiters).
+    a = PlanBuilder()
+    a.job("setup", runs_on=("Linux",))
+    a.matrix("leg", 60, needs=["setup"], max_parallel=5, runs_on=("linux",))
+    a.job("merge", needs=["leg"], if_expr="always()", runs_on=("linux",))
+    shared = ConcurrencySpec("shared", queue_max=True)
+    b = PlanBuilder()
+    b.matrix("g", 20, concurrency=shared)
+    b.job("after", needs=["g"], if_expr="always()")
+    runs = [
+        store.submit_run(a.plan("a")),
+        store.submit_run(b.plan("b")),
+        store.submit_run(b.plan("c")),
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, store_url, f"w{i}", ",".join(map(str, runs))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    reports = []
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    claimed = [tuple(c) for r in reports for c in r["claimed"]]
+    assert len(claimed) == len(set(claimed)), "a job was claimed twice"
+    assert all(r["deadlocks"] == 0 and r["graph_loads"] == 0 for r in reports)
+    with open_store(store_url) as check:
+        total = 0
+        for run_id in runs:
+            assert check.get_run(run_id).status == "completed"
+            jobs = check.list_jobs(run_id)
+            assert all(j.conclusion is not None for j in jobs)
+            ran = [j for j in jobs if j.runner is not None]
+            assert all(j.outputs.get("by") == j.runner for j in ran), "a completion was lost"
+            total += len(ran)
+        assert total == len(claimed) == 62 + 21 + 21
+
+
+def test_two_nodes_migrating_together_migrate_once(store_url: str) -> None:
+    """Stores opened at the same moment on an empty database: both succeed
+    (PostgreSQL serialises migrations on an advisory lock) and the schema
+    version is recorded once."""
+    import threading
+
+    barrier = threading.Barrier(2)
+    errors: list[BaseException] = []
+    opened: list[Store] = []
+
+    def node() -> None:
+        try:
+            barrier.wait()
+            opened.append(open_store(store_url))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    s = opened[0]
+    rows = s._db.transaction(
+        "query", lambda tx: tx.execute("SELECT version FROM preloop_schema_version")
+    )
+    assert [r["version"] for r in rows] == [1]
+    for o in opened:
+        o.close()

@@ -1,0 +1,209 @@
+"""GitHub's step protocols: environment files and workflow commands.
+
+- Environment files (`GITHUB_OUTPUT`, `GITHUB_ENV`, `GITHUB_STATE`): one
+  `name=value` per line, or the multi-line form `name<<DELIMITER` ...
+  `DELIMITER`; `GITHUB_PATH`: one directory per line.
+- Workflow commands on a step's output: `::add-mask::value`,
+  `::group::title` / `::endgroup::`, `::error ...::msg`, `::warning ...::msg`,
+  `::notice ...::msg`, `::debug::msg`, the deprecated `::set-output name=x::v`,
+  and `::stop-commands::TOKEN` ... `::TOKEN::`.
+- `Masker`: every registered value (secrets, `::add-mask::`) is replaced by
+  `***` in every log line written after it was registered.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from preloop.errors import PreloopError
+
+__all__ = [
+    "Annotation",
+    "CommandEffects",
+    "EnvFileError",
+    "Masker",
+    "WorkflowCommandParser",
+    "parse_env_file",
+    "parse_path_file",
+]
+
+MASK = "***"
+
+
+class EnvFileError(PreloopError):
+    """A malformed environment file (an unterminated heredoc, a line without `=`)."""
+
+
+def parse_env_file(path: Path, what: str) -> dict[str, str]:
+    """`name=value` lines and `name<<DELIM` heredocs of an environment file
+    (later assignments win). A missing file is empty."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return {}
+    lines = text.splitlines()
+    result: dict[str, str] = {}
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        if not line.strip():
+            continue
+        eq = line.find("=")
+        heredoc = line.find("<<")
+        if heredoc > 0 and (eq < 0 or heredoc < eq):
+            name, delimiter = line[:heredoc], line[heredoc + 2 :]
+            if not name or not delimiter:
+                raise EnvFileError(f"{what}: invalid heredoc line {line!r}")
+            body: list[str] = []
+            while i < len(lines) and lines[i] != delimiter:
+                body.append(lines[i])
+                i += 1
+            if i >= len(lines):
+                raise EnvFileError(
+                    f"{what}: the value of {name!r} is not terminated by its delimiter "
+                    f"{delimiter!r} on a line of its own"
+                )
+            i += 1
+            result[name] = "\n".join(body)
+        elif eq > 0:
+            result[line[:eq]] = line[eq + 1 :]
+        else:
+            raise EnvFileError(
+                f"{what}: invalid line {line!r}: use `name=value` or `name<<DELIMITER`"
+            )
+    return result
+
+
+def parse_path_file(path: Path) -> list[str]:
+    """The directories a step appended to `GITHUB_PATH`, in order."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+class Masker:
+    """Replaces registered values by `***`. Longer values are replaced first so
+    that a value containing another is masked whole."""
+
+    def __init__(self) -> None:
+        self._values: set[str] = set()
+        self._pattern: re.Pattern[str] | None = None
+
+    def add(self, value: str) -> None:
+        # Each line of a multi-line secret is masked on its own, as GitHub does.
+        for part in [value, *value.splitlines()]:
+            part = part.strip("\r")
+            if part.strip() and part not in self._values:
+                self._values.add(part)
+                self._pattern = None
+
+    def contains_secret(self, text: str) -> bool:
+        return any(v in text for v in self._values)
+
+    def mask(self, text: str) -> str:
+        if not self._values:
+            return text
+        if self._pattern is None:
+            ordered = sorted(self._values, key=len, reverse=True)
+            self._pattern = re.compile("|".join(re.escape(v) for v in ordered))
+        return self._pattern.sub(MASK, text)
+
+
+@dataclass(frozen=True, slots=True)
+class Annotation:
+    """An `::error::` / `::warning::` / `::notice::` of a step, for the summary."""
+
+    level: str
+    message: str
+    job: str = ""
+    step: str = ""
+    file: str | None = None
+    line: int | None = None
+
+    def render(self) -> str:
+        where = ""
+        if self.file:
+            where = f"{self.file}:{self.line}: " if self.line else f"{self.file}: "
+        return f"{self.level}: {where}{self.message}"
+
+
+@dataclass(slots=True)
+class CommandEffects:
+    """What workflow commands did during one step."""
+
+    annotations: list[Annotation] = field(default_factory=list)
+    outputs: dict[str, str] = field(default_factory=dict)  # deprecated ::set-output
+
+
+_COMMAND = re.compile(r"^::([A-Za-z-]+)(?: ([^:]*))?::(.*)$")
+
+
+def _unescape_data(s: str) -> str:
+    return s.replace("%0D", "\r").replace("%0A", "\n").replace("%25", "%")
+
+
+def _unescape_property(s: str) -> str:
+    return _unescape_data(s).replace("%3A", ":").replace("%2C", ",")
+
+
+class WorkflowCommandParser:
+    """Interprets one step's output line by line. `line()` returns the text to
+    log (None to hide the line), after masking."""
+
+    def __init__(self, masker: Masker, job: str, step: str) -> None:
+        self.masker = masker
+        self.effects = CommandEffects()
+        self._job = job
+        self._step = step
+        self._stopped: str | None = None
+
+    def line(self, raw: str) -> str | None:
+        text = raw.rstrip("\r")
+        stripped = text.lstrip()
+        if self._stopped is not None:
+            if stripped == f"::{self._stopped}::":
+                self._stopped = None
+                return None
+            return self.masker.mask(text)
+        m = _COMMAND.match(stripped)
+        if m is None:
+            return self.masker.mask(text)
+        name, props_text, data = m.group(1).lower(), m.group(2) or "", _unescape_data(m.group(3))
+        props: dict[str, str] = {}
+        for item in props_text.split(","):
+            if "=" in item:
+                k, v = item.split("=", 1)
+                props[k.strip().lower()] = _unescape_property(v.strip())
+        if name == "add-mask":
+            self.masker.add(data)
+            return None
+        if name == "stop-commands":
+            self._stopped = data
+            return None
+        if name == "group":
+            return self.masker.mask(f"▼ {data}")
+        if name == "endgroup":
+            return None
+        if name in ("error", "warning", "notice"):
+            line_no = props.get("line")
+            ann = Annotation(
+                level=name,
+                message=self.masker.mask(data),
+                job=self._job,
+                step=self._step,
+                file=props.get("file"),
+                line=int(line_no) if line_no and line_no.isdigit() else None,
+            )
+            self.effects.annotations.append(ann)
+            return ann.render()
+        if name == "debug":
+            return self.masker.mask(f"debug: {data}")
+        if name == "set-output" and "name" in props:
+            self.effects.outputs[props["name"]] = data
+            return None
+        return self.masker.mask(text)

@@ -1,0 +1,672 @@
+"""Executes one job's steps in a checkout, with GitHub's step semantics.
+
+`execute_job(spec, contexts, host)` runs `spec["steps"]` (the planner's step
+data) one after another and returns a `JobResult`:
+
+- `run:` steps: the script is written to a file under `RUNNER_TEMP` and run
+  with the step's shell (`shell:` or `defaults.run.shell`): default
+  `bash -e {0}` (`sh -e {0}` without bash), `bash` = `bash --noprofile --norc
+  -eo pipefail {0}`, `sh` = `sh -e {0}`, `python` = `python {0}`, or any
+  custom template containing `{0}`; in `working-directory` (relative to the
+  workspace); with env layered workflow -> job -> `GITHUB_ENV` -> step.
+- Step `if` (with `success()` implied), `continue-on-error` (`outcome` is
+  what happened, `conclusion` what counts), step `timeout-minutes`; the
+  job's `timeout-minutes` bounds all steps (fractions of a minute allowed).
+- Environment files per step: `GITHUB_OUTPUT` (step outputs), `GITHUB_ENV`
+  and `GITHUB_PATH` (effective from the next step on), `GITHUB_STEP_SUMMARY`
+  (collected into the job summary), `GITHUB_STATE`; workflow commands and
+  masking (`preloop.runner.commands`).
+- `uses: actions/checkout@...` is satisfied by the snapshot checkout;
+  `uses: ./path` runs a local composite action (inputs, outputs, nested
+  steps); any other `uses:` fails the step naming it and what is supported.
+- Every process runs through `preloop.process` in its own process group, so
+  a timeout or cancellation (`JobControl.cancel()`) kills the whole group;
+  groups a step left running in the background are killed when the job ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import yaml
+
+from preloop.errors import PreloopError
+from preloop.process import CommandTimeout
+from preloop.runner.commands import (
+    Annotation,
+    EnvFileError,
+    Masker,
+    WorkflowCommandParser,
+    parse_env_file,
+    parse_path_file,
+)
+from preloop.runner.stream import run_streaming
+from preloop.workflow import expressions as ex
+from preloop.workflow.hashfiles import hash_files
+
+__all__ = [
+    "SUPPORTED_USES",
+    "JobControl",
+    "JobHost",
+    "JobResult",
+    "StepResult",
+    "execute_job",
+]
+
+SUPPORTED_USES = (
+    "preloop runs `run:` steps, `actions/checkout` (satisfied by the snapshot checkout) "
+    "and local composite actions (`uses: ./path/to/action`)"
+)
+
+LogLine = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class JobHost:
+    """Where and how a job runs on this runner.
+
+    `workspace` is the checkout (GITHUB_WORKSPACE); `temp` is RUNNER_TEMP (an
+    empty directory); `wrap` turns a step's argv into the argv actually run
+    (the bubblewrap sandbox), identity when None; `base_env` is the process
+    environment steps inherit (default: ours)."""
+
+    workspace: Path
+    temp: Path
+    run_id: str
+    runner_name: str = "preloop"
+    wrap: Callable[[list[str]], list[str]] | None = None
+    base_env: Mapping[str, str] | None = None
+    tool_cache: Path | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    id: str
+    name: str
+    outcome: str  # success, failure, cancelled, skipped
+    conclusion: str
+    outputs: dict[str, str] = field(default_factory=dict)
+    duration: float = 0.0
+
+
+@dataclass(slots=True)
+class JobResult:
+    conclusion: str  # success, failure, cancelled
+    outputs: dict[str, str]
+    steps: list[StepResult]
+    annotations: list[Annotation]
+    summary: str
+    reason: str | None = None
+
+
+class JobControl:
+    """Lets the job's owner cancel it (a heartbeat saw a cancel request, the
+    runner got SIGTERM): the running step's process group is killed and only
+    steps whose `if` asks for `always()`/`cancelled()` run after it."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self._scope: anyio.CancelScope | None = None
+
+    def cancel(self) -> None:
+        if self.cancelled:
+            return
+        self.cancelled = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+
+class _StepFailure(PreloopError):
+    """A step that could not run (bad shell, missing directory, unsupported uses)."""
+
+
+def _str(v: Any) -> str:
+    return ex.coerce_string(v)
+
+
+@dataclass(slots=True)
+class _Scope:
+    """The steps of the job itself, or of one composite action invocation."""
+
+    steps_ctx: dict[str, Any]
+    inputs: Mapping[str, Any]
+    action_path: Path | None = None
+    prefix: str = ""
+    failed: bool = False
+
+
+class _Execution:
+    def __init__(
+        self,
+        spec: Mapping[str, Any],
+        contexts: Mapping[str, Any],
+        host: JobHost,
+        log: LogLine,
+        masker: Masker,
+        secrets: Mapping[str, str],
+        control: JobControl,
+    ) -> None:
+        self.spec = spec
+        self.host = host
+        self.log_raw = log
+        self.masker = masker
+        self.control = control
+        self.job_key = str(spec.get("job", ""))
+        self.annotations: list[Annotation] = []
+        self.summary_parts: list[str] = []
+        self.step_results: list[StepResult] = []
+        self.path_prepend: list[str] = []
+        self.env_from_files: dict[str, str] = {}
+        self.status = "success"  # the job status the next step's `if` sees
+        self.groups: set[int] = set()
+        self.commands_dir = host.temp / "_runner_file_commands"
+        self.commands_dir.mkdir(parents=True, exist_ok=True)
+        for value in secrets.values():
+            masker.add(value)
+        github = dict(contexts.get("github") or {})
+        github.setdefault("workspace", str(host.workspace))
+        github.setdefault("job", self.job_key)
+        github.setdefault("run_id", host.run_id)
+        github.setdefault("run_number", "1")
+        github.setdefault("run_attempt", "1")
+        github.setdefault("action", "")
+        github.setdefault("server_url", "https://github.com")
+        self.github = github
+        self.runner_ctx = {
+            "os": "Linux",
+            "arch": "X64",
+            "name": host.runner_name,
+            "temp": str(host.temp),
+            "tool_cache": str(host.tool_cache or host.temp / "_tool"),
+            "environment": "self-hosted",
+        }
+        self.base: dict[str, Any] = {
+            "github": github,
+            "inputs": contexts.get("inputs") or {},
+            "needs": contexts.get("needs") or {},
+            "matrix": contexts.get("matrix") or {},
+            "strategy": contexts.get("strategy") or {},
+            "vars": contexts.get("vars") or {},
+            "secrets": {**dict(secrets), "GITHUB_TOKEN": ""},
+            "runner": self.runner_ctx,
+            "job": {"status": "success", "container": {}, "services": {}},
+        }
+        # Workflow env then job env (the planner merged them), each value a
+        # template evaluated once at job start, as GitHub does.
+        self.job_env: dict[str, str] = {}
+        env_ctx: dict[str, str] = {}
+        for name, value in dict(spec.get("env") or {}).items():
+            ctx = {**self.base, "env": env_ctx}
+            env_ctx[name] = self.template(value, ctx)
+        self.job_env = env_ctx
+        self.defaults = dict(spec.get("defaults") or {})
+
+    # -- helpers ---------------------------------------------------------------
+    def log(self, text: str) -> None:
+        self.log_raw(self.masker.mask(text))
+
+    def hash_files(self, patterns: list[str]) -> str:
+        return hash_files(str(self.host.workspace), patterns)
+
+    def template(self, value: Any, ctx: Mapping[str, Any]) -> str:
+        if isinstance(value, str):
+            return _str(ex.evaluate_template(value, ctx, hash_files=self.hash_files))
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return _str(value)
+
+    def value(self, value: Any, ctx: Mapping[str, Any]) -> Any:
+        if isinstance(value, str):
+            return ex.evaluate_template(value, ctx, hash_files=self.hash_files)
+        return value
+
+    def contexts(self, scope: _Scope, env: Mapping[str, str]) -> dict[str, Any]:
+        ctx = dict(self.base)
+        ctx["env"] = dict(env)
+        ctx["steps"] = scope.steps_ctx
+        ctx["job"] = {**self.base["job"], "status": self.status}
+        if scope.action_path is not None:
+            ctx["inputs"] = scope.inputs
+            ctx["github"] = {**self.github, "action_path": str(scope.action_path)}
+        return ctx
+
+    def process_env(
+        self, env: Mapping[str, str], files: Mapping[str, Path], scope: _Scope
+    ) -> dict[str, str]:
+        base = dict(self.host.base_env if self.host.base_env is not None else os.environ)
+        gh = self.github
+        out = {
+            **base,
+            "CI": "true",
+            "GITHUB_ACTIONS": "true",
+            "GITHUB_WORKSPACE": str(self.host.workspace),
+            "GITHUB_JOB": self.job_key,
+            "GITHUB_RUN_ID": str(self.host.run_id),
+            "GITHUB_RUN_NUMBER": _str(gh.get("run_number", "1")),
+            "GITHUB_RUN_ATTEMPT": _str(gh.get("run_attempt", "1")),
+            "GITHUB_EVENT_NAME": _str(gh.get("event_name", "")),
+            "GITHUB_WORKFLOW": _str(gh.get("workflow", "")),
+            "GITHUB_SHA": _str(gh.get("sha", "")),
+            "GITHUB_REF": _str(gh.get("ref", "")),
+            "GITHUB_REF_NAME": _str(gh.get("ref_name", "")),
+            "GITHUB_REPOSITORY": _str(gh.get("repository", "")),
+            "GITHUB_ACTOR": _str(gh.get("actor", "")),
+            "GITHUB_SERVER_URL": _str(gh.get("server_url", "")),
+            "GITHUB_ACTION": _str(gh.get("action", "")),
+            "GITHUB_EVENT_PATH": str(self.host.temp / "_github_event.json"),
+            "RUNNER_OS": "Linux",
+            "RUNNER_ARCH": "X64",
+            "RUNNER_NAME": self.host.runner_name,
+            "RUNNER_TEMP": str(self.host.temp),
+            "RUNNER_TOOL_CACHE": self.runner_ctx["tool_cache"],
+            "RUNNER_WORKSPACE": str(self.host.workspace.parent),
+        }
+        if scope.action_path is not None:
+            out["GITHUB_ACTION_PATH"] = str(scope.action_path)
+        for name, path in files.items():
+            out[name] = str(path)
+        out.update(env)
+        if self.path_prepend:
+            out["PATH"] = os.pathsep.join([*reversed(self.path_prepend), out.get("PATH", "")])
+        return out
+
+    # -- steps -------------------------------------------------------------------
+    async def run_steps(self, steps: list[Mapping[str, Any]], scope: _Scope) -> None:
+        for index, step in enumerate(steps):
+            await self.run_step(step, index, scope)
+
+    async def run_step(self, step: Mapping[str, Any], index: int, scope: _Scope) -> None:
+        step_id = str(step.get("id") or f"__{scope.prefix}{index}")
+        pre_env = {**self.job_env, **self.env_from_files}
+        ctx = self.contexts(scope, pre_env)
+        name = self.step_name(step, ctx)
+        status = "cancelled" if self.control.cancelled else self.status
+        try:
+            run_it = ex.evaluate_if(step.get("if"), ctx, status=status, hash_files=self.hash_files)
+        except ex.ExpressionError as exc:
+            self.log(f"✖ {name}: `if` cannot be evaluated: {exc}")
+            self.record(scope, step_id, name, "failure", "failure", {}, 0.0)
+            self.status = "failure"
+            return
+        if not run_it:
+            self.record(scope, step_id, name, "skipped", "skipped", {}, 0.0)
+            return
+        started = time.monotonic()
+        self.log(f"▶ {name}")
+        outputs: dict[str, str] = {}
+        outcome = "success"
+        try:
+            env = dict(pre_env)
+            step_ctx = {**ctx, "env": env}
+            for key, value in dict(step.get("env") or {}).items():
+                env[key] = self.template(value, step_ctx)
+                step_ctx = {**ctx, "env": env}
+            coe = step.get("continue-on-error", False)
+            continue_on_error = ex.truthy(self.value(coe, step_ctx))
+            minutes = step.get("timeout-minutes")
+            timeout = (
+                ex.to_number(self.value(minutes, step_ctx)) * 60.0 if minutes is not None else None
+            )
+            if step.get("uses"):
+                outputs, outcome = await self.run_uses(step, name, env, step_ctx, scope, timeout)
+            else:
+                outputs, outcome = await self.run_script(step, name, env, step_ctx, scope, timeout)
+        except (ex.ExpressionError, _StepFailure, EnvFileError) as exc:
+            self.log(f"✖ {name}: {exc}")
+            self.annotations.append(Annotation("error", str(exc), self.job_key, name))
+            outcome = "failure"
+            continue_on_error = ex.truthy(step.get("continue-on-error") is True)
+        if self.control.cancelled and outcome == "failure":
+            outcome = "cancelled"
+        conclusion = "success" if outcome == "failure" and continue_on_error else outcome
+        elapsed = time.monotonic() - started
+        if outcome != "success":
+            suffix = " (continue-on-error)" if conclusion == "success" else ""
+            self.log(f"✖ {name}: {outcome}{suffix}")
+        self.record(scope, step_id, name, outcome, conclusion, outputs, elapsed)
+        if conclusion == "failure":
+            scope.failed = True
+            self.status = "failure"
+        elif conclusion == "cancelled":
+            self.status = "cancelled"
+
+    def record(
+        self,
+        scope: _Scope,
+        step_id: str,
+        name: str,
+        outcome: str,
+        conclusion: str,
+        outputs: dict[str, str],
+        elapsed: float,
+    ) -> None:
+        scope.steps_ctx[step_id] = {
+            "outputs": outputs,
+            "outcome": outcome,
+            "conclusion": conclusion,
+        }
+        if scope.action_path is None:
+            self.step_results.append(
+                StepResult(step_id, name, outcome, conclusion, dict(outputs), elapsed)
+            )
+
+    def record_interrupted(
+        self, step: Mapping[str, Any], index: int, scope: _Scope, outcome: str
+    ) -> None:
+        name = self.step_name(step, self.contexts(scope, self.job_env))
+        self.log(f"✖ {name}: {outcome}")
+        step_id = str(step.get("id") or f"__{scope.prefix}{index}")
+        self.record(scope, step_id, name, outcome, outcome, {}, 0.0)
+        self.status = "cancelled" if outcome == "cancelled" else "failure"
+
+    def step_name(self, step: Mapping[str, Any], ctx: Mapping[str, Any]) -> str:
+        raw = step.get("name")
+        if raw:
+            try:
+                return self.template(raw, ctx)
+            except ex.ExpressionError:
+                return str(raw)
+        if step.get("uses"):
+            return f"Run {step['uses']}"
+        first = str(step.get("run") or "").strip().splitlines()
+        return f"Run {first[0]}" if first else "Run"
+
+    def step_files(self) -> dict[str, Path]:
+        tag = uuid.uuid4().hex[:12]
+        files = {
+            "GITHUB_OUTPUT": self.commands_dir / f"set_output_{tag}",
+            "GITHUB_ENV": self.commands_dir / f"set_env_{tag}",
+            "GITHUB_PATH": self.commands_dir / f"add_path_{tag}",
+            "GITHUB_STEP_SUMMARY": self.commands_dir / f"step_summary_{tag}",
+            "GITHUB_STATE": self.commands_dir / f"save_state_{tag}",
+        }
+        for path in files.values():
+            path.touch()
+        return files
+
+    def shell_argv(self, shell: str | None, script: str) -> tuple[list[str], str]:
+        """(argv with `{0}` still in it, script file suffix)."""
+        if shell is None:
+            if shutil.which("bash"):
+                return ["bash", "-e", "{0}"], ".sh"
+            return ["sh", "-e", "{0}"], ".sh"
+        if shell == "bash":
+            return ["bash", "--noprofile", "--norc", "-eo", "pipefail", "{0}"], ".sh"
+        if shell == "sh":
+            return ["sh", "-e", "{0}"], ".sh"
+        if shell == "python":
+            py = "python" if shutil.which("python") else "python3"
+            return [py, "{0}"], ".py"
+        if "{0}" in shell:
+            return shlex.split(shell), ""
+        raise _StepFailure(
+            f"shell {shell!r} is not supported: use bash, sh, python or a command "
+            "template containing {0} (e.g. `perl {0}`)"
+        )
+
+    async def run_script(
+        self,
+        step: Mapping[str, Any],
+        name: str,
+        env: dict[str, str],
+        ctx: Mapping[str, Any],
+        scope: _Scope,
+        timeout: float | None,
+    ) -> tuple[dict[str, str], str]:
+        script = self.template(step.get("run") or "", ctx)
+        shell_raw = step.get("shell") or self.defaults.get("shell")
+        shell = self.template(shell_raw, ctx) if shell_raw else None
+        argv_t, suffix = self.shell_argv(shell, script)
+        wd_raw = step.get("working-directory") or self.defaults.get("working-directory")
+        cwd = self.host.workspace
+        if wd_raw:
+            cwd = self.host.workspace / self.template(wd_raw, ctx)
+            if not cwd.is_dir():
+                raise _StepFailure(
+                    f"working-directory {str(cwd)!r} does not exist in the checkout (step {name!r})"
+                )
+        script_path = self.host.temp / f"{uuid.uuid4().hex}{suffix}"
+        script_path.write_text(script, encoding="utf-8")
+        argv = [a.replace("{0}", str(script_path)) for a in argv_t]
+        return await self.run_process(argv, name, env, scope, timeout, str(cwd))
+
+    async def run_process(
+        self,
+        argv: list[str],
+        name: str,
+        env: dict[str, str],
+        scope: _Scope,
+        timeout: float | None,
+        cwd: str,
+    ) -> tuple[dict[str, str], str]:
+        files = self.step_files()
+        penv = self.process_env(env, files, scope)
+        # The step's process group id, recorded so that background processes
+        # it leaves behind are killed when the job ends.
+        pgid_file = self.host.temp / f"_pgid_{uuid.uuid4().hex[:12]}"
+        launcher = ["sh", "-c", 'echo $$ > "$0"; exec "$@"', str(pgid_file), *argv]
+        if self.host.wrap is not None:
+            launcher = self.host.wrap(launcher)
+        parser = WorkflowCommandParser(self.masker, self.job_key, name)
+
+        def on_line(raw: str) -> None:
+            shown = parser.line(raw)
+            if shown is not None:
+                self.log_raw(shown)
+
+        outcome = "success"
+        try:
+            result = await run_streaming(
+                launcher, cwd=cwd, env=penv, timeout=timeout, on_line=on_line
+            )
+            if result.returncode != 0:
+                outcome = "failure"
+                code = (
+                    f"killed by signal {-result.returncode}"
+                    if result.returncode < 0
+                    else f"exit code {result.returncode}"
+                )
+                self.log(f"Error: process completed with {code}")
+        except CommandTimeout:
+            outcome = "failure"
+            self.log(
+                f"Error: the step timed out after {(timeout or 0) / 60:g} minutes and was killed"
+            )
+        finally:
+            self.note_group(pgid_file)
+        self.annotations.extend(parser.effects.annotations)
+        outputs = dict(parser.effects.outputs)
+        outputs.update(parse_env_file(files["GITHUB_OUTPUT"], f"{name}: GITHUB_OUTPUT"))
+        new_env = parse_env_file(files["GITHUB_ENV"], f"{name}: GITHUB_ENV")
+        self.env_from_files.update(new_env)
+        self.path_prepend.extend(parse_path_file(files["GITHUB_PATH"]))
+        summary = files["GITHUB_STEP_SUMMARY"].read_text(encoding="utf-8", errors="replace")
+        if summary.strip():
+            self.summary_parts.append(self.masker.mask(summary))
+        return outputs, outcome
+
+    def note_group(self, pgid_file: Path) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.groups.add(int(pgid_file.read_text().strip()))
+            pgid_file.unlink()
+
+    def kill_leftovers(self) -> None:
+        """Kills process groups steps left behind (GitHub's orphan cleanup)."""
+        for pgid in self.groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        self.groups.clear()
+
+    # -- uses --------------------------------------------------------------------
+    async def run_uses(
+        self,
+        step: Mapping[str, Any],
+        name: str,
+        env: dict[str, str],
+        ctx: Mapping[str, Any],
+        scope: _Scope,
+        timeout: float | None,
+    ) -> tuple[dict[str, str], str]:
+        uses = str(step["uses"]).strip()
+        if uses.split("@", 1)[0].lower() == "actions/checkout":
+            self.log("actions/checkout: satisfied by the snapshot checkout in the workspace")
+            return {}, "success"
+        if uses.startswith("./"):
+            if timeout is None:
+                return await self.run_composite(step, uses, name, env, ctx, scope)
+            with anyio.move_on_after(timeout):
+                return await self.run_composite(step, uses, name, env, ctx, scope)
+            self.log(f"Error: the step timed out after {timeout / 60:g} minutes and was killed")
+            return {}, "failure"
+        raise _StepFailure(f"step {name!r} uses {uses!r}, which is not supported: {SUPPORTED_USES}")
+
+    def load_action(self, uses: str, name: str) -> tuple[Path, dict[str, Any]]:
+        directory = (self.host.workspace / uses).resolve()
+        for candidate in ("action.yml", "action.yaml"):
+            path = directory / candidate
+            if path.is_file():
+                break
+        else:
+            raise _StepFailure(
+                f"step {name!r}: no action.yml or action.yaml in {uses!r} of the checkout"
+            )
+        try:
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=yaml.CSafeLoader)
+        except yaml.YAMLError as exc:
+            raise _StepFailure(f"{uses}/{path.name}: invalid YAML: {exc}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("runs"), dict):
+            raise _StepFailure(f"{uses}/{path.name}: an action needs a `runs` mapping")
+        using = str(data["runs"].get("using", ""))
+        if using != "composite":
+            raise _StepFailure(
+                f"step {name!r}: action {uses!r} runs using {using!r}; only composite "
+                f"actions are supported ({SUPPORTED_USES})"
+            )
+        return directory, data
+
+    async def run_composite(
+        self,
+        step: Mapping[str, Any],
+        uses: str,
+        name: str,
+        env: dict[str, str],
+        ctx: Mapping[str, Any],
+        scope: _Scope,
+    ) -> tuple[dict[str, str], str]:
+        directory, data = self.load_action(uses, name)
+        given = dict(step.get("with") or {})
+        declared = dict(data.get("inputs") or {})
+        inputs: dict[str, Any] = {}
+        for key, decl in declared.items():
+            decl = decl if isinstance(decl, dict) else {}
+            if key in given:
+                inputs[key] = self.template(given[key], ctx)
+            elif "default" in decl:
+                inputs[key] = self.template(decl["default"], ctx)
+            elif decl.get("required") is True:
+                raise _StepFailure(f"step {name!r}: input {key!r} of {uses!r} is required")
+            else:
+                inputs[key] = ""
+        for key, value in given.items():
+            inputs.setdefault(key, self.template(value, ctx))
+        inner = _Scope(steps_ctx={}, inputs=inputs, action_path=directory, prefix=f"{uses}:")
+        outer_status = self.status
+        steps = list(data["runs"].get("steps") or [])
+        saved_env = dict(self.job_env)
+        self.job_env = dict(env)  # the composite's steps see the calling step's env
+        try:
+            await self.run_steps(steps, inner)
+        finally:
+            self.job_env = saved_env
+        failed = inner.failed
+        self.status = outer_status
+        inner_ctx = {**self.contexts(inner, env), "steps": inner.steps_ctx}
+        outputs: dict[str, str] = {}
+        for key, decl in dict(data.get("outputs") or {}).items():
+            value = decl.get("value", "") if isinstance(decl, dict) else decl
+            outputs[key] = self.template(value, inner_ctx)
+        return outputs, ("failure" if failed else "success")
+
+
+async def execute_job(
+    spec: Mapping[str, Any],
+    contexts: Mapping[str, Any],
+    host: JobHost,
+    *,
+    log: LogLine,
+    secrets: Mapping[str, str] | None = None,
+    timeout_minutes: float = 360.0,
+    control: JobControl | None = None,
+    masker: Masker | None = None,
+) -> JobResult:
+    """Runs the job described by `spec` (a `PlannedJob.spec`) in `host.workspace`.
+
+    `contexts` are the store's job contexts (`github`, `env`, `inputs`,
+    `needs`, `matrix`, `strategy`, optionally `vars`). `log` receives every
+    log line, already masked. Never raises for a step's failure: the result
+    says what happened."""
+    control = control or JobControl()
+    masker = masker or Masker()
+    run = _Execution(spec, contexts, host, log, masker, dict(secrets or {}), control)
+    scope = _Scope(steps_ctx={}, inputs=contexts.get("inputs") or {})
+    reason: str | None = None
+    steps = list(spec.get("steps") or [])
+    index = 0
+    try:
+        with anyio.CancelScope(deadline=anyio.current_time() + timeout_minutes * 60.0) as job_scope:
+            while index < len(steps):
+                with anyio.CancelScope() as step_scope:
+                    control._scope = step_scope
+                    await run.run_step(steps[index], index, scope)
+                control._scope = None
+                if step_scope.cancelled_caught:
+                    # Cancelled mid-step: it counts as cancelled; later steps
+                    # whose `if` asks for always()/cancelled() still run.
+                    run.record_interrupted(steps[index], index, scope, "cancelled")
+                index += 1
+        if job_scope.cancelled_caught:
+            reason = f"the job exceeded its timeout of {timeout_minutes:g} minutes"
+            if index < len(steps):
+                run.record_interrupted(steps[index], index, scope, "failure")
+            run.log(f"✖ {reason}; its processes were killed")
+            run.status = "failure"
+    finally:
+        control._scope = None
+        run.kill_leftovers()
+    if control.cancelled and reason is None:
+        conclusion = "cancelled"
+        reason = "cancelled"
+    else:
+        conclusion = "failure" if run.status in ("failure", "cancelled") else "success"
+    ctx = run.contexts(scope, {**run.job_env, **run.env_from_files})
+    outputs: dict[str, str] = {}
+    for key, template in dict(spec.get("outputs") or {}).items():
+        try:
+            value = run.template(template, ctx)
+        except ex.ExpressionError as exc:
+            run.log(f"warning: job output {key!r} cannot be evaluated: {exc}")
+            continue
+        if masker.contains_secret(value):
+            # GitHub does not pass outputs holding a secret to other jobs.
+            run.log(f"warning: job output {key!r} holds a secret and was skipped")
+            continue
+        outputs[key] = value
+    return JobResult(
+        conclusion=conclusion,
+        outputs=outputs,
+        steps=run.step_results,
+        annotations=run.annotations,
+        summary="\n".join(run.summary_parts),
+        reason=reason,
+    )

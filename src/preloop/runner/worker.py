@@ -1,0 +1,242 @@
+"""A runner: claims jobs from a store and executes them.
+
+`Runner.run_lease(lease)` is one job: check out the run's snapshot into a
+fresh per-job directory, execute the steps (`preloop.runner.job`) while a
+heartbeat task extends the lease and turns a cancel request (or a lost lease)
+into `JobControl.cancel()`, write the log and result under the state
+directory, complete the job in the store, and remove the job directory.
+
+`Runner.serve(stop)` is the long-lived loop of `preloop runner`: claim, run,
+repeat until `stop` is set; an idle runner polls the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import anyio
+
+from preloop.control import Lease, Store, StoreError
+from preloop.errors import PreloopError
+from preloop.runner.checkout import SnapshotLocation, checkout_snapshot
+from preloop.runner.commands import Annotation, Masker
+from preloop.runner.job import JobControl, JobHost, JobResult, execute_job
+from preloop.runner.logs import JobLog
+from preloop.runner.sandbox import bubblewrap_wrapper
+
+__all__ = ["DEFAULT_LABELS", "JobEvents", "Runner", "RunnerOptions"]
+
+_log = logging.getLogger(__name__)
+
+#: Labels every preloop runner answers to besides its own: the hosted-runner
+#: names workflows use, so that `runs-on: ubuntu-latest` runs here.
+DEFAULT_LABELS = (
+    "self-hosted",
+    "linux",
+    "x64",
+    "ubuntu-latest",
+    "ubuntu-24.04",
+    "ubuntu-22.04",
+    "ubuntu-20.04",
+)
+
+
+@dataclass(slots=True)
+class JobEvents:
+    """Callbacks for live progress (the `preloop run` display)."""
+
+    on_start: Callable[[Lease], None] | None = None
+    on_line: Callable[[Lease, str], None] | None = None
+    on_end: Callable[[Lease, JobResult], None] | None = None
+
+
+@dataclass(slots=True)
+class RunnerOptions:
+    name: str
+    labels: Sequence[str]
+    state_dir: Path
+    secrets: dict[str, str] = field(default_factory=dict)
+    sandbox: bool = False
+    heartbeat_interval: float = 2.0
+    lease_seconds: float = 60.0
+    idle_poll: float = 0.5
+
+
+def _failure_result(reason: str) -> JobResult:
+    return JobResult(
+        conclusion="failure",
+        outputs={},
+        steps=[],
+        annotations=[Annotation("error", reason)],
+        summary="",
+        reason=reason,
+    )
+
+
+class Runner:
+    def __init__(self, store: Store, options: RunnerOptions, events: JobEvents | None = None):
+        self.store = store
+        self.options = options
+        self.events = events or JobEvents()
+        self.current: JobControl | None = None
+        self.jobs_run = 0
+
+    @property
+    def labels(self) -> list[str]:
+        return sorted({*DEFAULT_LABELS, *(lb.lower() for lb in self.options.labels)})
+
+    async def claim(self) -> Lease | None:
+        opts = self.options
+        return await anyio.to_thread.run_sync(
+            lambda: self.store.claim_job(opts.name, self.labels, lease_seconds=opts.lease_seconds)
+        )
+
+    async def _heartbeat(self, lease: Lease, control: JobControl) -> None:
+        opts = self.options
+        while True:
+            await anyio.sleep(opts.heartbeat_interval)
+            try:
+                beat = await anyio.to_thread.run_sync(
+                    lambda: self.store.heartbeat(lease, lease_seconds=opts.lease_seconds)
+                )
+            except StoreError as exc:
+                _log.warning(
+                    "heartbeat of run %s job %s failed: %s", lease.run_id, lease.job_id, exc
+                )
+                continue
+            if not beat.held or beat.cancel_requested:
+                control.cancel()
+                return
+
+    async def run_lease(self, lease: Lease, control: JobControl | None = None) -> JobResult:
+        """Runs the leased job to its end and completes it in the store."""
+        opts = self.options
+        control = control or JobControl()
+        self.current = control
+        where = f"run {lease.run_id} job {lease.job_id!r}"
+        job_dir = (
+            opts.state_dir
+            / "work"
+            / f"{lease.run_id}-{quote(lease.job_id, safe='')}-{uuid.uuid4().hex[:8]}"
+        )
+        log = JobLog(opts.state_dir, lease.run_id, lease.job_id)
+        masker = Masker()
+        for value in opts.secrets.values():
+            masker.add(value)
+
+        def line(text: str) -> None:
+            log.write(text)
+            if self.events.on_line is not None:
+                self.events.on_line(lease, text)
+
+        if self.events.on_start is not None:
+            self.events.on_start(lease)
+        result: JobResult | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._heartbeat, lease, control)
+                try:
+                    result = await self._execute(lease, control, job_dir, line, masker, where)
+                finally:
+                    tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                final = result or JobResult("cancelled", {}, [], [], "", "cancelled")
+                try:
+                    await anyio.to_thread.run_sync(
+                        lambda: self.store.complete_job(lease, final.conclusion, final.outputs)
+                    )
+                except StoreError as exc:
+                    line(f"preloop: the result could not be recorded: {exc}")
+                log.save_result(final)
+                log.close()
+                self.current = None
+                self.jobs_run += 1
+                await anyio.to_thread.run_sync(lambda: shutil.rmtree(job_dir, ignore_errors=True))
+                if self.events.on_end is not None:
+                    self.events.on_end(lease, final)
+        return final
+
+    async def _execute(
+        self,
+        lease: Lease,
+        control: JobControl,
+        job_dir: Path,
+        line: Callable[[str], None],
+        masker: Masker,
+        where: str,
+    ) -> JobResult:
+        opts = self.options
+        try:
+            contexts: dict[str, Any] = await anyio.to_thread.run_sync(
+                lambda: self.store.job_context(lease.run_id, lease.job_id)
+            )
+            github = dict(contexts.get("github") or {})
+            location = SnapshotLocation.from_context(github, where)
+            github.pop("preloop_snapshot", None)
+            contexts["github"] = github
+            workspace = job_dir / "workspace"
+            temp = job_dir / "temp"
+            job_dir.mkdir(parents=True)
+            temp.mkdir()
+            started = time.monotonic()
+            await checkout_snapshot(location, workspace, where)
+            line(
+                f"checked out snapshot {location.commit[:12]} in {time.monotonic() - started:.2f}s"
+            )
+            wrap = (
+                bubblewrap_wrapper(job_dir, opts.state_dir, job_dir / "tmp")
+                if opts.sandbox
+                else None
+            )
+        except (PreloopError, OSError) as exc:
+            line(f"✖ {exc}")
+            return _failure_result(str(exc))
+        host = JobHost(
+            workspace=workspace,
+            temp=temp,
+            run_id=str(lease.run_id),
+            runner_name=opts.name,
+            wrap=wrap,
+        )
+        return await execute_job(
+            lease.spec,
+            contexts,
+            host,
+            log=line,
+            secrets=opts.secrets,
+            timeout_minutes=lease.timeout_minutes,
+            control=control,
+            masker=masker,
+        )
+
+    async def serve(self, stop: anyio.Event) -> None:
+        """Claims and runs jobs until `stop` is set; the job running then is
+        cancelled (its process groups killed) and completed as cancelled."""
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                await stop.wait()
+                if self.current is not None:
+                    self.current.cancel()
+
+            tg.start_soon(watch)
+            while not stop.is_set():
+                lease = await self.claim()
+                if lease is None:
+                    with anyio.move_on_after(self.options.idle_poll):
+                        await stop.wait()
+                    continue
+                control = JobControl()
+                if stop.is_set():
+                    control.cancel()
+                await self.run_lease(lease, control)
+            tg.cancel_scope.cancel()

@@ -1,0 +1,454 @@
+"""Step execution with real shells: `preloop.runner.execute_job`."""
+
+from __future__ import annotations
+
+import os
+import select
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from preloop.runner import JobControl, JobHost, JobResult, execute_job
+from preloop.runner.commands import EnvFileError, Masker, parse_env_file
+
+
+def _exited(pidfd: int, wait: float = 10.0) -> bool:
+    readable, _, _ = select.select([pidfd], [], [], wait)
+    return bool(readable)
+
+
+def run_job(
+    tmp_path: Path,
+    steps: list[dict[str, Any]],
+    *,
+    env: dict[str, Any] | None = None,
+    outputs: dict[str, str] | None = None,
+    contexts: dict[str, Any] | None = None,
+    secrets: dict[str, str] | None = None,
+    defaults: dict[str, str] | None = None,
+    timeout_minutes: float = 360.0,
+    files: dict[str, str] | None = None,
+    on_line: Callable[[str], None] | None = None,
+    control: JobControl | None = None,
+) -> tuple[JobResult, list[str]]:
+    ws = tmp_path / "ws"
+    temp = tmp_path / "temp"
+    ws.mkdir(exist_ok=True)
+    temp.mkdir(exist_ok=True)
+    for rel, text in (files or {}).items():
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ws / rel).write_text(textwrap.dedent(text))
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if on_line is not None:
+            on_line(line)
+
+    spec = {
+        "job": "build",
+        "steps": steps,
+        "env": env or {},
+        "outputs": outputs or {},
+        "defaults": defaults or {},
+    }
+    result = anyio.run(
+        lambda: execute_job(
+            spec,
+            contexts or {"github": {"event_name": "push"}},
+            JobHost(workspace=ws, temp=temp, run_id="7"),
+            log=log,
+            secrets=secrets,
+            timeout_minutes=timeout_minutes,
+            control=control,
+        )
+    )
+    return result, lines
+
+
+def test_run_steps_outputs_and_job_outputs(tmp_path: Path) -> None:
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"id": "a", "run": 'echo "x=1" >> "$GITHUB_OUTPUT"\necho hello'},
+            {
+                "id": "b",
+                "run": textwrap.dedent(
+                    """\
+                    {
+                      echo 'multi<<EOF'
+                      echo 'line one'
+                      echo 'line two'
+                      echo 'EOF'
+                    } >> "$GITHUB_OUTPUT"
+                    echo "got ${{ steps.a.outputs.x }}"
+                    """
+                ),
+            },
+        ],
+        outputs={"x": "${{ steps.a.outputs.x }}", "m": "${{ steps.b.outputs.multi }}"},
+    )
+    assert result.conclusion == "success"
+    assert result.outputs == {"x": "1", "m": "line one\nline two"}
+    assert "hello" in lines and "got 1" in lines
+    assert [s.outcome for s in result.steps] == ["success", "success"]
+
+
+def test_bash_e_semantics_and_failure_skips_later_steps(tmp_path: Path) -> None:
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"id": "a", "run": "false\necho not-reached"},
+            {"id": "b", "run": "echo skipped-step"},
+            {"id": "c", "if": "failure()", "run": "echo on-failure"},
+            {"id": "d", "if": "always()", "run": "echo always"},
+            {"id": "e", "if": "success()", "run": "echo never"},
+        ],
+    )
+    assert result.conclusion == "failure"
+    assert [s.outcome for s in result.steps] == [
+        "failure",
+        "skipped",
+        "success",
+        "success",
+        "skipped",
+    ]
+    assert "not-reached" not in lines and "on-failure" in lines and "always" in lines
+    assert any("exit code 1" in line for line in lines)
+
+
+def test_default_bash_is_not_pipefail_but_shell_bash_is(tmp_path: Path) -> None:
+    result, _ = run_job(
+        tmp_path,
+        [
+            {"id": "plain", "run": "false | true"},
+            {"id": "strict", "shell": "bash", "run": "false | true", "continue-on-error": True},
+        ],
+    )
+    assert [(s.outcome, s.conclusion) for s in result.steps] == [
+        ("success", "success"),
+        ("failure", "success"),
+    ]
+    assert result.conclusion == "success"
+
+
+def test_shells_python_sh_custom_and_unsupported(tmp_path: Path) -> None:
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"run": "import sys\nprint('py', sys.version_info[0])", "shell": "python"},
+            {"run": "echo from-sh", "shell": "sh"},
+            {"run": "print 'perlish'", "shell": "cat {0}"},
+            {"id": "bad", "run": "x", "shell": "pwsh", "continue-on-error": True},
+        ],
+    )
+    assert "py 3" in lines and "from-sh" in lines and "print 'perlish'" in lines
+    assert result.steps[-1].outcome == "failure"
+    assert any("shell 'pwsh' is not supported" in line for line in lines)
+
+
+def test_env_layering_and_github_env_path_take_effect_in_later_steps(tmp_path: Path) -> None:
+    bindir = tmp_path / "ws" / "bin"
+    bindir.mkdir(parents=True)
+    tool = bindir / "mytool"
+    tool.write_text("#!/bin/sh\necho tool-ran\n")
+    tool.chmod(0o755)
+    result, lines = run_job(
+        tmp_path,
+        [
+            {
+                "env": {"LEVEL": "step"},
+                "run": textwrap.dedent(
+                    """\
+                    echo "level=$LEVEL wf=$WF"
+                    echo "NEW=fresh" >> "$GITHUB_ENV"
+                    echo "$GITHUB_WORKSPACE/bin" >> "$GITHUB_PATH"
+                    echo "same-step new=${NEW:-unset}"
+                    command -v mytool || echo "same-step no tool"
+                    """
+                ),
+            },
+            {"run": 'echo "next new=$NEW level=$LEVEL"\nmytool'},
+            {"env": {"NEW": "step-wins"}, "run": 'echo "override $NEW"'},
+        ],
+        env={"LEVEL": "job", "WF": "${{ github.event_name }}"},
+    )
+    assert result.conclusion == "success", lines
+    assert "level=step wf=push" in lines
+    assert "same-step new=unset" in lines and "same-step no tool" in lines
+    assert "next new=fresh level=job" in lines and "tool-ran" in lines
+    assert "override step-wins" in lines
+
+
+def test_working_directory_and_defaults(tmp_path: Path) -> None:
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"run": "pwd"},
+            {"run": "pwd", "working-directory": "other"},
+            {"id": "missing", "run": "pwd", "working-directory": "nope"},
+        ],
+        defaults={"working-directory": "sub"},
+        files={"sub/a": "", "other/b": ""},
+    )
+    ws = tmp_path / "ws"
+    assert str(ws / "sub") in lines and str(ws / "other") in lines
+    assert result.steps[-1].outcome == "failure"
+    assert any("working-directory" in line and "does not exist" in line for line in lines)
+
+
+def test_continue_on_error_outcome_vs_conclusion(tmp_path: Path) -> None:
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"id": "flaky", "run": "exit 3", "continue-on-error": True},
+            {
+                "run": "echo outcome=${{ steps.flaky.outcome }} "
+                "conclusion=${{ steps.flaky.conclusion }}"
+            },
+        ],
+    )
+    assert result.conclusion == "success"
+    assert "outcome=failure conclusion=success" in lines
+
+
+def test_variables_and_contexts(tmp_path: Path) -> None:
+    result, lines = run_job(
+        tmp_path,
+        [
+            {
+                "run": 'echo "$CI $GITHUB_ACTIONS $GITHUB_JOB $RUNNER_OS $GITHUB_EVENT_NAME"\n'
+                'echo "ws=$GITHUB_WORKSPACE temp=$RUNNER_TEMP"\n'
+                "echo 'm=${{ matrix.os }} n=${{ needs.setup.outputs.v }}'"
+            }
+        ],
+        contexts={
+            "github": {"event_name": "push"},
+            "matrix": {"os": "linux"},
+            "needs": {"setup": {"result": "success", "outputs": {"v": "42"}}},
+        },
+    )
+    assert result.conclusion == "success"
+    assert "true true build Linux push" in lines
+    assert f"ws={tmp_path / 'ws'} temp={tmp_path / 'temp'}" in lines
+    assert "m=linux n=42" in lines
+
+
+def test_workflow_commands_mask_group_annotations(tmp_path: Path) -> None:
+    result, lines = run_job(
+        tmp_path,
+        [
+            {
+                "run": textwrap.dedent(
+                    """\
+                    echo "before hunter2"
+                    echo "::add-mask::hunter2"
+                    echo "after hunter2"
+                    echo "::group::Setup"
+                    echo "::endgroup::"
+                    echo "::error file=a.py,line=3::broken thing"
+                    echo "::warning::careful"
+                    echo "mysecretvalue appears"
+                    echo "# Summary" >> "$GITHUB_STEP_SUMMARY"
+                    """
+                )
+            }
+        ],
+        secrets={"TOKEN": "mysecretvalue"},
+    )
+    text = "\n".join(lines)
+    assert "before hunter2" in lines and "after ***" in lines
+    assert "mysecretvalue" not in text and "*** appears" in lines
+    assert "▼ Setup" in lines
+    assert [(a.level, a.message, a.file, a.line) for a in result.annotations] == [
+        ("error", "broken thing", "a.py", 3),
+        ("warning", "careful", None, None),
+    ]
+    assert result.summary.strip() == "# Summary"
+
+
+def test_secret_in_step_script_is_masked(tmp_path: Path) -> None:
+    result, lines = run_job(
+        tmp_path,
+        [
+            {
+                "id": "s",
+                "run": "echo 'token: ${{ secrets.TOKEN }}'\n"
+                'echo "o=${{ secrets.TOKEN }}" >> $GITHUB_OUTPUT',
+            }
+        ],
+        outputs={"leak": "${{ steps.s.outputs.o }}"},
+        secrets={"TOKEN": "s3cr3t-value"},
+    )
+    assert "token: ***" in lines
+    assert "s3cr3t-value" not in "\n".join(lines)
+    assert "leak" not in result.outputs  # outputs holding secrets are not passed on
+
+
+def test_checkout_is_satisfied_and_other_uses_fail_naming_the_step(tmp_path: Path) -> None:
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"uses": "actions/checkout@v4"},
+            {"name": "Set up node", "uses": "actions/setup-node@v4"},
+            {"run": "echo unreachable"},
+        ],
+    )
+    assert result.conclusion == "failure"
+    assert [s.outcome for s in result.steps] == ["success", "failure", "skipped"]
+    msg = [line for line in lines if "actions/setup-node@v4" in line and "not supported" in line]
+    assert msg and "'Set up node'" in msg[0] and "composite" in msg[0]
+
+
+def test_composite_action_inputs_outputs(tmp_path: Path) -> None:
+    action = """\
+        name: greet
+        inputs:
+          who:
+            required: true
+          greeting:
+            default: Hello
+        outputs:
+          said:
+            value: ${{ steps.say.outputs.text }}
+        runs:
+          using: composite
+          steps:
+            - id: say
+              shell: bash
+              run: |
+                where=$(basename $GITHUB_ACTION_PATH)
+                echo "${{ inputs.greeting }}, ${{ inputs.who }} from $where"
+                echo "text=${{ inputs.greeting }} ${{ inputs.who }}" >> "$GITHUB_OUTPUT"
+        """
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"id": "g", "uses": "./.github/actions/greet", "with": {"who": "${{ matrix.x }}"}},
+            {"run": "echo 'said=${{ steps.g.outputs.said }}'"},
+        ],
+        contexts={"github": {}, "matrix": {"x": "world"}},
+        files={".github/actions/greet/action.yml": action},
+    )
+    assert result.conclusion == "success", lines
+    assert "Hello, world from greet" in lines and "said=Hello world" in lines
+
+
+def test_composite_action_failure_fails_the_step(tmp_path: Path) -> None:
+    action = """\
+        runs:
+          using: composite
+          steps:
+            - run: exit 4
+              shell: bash
+        """
+    result, _ = run_job(
+        tmp_path,
+        [{"id": "c", "uses": "./act"}, {"if": "failure()", "run": "echo after"}],
+        files={"act/action.yml": action},
+    )
+    assert [s.outcome for s in result.steps] == ["failure", "success"]
+    assert result.conclusion == "failure"
+
+
+def _spawner(marker: str) -> str:
+    # A grandchild (sleep) the step leaves running while it waits.
+    return f'sleep 1000 &\necho "{marker}=$!"\nwait'
+
+
+def test_step_timeout_kills_whole_group(tmp_path: Path) -> None:
+    pidfds: list[int] = []
+
+    def on_line(line: str) -> None:
+        if line.startswith("grandchild="):
+            pidfds.append(os.pidfd_open(int(line.split("=")[1])))
+
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"id": "hang", "run": _spawner("grandchild"), "timeout-minutes": 0.02},
+            {"if": "failure()", "run": "echo cleanup"},
+        ],
+        on_line=on_line,
+    )
+    assert len(pidfds) == 1 and _exited(pidfds[0])
+    assert result.steps[0].outcome == "failure" and "cleanup" in lines
+    assert any("timed out" in line for line in lines)
+
+
+def test_job_timeout_kills_whole_group(tmp_path: Path) -> None:
+    pidfds: list[int] = []
+
+    def on_line(line: str) -> None:
+        if line.startswith("grandchild="):
+            pidfds.append(os.pidfd_open(int(line.split("=")[1])))
+
+    result, _ = run_job(
+        tmp_path,
+        [{"run": _spawner("grandchild")}, {"run": "echo never"}],
+        timeout_minutes=0.02,
+        on_line=on_line,
+    )
+    assert len(pidfds) == 1 and _exited(pidfds[0])
+    assert result.conclusion == "failure"
+    assert result.reason is not None and "timeout" in result.reason
+
+
+def test_cancel_kills_step_and_runs_always_steps(tmp_path: Path) -> None:
+    pidfds: list[int] = []
+    control = JobControl()
+
+    def on_line(line: str) -> None:
+        if line.startswith("grandchild="):
+            pidfds.append(os.pidfd_open(int(line.split("=")[1])))
+            control.cancel()
+
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"run": _spawner("grandchild")},
+            {"run": "echo normal"},
+            {"if": "always()", "run": "echo always-ran"},
+            {"if": "cancelled()", "run": "echo cancelled-ran"},
+        ],
+        on_line=on_line,
+        control=control,
+    )
+    assert len(pidfds) == 1 and _exited(pidfds[0])
+    assert result.conclusion == "cancelled"
+    assert "normal" not in lines and "always-ran" in lines and "cancelled-ran" in lines
+
+
+def test_background_process_left_by_a_step_is_killed_at_job_end(tmp_path: Path) -> None:
+    pidfds: list[int] = []
+
+    def on_line(line: str) -> None:
+        if line.startswith("bg="):
+            pidfds.append(os.pidfd_open(int(line.split("=")[1])))
+
+    result, _ = run_job(
+        tmp_path,
+        [{"run": 'sleep 1000 > /dev/null 2>&1 &\necho "bg=$!"'}, {"run": "echo second"}],
+        on_line=on_line,
+    )
+    assert result.conclusion == "success"
+    assert len(pidfds) == 1 and _exited(pidfds[0])
+
+
+def test_env_file_parsing() -> None:
+    masker = Masker()
+    masker.add("abc")
+    assert masker.mask("xabcx") == "x***x"
+
+
+def test_env_file_unterminated_heredoc(tmp_path: Path) -> None:
+    f = tmp_path / "out"
+    f.write_text("a=1\nb<<END\nx\n")
+    with pytest.raises(EnvFileError, match="not terminated"):
+        parse_env_file(f, "GITHUB_OUTPUT")
+    f.write_text("a=1\nb<<END\nx\ny\nEND\nc=x=y\n")
+    assert parse_env_file(f, "GITHUB_OUTPUT") == {"a": "1", "b": "x\ny", "c": "x=y"}

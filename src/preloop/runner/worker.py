@@ -31,6 +31,7 @@ from preloop.runner.commands import Annotation, Masker
 from preloop.runner.job import JobControl, JobHost, JobResult, execute_job
 from preloop.runner.logs import JobLog
 from preloop.runner.sandbox import bubblewrap_wrapper
+from preloop.workflow import PlanError, PlannedJob, expand_deferred
 
 __all__ = ["DEFAULT_LABELS", "JobEvents", "Runner", "RunnerOptions"]
 
@@ -68,6 +69,25 @@ class RunnerOptions:
     heartbeat_interval: float = 2.0
     lease_seconds: float = 60.0
     idle_poll: float = 0.5
+
+
+def runnable_spec(lease: Lease, contexts: dict[str, Any]) -> dict[str, Any]:
+    """The step spec of a leased job.
+
+    Adapter: the store inserts a deferred matrix's legs with the deferred
+    job's spec (its `deferred` data, no `steps`), so the leg's spec is
+    rebuilt here with `expand_deferred`, the planner's own expansion, and the
+    leg with this lease's matrix is taken."""
+    spec = lease.spec
+    if "steps" in spec or "deferred" not in spec:
+        return spec
+    base = lease.job_id.rsplit("#", 1)[0]
+    deferred = PlannedJob(id=base, seq=0, base_id=base, name=lease.name, kind="deferred", spec=spec)
+    expansion = expand_deferred(deferred, {"needs": contexts.get("needs") or {}})
+    for leg in expansion.jobs:
+        if leg.id == lease.job_id or (leg.matrix == lease.matrix and leg.kind == "job"):
+            return leg.spec
+    raise PlanError(f"run {lease.run_id} job {lease.job_id!r}: its matrix leg is not in the plan")
 
 
 def _failure_result(reason: str) -> JobResult:
@@ -183,6 +203,10 @@ class Runner:
             location = SnapshotLocation.from_context(github, where)
             github.pop("preloop_snapshot", None)
             contexts["github"] = github
+            spec = runnable_spec(lease, contexts)
+            if "inputs" in spec:
+                # An inner job of a reusable workflow sees the caller's inputs.
+                contexts["inputs"] = spec["inputs"]
             workspace = job_dir / "workspace"
             temp = job_dir / "temp"
             job_dir.mkdir(parents=True)
@@ -208,7 +232,7 @@ class Runner:
             wrap=wrap,
         )
         return await execute_job(
-            lease.spec,
+            spec,
             contexts,
             host,
             log=line,

@@ -1,0 +1,410 @@
+"""`preloop.engine` end to end on generated repositories, lite and PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import anyio
+import pytest
+from tests.run_support import git, make_repo, results, run_engine, workflow
+
+from preloop.control import open_store
+from preloop.engine import Engine, RunRequest
+from preloop.runner.logs import job_ids_with_logs, log_path
+from preloop.workflow import PlanError, WorkflowError
+
+pytest_plugins = ["preloop.testing.control_fixtures"]
+
+
+def test_needs_if_always_failure(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              a:
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo a-ran
+              b:
+                needs: a
+                runs-on: ubuntu-latest
+                steps:
+                  - run: exit 1
+              c:
+                needs: b
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo c-should-not-run
+              on-failure:
+                needs: b
+                if: failure()
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo on-failure-ran
+              always:
+                needs: [a, c]
+                if: always()
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo "always c=${{ needs.c.result }}"
+            """
+        ),
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert results(outcome) == {
+        "a": "success",
+        "b": "failure",
+        "c": "skipped",
+        "on-failure": "success",
+        "always": "success",
+    }
+    assert outcome.conclusion == "failure" and not outcome.ok
+    assert "always c=skipped" in h.lines["always"]
+    assert "c" not in h.started
+
+
+def test_matrix_max_parallel_and_fail_fast(tmp_path: Path, store_url: str) -> None:
+    counter = tmp_path / "running"
+    counter.mkdir()
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            f"""\
+            on: push
+            jobs:
+              capped:
+                runs-on: ubuntu-latest
+                strategy:
+                  max-parallel: 1
+                  matrix:
+                    n: [1, 2, 3]
+                steps:
+                  - run: |
+                      mkdir {counter}/${{{{ matrix.n }}}}
+                      echo "concurrent=$(ls {counter} | wc -l)"
+                      rmdir {counter}/${{{{ matrix.n }}}}
+              ff:
+                needs: capped
+                runs-on: ubuntu-latest
+                strategy:
+                  max-parallel: 1
+                  matrix:
+                    n: [1, 2, 3]
+                steps:
+                  - run: exit ${{{{ matrix.n == 1 && 1 || 0 }}}}
+            """
+        ),
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state", local_runners=3)
+    r = results(outcome)
+    assert [r["capped#0"], r["capped#1"], r["capped#2"]] == ["success"] * 3
+    for leg in ("capped#0", "capped#1", "capped#2"):
+        assert "concurrent=1" in h.lines[leg]
+    assert r["ff#0"] == "failure"
+    assert r["ff#1"] == r["ff#2"] == "cancelled"
+    assert "ff#1" not in h.started and "ff#2" not in h.started
+
+
+def test_outputs_between_jobs_and_job_continue_on_error(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              produce:
+                runs-on: ubuntu-latest
+                outputs:
+                  value: ${{ steps.s.outputs.v }}
+                steps:
+                  - id: s
+                    run: echo "v=from-produce" >> "$GITHUB_OUTPUT"
+              flaky:
+                runs-on: ubuntu-latest
+                continue-on-error: true
+                steps:
+                  - run: exit 1
+              consume:
+                needs: [produce, flaky]
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo "got ${{ needs.produce.outputs.value }} flaky=${{ needs.flaky.result }}"
+            """
+        ),
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    r = results(outcome)
+    assert r == {"produce": "success", "flaky": "failure", "consume": "success"}
+    assert outcome.conclusion == "success"
+    produce = next(j for j in outcome.jobs if j.id == "produce")
+    assert produce.outputs == {"value": "from-produce"}
+    # GitHub reports a continue-on-error job as a success to its dependents.
+    assert "got from-produce flaky=success" in h.lines["consume"]
+
+
+def test_reusable_workflow_with_outputs_and_composite_action(
+    tmp_path: Path, store_url: str
+) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            ".github/workflows/ci.yml": """\
+                on: push
+                jobs:
+                  call:
+                    uses: ./.github/workflows/reusable.yml
+                    with:
+                      who: world
+                  after:
+                    needs: call
+                    runs-on: ubuntu-latest
+                    steps:
+                      - uses: actions/checkout@v4
+                      - id: act
+                        uses: ./.github/actions/shout
+                        with:
+                          text: ${{ needs.call.outputs.greeting }}
+                      - run: echo "final ${{ steps.act.outputs.loud }}"
+                """,
+            ".github/workflows/reusable.yml": """\
+                on:
+                  workflow_call:
+                    inputs:
+                      who:
+                        type: string
+                        required: true
+                    outputs:
+                      greeting:
+                        value: ${{ jobs.inner.outputs.g }}
+                jobs:
+                  inner:
+                    runs-on: ubuntu-latest
+                    outputs:
+                      g: ${{ steps.x.outputs.g }}
+                    steps:
+                      - id: x
+                        run: echo "g=hello ${{ inputs.who }}" >> "$GITHUB_OUTPUT"
+                """,
+            ".github/actions/shout/action.yml": """\
+                inputs:
+                  text:
+                    required: true
+                outputs:
+                  loud:
+                    value: ${{ steps.up.outputs.loud }}
+                runs:
+                  using: composite
+                  steps:
+                    - id: up
+                      shell: bash
+                      run: echo "loud=$(echo '${{ inputs.text }}' | tr a-z A-Z)" >> $GITHUB_OUTPUT
+                """,
+        },
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    r = results(outcome)
+    assert r["call/inner"] == "success" and r["call"] == "success" and r["after"] == "success"
+    call = next(j for j in outcome.jobs if j.id == "call")
+    assert call.outputs == {"greeting": "hello world"}
+    assert "final HELLO WORLD" in h.lines["after"]
+
+
+def test_deferred_matrix_from_needs(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              setup:
+                runs-on: ubuntu-latest
+                outputs:
+                  matrix: ${{ steps.m.outputs.matrix }}
+                steps:
+                  - id: m
+                    run: echo 'matrix={"v":["x","y"]}' >> "$GITHUB_OUTPUT"
+              legs:
+                needs: setup
+                runs-on: ubuntu-latest
+                strategy:
+                  matrix: ${{ fromJSON(needs.setup.outputs.matrix) }}
+                steps:
+                  - run: echo "leg ${{ matrix.v }}"
+            """
+        ),
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    r = results(outcome)
+    assert r["legs#0"] == r["legs#1"] == "success", r
+    assert "leg x" in h.lines["legs#0"] and "leg y" in h.lines["legs#1"]
+    assert outcome.conclusion == "success"
+
+
+def test_dirty_tree_visible_and_source_untouched(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            **workflow(
+                """\
+                on: push
+                jobs:
+                  look:
+                    runs-on: ubuntu-latest
+                    steps:
+                      - run: |
+                          cat tracked.txt untracked.txt
+                          test ! -e deleted.txt && echo deleted-gone
+                          echo changed-by-job > tracked.txt
+                          git status --porcelain
+                """
+            ),
+            "tracked.txt": "committed\n",
+            "deleted.txt": "x\n",
+            ".gitignore": "ignored.txt\n",
+        },
+    )
+    (repo / "tracked.txt").write_text("dirty edit\n")
+    (repo / "untracked.txt").write_text("brand new\n")
+    (repo / "ignored.txt").write_text("ignored\n")
+    (repo / "deleted.txt").unlink()
+    git(repo, "add", "untracked.txt")
+    status_before = git(repo, "status", "--porcelain")
+    head_before = git(repo, "rev-parse", "HEAD")
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "success", h.lines
+    lines = h.lines["look"]
+    assert "dirty edit" in lines and "brand new" in lines and "deleted-gone" in lines
+    assert (repo / "tracked.txt").read_text() == "dirty edit\n"
+    assert git(repo, "status", "--porcelain") == status_before
+    assert git(repo, "rev-parse", "HEAD") == head_before
+
+
+def test_secret_never_in_logs(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              leak:
+                runs-on: ubuntu-latest
+                steps:
+                  - run: |
+                      echo "direct ${{ secrets.API_TOKEN }}"
+                      echo "env $TOKEN"
+                      echo "$TOKEN" | rev | rev
+                    env:
+                      TOKEN: ${{ secrets.API_TOKEN }}
+            """
+        ),
+    )
+    state = tmp_path / "state"
+    secret = "tok-8c1f-very-secret"
+    outcome, h = run_engine(repo, store_url, state, secrets={"API_TOKEN": secret})
+    assert outcome.conclusion == "success"
+    assert "direct ***" in h.lines["leak"] and "env ***" in h.lines["leak"]
+    assert secret not in h.all_text()
+    assert job_ids_with_logs(state, outcome.run_id) == ["leak"]
+    on_disk = log_path(state, outcome.run_id, "leak").read_text()
+    assert "direct ***" in on_disk and secret not in on_disk
+    for path in state.rglob("*"):
+        if path.is_file() and path.suffix in (".log", ".json"):
+            assert secret not in path.read_text(errors="replace"), path
+
+
+def test_bad_workflow_reports_position_and_submits_nothing(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              a:
+                runs-on: ubuntu-latest
+                needs: nope
+                steps:
+                  - run: echo hi
+            """
+        ),
+    )
+    state = tmp_path / "state"
+    with pytest.raises(WorkflowError) as info:
+        run_engine(repo, store_url, state)
+    assert ".github/workflows/ci.yml:5:" in str(info.value)
+    with open_store(store_url) as store:
+        assert store.list_runs() == []
+    assert not (state / "snapshots").exists() or not any((state / "snapshots").iterdir())
+
+
+def test_job_selection_keeps_needs(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              a:
+                runs-on: ubuntu-latest
+                steps: [{run: echo a}]
+              b:
+                needs: a
+                runs-on: ubuntu-latest
+                steps: [{run: echo b}]
+              other:
+                runs-on: ubuntu-latest
+                steps: [{run: echo other}]
+            """
+        ),
+    )
+    outcome, _ = run_engine(repo, store_url, tmp_path / "state", job="b")
+    assert results(outcome) == {"a": "success", "b": "success"}
+
+
+def test_sandbox_private_tmp_and_readonly_coordination(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    coord = tmp_path / "coord"
+    monkeypatch.setenv("PRELOOP_COORDINATION_DIR", str(coord))
+    marker = f"preloop-sandbox-{os.getpid()}"
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            f"""\
+            on: push
+            jobs:
+              boxed:
+                runs-on: ubuntu-latest
+                steps:
+                  - run: |
+                      echo inside > /tmp/{marker}
+                      ls {coord} | head -1
+                      if touch {coord}/new 2>/dev/null; then echo coord-writable; \\
+                        else echo coord-readonly; fi
+                      echo ok > result.txt
+                  - run: cat /tmp/{marker}
+            """
+        ),
+    )
+    outcome, h = run_engine(
+        repo, f"sqlite:///{tmp_path / 'db.sqlite'}", tmp_path / "state", sandbox=True
+    )
+    assert outcome.conclusion == "success", h.lines
+    assert "coord-readonly" in h.lines["boxed"] and "inside" in h.lines["boxed"]
+    assert not Path(f"/tmp/{marker}").exists()
+
+
+def test_untriggered_event_is_refused_before_capture(tmp_path: Path) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow("on: pull_request\njobs:\n  a:\n    runs-on: x\n    steps: [{run: echo}]\n"),
+    )
+    state = tmp_path / "state"
+    engine = Engine(
+        RunRequest(workspace=repo, state_dir=state, store_url=f"sqlite:///{tmp_path}/d")
+    )
+    with pytest.raises(PlanError, match="not triggered by 'push'"):
+        anyio.run(engine.run)
+    assert not (state / "snapshots").exists()

@@ -46,7 +46,15 @@ from preloop.runner.checkout import SNAPSHOT_CONTEXT_KEY, SnapshotLocation
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
 from preloop.workflow import Plan, load_workflow, plan, workflow_files
 
-__all__ = ["Engine", "EngineEvents", "JobRecord", "RunOutcome", "RunRequest", "resolve_workflow"]
+__all__ = [
+    "Engine",
+    "EngineEvents",
+    "JobRecord",
+    "RunOutcome",
+    "RunRequest",
+    "default_store_url",
+    "resolve_workflow",
+]
 
 _POLL = 0.25  # seconds between store polls while local runners are idle
 _REAP_EVERY = 5.0
@@ -136,6 +144,12 @@ async def _repo_root(workspace: Path) -> Path:
             "with .github/workflows"
         ) from None
     return Path(res.stdout_text().strip())
+
+
+def default_store_url(state_dir: Path, given: str | None = None) -> str:
+    """`given`, else `$PRELOOP_STORE_URL`, else the lite store in `state_dir`."""
+    url = given or config.get("PRELOOP_STORE_URL") or None
+    return str(url) if url else f"sqlite:///{Path(state_dir).absolute() / 'preloop.db'}"
 
 
 def resolve_workflow(root: Path, given: Path | None, event: str) -> Path:
@@ -257,15 +271,13 @@ class Engine:
 
     def store_url(self) -> str:
         req = self.request
-        url = req.store_url or config.get("PRELOOP_STORE_URL") or None
-        if url is None:
-            url = f"sqlite:///{self.state_dir / 'preloop.db'}"
+        url = default_store_url(self.state_dir, req.store_url)
         if req.local_runners == 0 and not url.startswith(("postgresql:", "postgres:")):
             raise UsageError(
                 "-j 0 runs nothing locally: it needs a PostgreSQL store (--store "
                 "postgresql://...) that `preloop runner` processes serve"
             )
-        return str(url)
+        return url
 
     async def prepare(self) -> tuple[Path, Plan]:
         req = self.request
@@ -320,6 +332,12 @@ class Engine:
             info = await anyio.to_thread.run_sync(store.get_run, run_id)
             jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
             conclusion = info.conclusion or ("cancelled" if self._interrupted else "failure")
+            if conclusion == "success" and any(
+                j.kind == "job" and j.conclusion == "cancelled" for j in jobs
+            ):
+                # The store concludes a run from failed jobs only; a job a
+                # runner cancelled (its SIGTERM) must not read as a success.
+                conclusion = "cancelled"
             return RunOutcome(
                 run_id=run_id,
                 workflow=planned.workflow,

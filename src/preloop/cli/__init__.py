@@ -6,6 +6,9 @@ from preloop.cli import (  # noqa: F401  (registration)
     config_cmd,
     du,
     plan,
+    run,
+    runner,
+    runs,
     snapshot,
 )
 from preloop.cli import fingerprint as _fingerprint  # noqa: F401  (registration)

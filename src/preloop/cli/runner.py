@@ -1,0 +1,90 @@
+"""`preloop runner`: a long-lived runner for other machines (PostgreSQL store).
+
+It claims jobs whose `runs-on` labels it has, checks out the run's snapshot
+from the path recorded with the run (the submitter's state directory, which
+must be mounted at the same path here: a shared filesystem), heartbeats its
+lease, and on SIGTERM/SIGINT cancels its job (killing its process groups),
+completes it as cancelled and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+from pathlib import Path
+
+import anyio
+import click
+
+from preloop import config
+from preloop.cli.app import cli
+from preloop.cli.run import parse_secrets
+from preloop.control import open_store
+from preloop.errors import UsageError
+from preloop.runner import Runner, RunnerOptions
+
+_REAP_EVERY = 10.0
+
+
+async def _serve(runner: Runner) -> None:
+    stop = anyio.Event()
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with anyio.create_task_group() as tg:
+
+            async def on_signal() -> None:
+                async for _ in signals:
+                    stop.set()
+                    return
+
+            async def reap() -> None:
+                # Jobs of runners that died are failed (or requeued) by the store.
+                while True:
+                    await anyio.to_thread.run_sync(runner.store.expire_leases)
+                    await anyio.sleep(_REAP_EVERY)
+
+            tg.start_soon(on_signal)
+            tg.start_soon(reap)
+            await runner.serve(stop)
+            tg.cancel_scope.cancel()
+
+
+@cli.command("runner")
+@click.option("--store", required=True, help="Store URL: postgresql://... shared with submitters.")
+@click.option("--labels", default="", help="Comma-separated extra labels (runs-on).")
+@click.option("--name", help="Runner name (default: host-pid).")
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Where job directories and logs go (default: $PRELOOP_STATE_DIR).",
+)
+@click.option("--secret", multiple=True, help="A secret NAME=VALUE (or NAME from the env).")
+@click.option("--sandbox", is_flag=True, help="Run each job under bubblewrap.")
+def runner_command(
+    store: str,
+    labels: str,
+    name: str | None,
+    state_dir: Path | None,
+    secret: tuple[str, ...],
+    sandbox: bool,
+) -> None:
+    """Run jobs from a shared store until SIGTERM (then cancel the job and exit 0)."""
+    if not store.startswith(("postgresql://", "postgres://")):
+        raise UsageError(
+            f"--store {store!r}: a runner on another machine needs the shared PostgreSQL "
+            "store (postgresql://...)"
+        )
+    state = (state_dir or config.state_dir()).absolute()
+    state.mkdir(parents=True, exist_ok=True)
+    options = RunnerOptions(
+        name=name or f"{socket.gethostname()}-{os.getpid()}",
+        labels=[lb.strip() for lb in labels.split(",") if lb.strip()],
+        state_dir=state,
+        secrets=parse_secrets(secret),
+        sandbox=sandbox,
+    )
+    with open_store(store) as db:
+        runner = Runner(db, options)
+        click.echo(f"runner {options.name}: waiting for jobs ({', '.join(runner.labels)})")
+        anyio.run(_serve, runner)
+        click.echo(f"runner {options.name}: stopped after {runner.jobs_run} jobs")

@@ -1,0 +1,139 @@
+"""`preloop status`, `preloop logs`, `preloop cancel`: runs in the store and
+their logs under the state directory."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from preloop import config
+from preloop.cli.app import cli, emit_json
+from preloop.control import Store, UnknownRun, open_store
+from preloop.engine import default_store_url
+from preloop.errors import PreloopError
+from preloop.runner.logs import job_ids_with_logs, log_path
+
+_store_option = click.option(
+    "--store", help="Store URL (default: $PRELOOP_STORE_URL, else the lite store)."
+)
+_state_option = click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="State directory (default: $PRELOOP_STATE_DIR).",
+)
+
+
+def _open(store: str | None, state_dir: Path | None) -> tuple[Store, Path]:
+    state = state_dir or config.state_dir()
+    return open_store(default_store_url(state, store)), state
+
+
+@cli.command("status")
+@click.argument("run_id", type=int, required=False)
+@_store_option
+@_state_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def status_command(
+    run_id: int | None, store: str | None, state_dir: Path | None, as_json: bool
+) -> None:
+    """Recent runs, or the jobs of RUN_ID."""
+    db, _ = _open(store, state_dir)
+    console = Console(highlight=False)
+    with db:
+        if run_id is None:
+            runs = db.list_runs()
+            if as_json:
+                emit_json([_run_dict(r) for r in runs])
+                return
+            table = Table("run", "workflow", "event", "status", "result")
+            for r in runs:
+                table.add_row(str(r.id), r.name, r.event, r.status, r.conclusion or "")
+            console.print(table)
+            return
+        info = db.get_run(run_id)
+        jobs = db.list_jobs(run_id)
+    if as_json:
+        emit_json(
+            {
+                **_run_dict(info),
+                "jobs": [
+                    {
+                        "id": j.id,
+                        "name": j.name,
+                        "kind": j.kind,
+                        "status": j.status,
+                        "result": j.conclusion,
+                        "outputs": j.outputs,
+                        "reason": j.reason,
+                        "runner": j.runner,
+                    }
+                    for j in jobs
+                ],
+            }
+        )
+        return
+    console.print(
+        f"run {info.id} · {info.name} · {info.event} · {info.status}"
+        + (f" · {info.conclusion}" if info.conclusion else ""),
+        markup=False,
+    )
+    table = Table("job", "status", "result", "runner", "reason")
+    for j in jobs:
+        table.add_row(j.name, j.status, j.conclusion or "", j.runner or "", j.reason or "")
+    console.print(table)
+
+
+def _run_dict(r: object) -> dict[str, object]:
+    fields = ("id", "workflow", "name", "event", "status", "conclusion", "cancel_requested")
+    return {f: getattr(r, f) for f in fields}
+
+
+@cli.command("logs")
+@click.argument("run_id", type=int)
+@click.argument("job", required=False)
+@_store_option
+@_state_option
+def logs_command(run_id: int, job: str | None, store: str | None, state_dir: Path | None) -> None:
+    """The log of JOB of RUN_ID (job id or name), or of every job, prefixed."""
+    db, state = _open(store, state_dir)
+    with db:
+        try:
+            db.get_run(run_id)
+            jobs = db.list_jobs(run_id)
+        except UnknownRun:
+            raise PreloopError(f"no run {run_id} in {db.url}: see `preloop status`") from None
+    have = set(job_ids_with_logs(state, run_id))
+    if job is not None:
+        match = [j for j in jobs if job in (j.id, j.name)]
+        if not match:
+            known = ", ".join(j.id for j in jobs if j.kind == "job")
+            raise PreloopError(f"run {run_id} has no job {job!r} (jobs: {known})")
+        target = match[0]
+        if target.id not in have:
+            raise PreloopError(
+                f"run {run_id} job {target.id!r} has no log under {state / 'logs'} "
+                f"(status {target.status}; a runner on another machine keeps its own)"
+            )
+        sys.stdout.write(log_path(state, run_id, target.id).read_text(errors="replace"))
+        return
+    for j in jobs:
+        if j.id not in have:
+            continue
+        for line in log_path(state, run_id, j.id).read_text(errors="replace").splitlines():
+            click.echo(f"[{j.name}] {line}")
+
+
+@cli.command("cancel")
+@click.argument("run_id", type=int)
+@_store_option
+@_state_option
+def cancel_command(run_id: int, store: str | None, state_dir: Path | None) -> None:
+    """Cancel RUN_ID: queued jobs are cancelled, running jobs are told to stop."""
+    db, _ = _open(store, state_dir)
+    with db:
+        changed = db.cancel_run(run_id)
+    click.echo(f"run {run_id}: " + ("cancel requested" if changed else "already ended"))

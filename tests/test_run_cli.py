@@ -1,0 +1,280 @@
+"""`preloop run`, `status`, `logs`, `cancel` and `runner` as processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.run_support import make_repo, workflow
+
+PRELOOP = [sys.executable, "-m", "preloop"]
+
+
+def _env(state: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRELOOP_")}
+    env.update(PRELOOP_STATE_DIR=str(state), **extra)
+    return env
+
+
+def preloop(
+    *args: str, cwd: Path, state: Path, check_code: int | None = None
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [*PRELOOP, *args], cwd=cwd, env=_env(state), capture_output=True, text=True, timeout=300
+    )
+    if check_code is not None:
+        assert proc.returncode == check_code, (proc.stdout, proc.stderr)
+    return proc
+
+
+def _exited(pidfd: int, wait: float = 30.0) -> bool:
+    readable, _, _ = select.select([pidfd], [], [], wait)
+    return bool(readable)
+
+
+def read_fifo(fifo: Path, procs: list[subprocess.Popen[str]], limit: float = 120.0) -> str:
+    """Waits for a line on `fifo`, failing early if one of `procs` exits."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        data = b""
+        waited = 0.0
+        while not data.endswith(b"\n"):
+            ready, _, _ = select.select([fd], [], [], 1.0)
+            waited += 1.0
+            if ready:
+                data += os.read(fd, 4096)
+            for p in procs:
+                assert p.poll() is None, f"process exited early: {p.args} -> {p.returncode}"
+            assert waited < limit, "no line on the fifo"
+        return data.decode().strip()
+    finally:
+        os.close(fd)
+
+
+HANG = """\
+    on: push
+    jobs:
+      hang:
+        runs-on: ubuntu-latest
+        steps:
+          - run: |
+              sleep 1000 &
+              echo "$$ $!" > {fifo}
+              wait
+    """
+
+
+def test_run_plain_output_summary_and_exit_codes(tmp_path: Path) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            name: CI
+            on: push
+            jobs:
+              build:
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo building
+              test:
+                needs: build
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo "::warning::flaky test"
+            """
+        ),
+    )
+    state = tmp_path / "state"
+    proc = preloop("run", cwd=repo, state=state, check_code=0)
+    assert "[build] building" in proc.stdout
+    assert "build" in proc.stdout and "✓ success" in proc.stdout
+    assert "warning: flaky test" in proc.stdout
+    (repo / ".github/workflows/ci.yml").write_text(
+        "on: push\njobs:\n  bad:\n    runs-on: ubuntu-latest\n    steps:\n      - run: exit 7\n"
+    )
+    proc = preloop("run", "--json", cwd=repo, state=state, check_code=1)
+    doc = json.loads(proc.stdout)
+    assert doc["conclusion"] == "failure"
+    assert [(j["id"], j["result"]) for j in doc["jobs"]] == [("bad", "failure")]
+    status = json.loads(preloop("status", "--json", cwd=repo, state=state, check_code=0).stdout)
+    assert [r["conclusion"] for r in status] == ["failure", "success"]
+    logs = preloop("logs", str(doc["run_id"]), "bad", cwd=repo, state=state, check_code=0)
+    assert "exit code 7" in logs.stdout
+    missing = preloop("logs", "999", cwd=repo, state=state, check_code=1)
+    assert "no run 999" in missing.stderr
+
+
+def test_bad_workflow_file_line_col_nothing_submitted(tmp_path: Path) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow("on: push\njobs:\n  a:\n    runs-on: ubuntu-latest\n    stepz: []\n"),
+    )
+    state = tmp_path / "state"
+    proc = preloop("run", cwd=repo, state=state, check_code=1)
+    assert ".github/workflows/ci.yml:5:5" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    status = json.loads(preloop("status", "--json", cwd=repo, state=state, check_code=0).stdout)
+    assert status == []
+
+
+def test_sigint_cancels_and_leaves_no_process(tmp_path: Path) -> None:
+    fifo = tmp_path / "pids.fifo"
+    os.mkfifo(fifo)
+    repo = make_repo(tmp_path / "repo", workflow(HANG.format(fifo=fifo)))
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [*PRELOOP, "run", "--json"],
+        cwd=repo,
+        env=_env(state),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        shell_pid, grandchild = (int(x) for x in read_fifo(fifo, [proc]).split())
+        pidfds = [os.pidfd_open(shell_pid), os.pidfd_open(grandchild)]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert all(_exited(fd) for fd in pidfds)
+    doc = json.loads(out)
+    assert doc["interrupted"] is True
+    assert [(j["id"], j["result"]) for j in doc["jobs"]] == [("hang", "cancelled")]
+    status = json.loads(
+        preloop("status", str(doc["run_id"]), "--json", cwd=repo, state=state).stdout
+    )
+    assert status["status"] == "completed"
+
+
+def test_cancel_command_stops_a_running_job(tmp_path: Path) -> None:
+    fifo = tmp_path / "pids.fifo"
+    os.mkfifo(fifo)
+    repo = make_repo(tmp_path / "repo", workflow(HANG.format(fifo=fifo)))
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [*PRELOOP, "run", "--json"],
+        cwd=repo,
+        env=_env(state),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, grandchild = (int(x) for x in read_fifo(fifo, [proc]).split())
+        pidfd = os.pidfd_open(grandchild)
+        runs = json.loads(preloop("status", "--json", cwd=repo, state=state).stdout)
+        out = preloop("cancel", str(runs[0]["id"]), cwd=repo, state=state, check_code=0)
+        assert "cancel requested" in out.stdout
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err
+    assert _exited(pidfd)
+    doc = json.loads(stdout)
+    assert doc["conclusion"] == "cancelled"
+
+
+@pytest.fixture
+def runners(pg_url: str, tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _start_runner(
+    procs: list[subprocess.Popen[str]], pg_url: str, state: Path, name: str
+) -> subprocess.Popen[str]:
+    p = subprocess.Popen(
+        [*PRELOOP, "runner", "--store", pg_url, "--name", name, "--labels", "big"],
+        env=_env(state),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    procs.append(p)
+    return p
+
+
+def test_two_runners_share_one_run_on_postgresql(
+    tmp_path: Path, pg_url: str, runners: list[subprocess.Popen[str]]
+) -> None:
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    # Each job waits for the other to have started: they can only both finish
+    # if two runners hold them at the same time.
+    script = (
+        f"touch {barrier}/${{{{ github.job }}}}\n"
+        f'until [ "$(ls {barrier} | wc -l)" -ge 2 ]; do sleep 0.05; done\n'
+        'echo "ran on $RUNNER_NAME"\n'
+    )
+    jobs = {
+        name: {
+            "runs-on": ["self-hosted", "big"],
+            "timeout-minutes": 2,
+            "steps": [{"run": script}],
+        }
+        for name in ("one", "two")
+    }
+    repo = make_repo(
+        tmp_path / "repo", workflow(json.dumps({"on": "push", "jobs": jobs}, indent=1))
+    )
+    state = tmp_path / "state"
+    a = _start_runner(runners, pg_url, state, "runner-a")
+    b = _start_runner(runners, pg_url, state, "runner-b")
+    proc = preloop("run", "-j", "0", "--store", pg_url, "--json", cwd=repo, state=state)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    doc = json.loads(proc.stdout)
+    assert {j["runner"] for j in doc["jobs"]} == {"runner-a", "runner-b"}
+    for p in (a, b):
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        assert "stopped after 1 jobs" in out
+
+
+def test_runner_sigterm_cancels_its_job_and_exits_zero(
+    tmp_path: Path, pg_url: str, runners: list[subprocess.Popen[str]]
+) -> None:
+    fifo = tmp_path / "pids.fifo"
+    os.mkfifo(fifo)
+    repo = make_repo(tmp_path / "repo", workflow(HANG.format(fifo=fifo)))
+    state = tmp_path / "state"
+    runner = _start_runner(runners, pg_url, state, "runner-x")
+    run = subprocess.Popen(
+        [*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"],
+        cwd=repo,
+        env=_env(state),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    runners.append(run)
+    shell_pid, grandchild = (int(x) for x in read_fifo(fifo, [runner, run]).split())
+    pidfds = [os.pidfd_open(shell_pid), os.pidfd_open(grandchild)]
+    runner.send_signal(signal.SIGTERM)
+    _, err = runner.communicate(timeout=60)
+    assert runner.returncode == 0, err
+    assert all(_exited(fd) for fd in pidfds)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 1, err
+    doc = json.loads(out)
+    assert [(j["id"], j["result"]) for j in doc["jobs"]] == [("hang", "cancelled")]
+    assert doc["conclusion"] == "cancelled"

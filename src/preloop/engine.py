@@ -42,7 +42,12 @@ from preloop.control import JobInfo, Lease, Store, open_store
 from preloop.errors import PreloopError, UsageError
 from preloop.process import CommandFailed, run_command
 from preloop.runner import DEFAULT_LABELS, JobEvents, JobResult, Runner, RunnerOptions
-from preloop.runner.checkout import SNAPSHOT_CONTEXT_KEY, SnapshotLocation
+from preloop.runner.checkout import (
+    SNAPSHOT_CONTEXT_KEY,
+    CheckoutTemplates,
+    SnapshotLocation,
+    sweep_work_dir,
+)
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
 from preloop.workflow import Plan, load_workflow, plan, workflow_files
 
@@ -304,6 +309,7 @@ class Engine:
         store_url = self.store_url()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
+        await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir / "work")
         run_key = f"run-{uuid.uuid4().hex[:16]}"
         snap = await capture_workspace(self.state_dir, root, run_key)
         store = await anyio.to_thread.run_sync(open_store, store_url)
@@ -393,6 +399,7 @@ class Engine:
         count = req.local_runners if req.local_runners is not None else (os.cpu_count() or 1)
         done = anyio.Event()
         events = self._job_events()
+        templates = CheckoutTemplates(self.state_dir / "work")
 
         async def local_runner(index: int) -> None:
             runner = Runner(
@@ -405,6 +412,7 @@ class Engine:
                     sandbox=req.sandbox,
                 ),
                 events,
+                templates,
             )
             while not done.is_set():
                 lease = await runner.claim()
@@ -427,15 +435,18 @@ class Engine:
             done.set()
             self._wake()
 
-        with anyio.CancelScope() as scope:
-            self._runners_scope = scope
-            if self._interrupted:
-                scope.cancel()
-            async with anyio.create_task_group() as tg:
-                for i in range(count):
-                    tg.start_soon(local_runner, i)
-                await watch()
-        self._runners_scope = None
+        try:
+            with anyio.CancelScope() as scope:
+                self._runners_scope = scope
+                if self._interrupted:
+                    scope.cancel()
+                async with anyio.create_task_group() as tg:
+                    for i in range(count):
+                        tg.start_soon(local_runner, i)
+                    await watch()
+        finally:
+            self._runners_scope = None
+            templates.close()
 
     async def _settle_cancelled(self, store: Store, run_id: int) -> None:
         """After Ctrl-C: cancels the run and ends every job that did not end."""

@@ -23,6 +23,7 @@ from preloop.cli.run import parse_secrets
 from preloop.control import open_store
 from preloop.errors import UsageError
 from preloop.runner import Runner, RunnerOptions
+from preloop.runner.checkout import sweep_work_dir
 
 _REAP_EVERY = 10.0
 
@@ -83,8 +84,12 @@ def runner_command(
         secrets=parse_secrets(secret),
         sandbox=sandbox,
     )
+    sweep_work_dir(state / "work")
     with open_store(store) as db:
         runner = Runner(db, options)
         click.echo(f"runner {options.name}: waiting for jobs ({', '.join(runner.labels)})")
-        anyio.run(_serve, runner)
+        try:
+            anyio.run(_serve, runner)
+        finally:
+            runner.templates.close()
         click.echo(f"runner {options.name}: stopped after {runner.jobs_run} jobs")

@@ -14,14 +14,27 @@ remote runners; nothing is served over the network.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from preloop.errors import PreloopError
 from preloop.process import CommandFailed, run_command
 
-__all__ = ["SNAPSHOT_CONTEXT_KEY", "CheckoutError", "SnapshotLocation", "checkout_snapshot"]
+__all__ = [
+    "SNAPSHOT_CONTEXT_KEY",
+    "CheckoutError",
+    "CheckoutTemplates",
+    "SnapshotLocation",
+    "checkout_snapshot",
+    "sweep_work_dir",
+]
 
 SNAPSHOT_CONTEXT_KEY = "preloop_snapshot"
 _CHECKOUT_TIMEOUT = 600.0
@@ -70,6 +83,7 @@ async def checkout_snapshot(location: SnapshotLocation, dest: Path, where: str) 
                 "-q",
                 "--shared",
                 "--no-tags",
+                "--template=",  # no sample hooks: fewer files to copy per job
                 "-b",
                 location.branch,
                 location.repository,
@@ -79,3 +93,96 @@ async def checkout_snapshot(location: SnapshotLocation, dest: Path, where: str) 
         )
     except CommandFailed as exc:
         raise CheckoutError(f"{where}: checkout of the run's snapshot failed: {exc}") from None
+
+
+_KEEP_TEMPLATES = 4
+_INLINE_COPY_MAX = 256  # entries; larger checkouts are copied in a worker thread
+
+
+def _count_entries(root: Path, limit: int) -> int:
+    n = 0
+    for _, dirs, files in os.walk(root):
+        n += len(dirs) + len(files)
+        if n >= limit:
+            break
+    return n
+
+
+class CheckoutTemplates:
+    """One clone of each run's snapshot per process; each job gets a copy.
+
+    Copying a checkout is cheaper than cloning it again and gives
+    every job its own files. Templates live in `<work>/<pid>-template-*`
+    (the pid lets `sweep_work_dir` remove those of dead processes); at most
+    a few are kept, the least recent removed when not being copied."""
+
+    def __init__(self, work_dir: Path) -> None:
+        self.work_dir = work_dir
+        self._locks: dict[SnapshotLocation, anyio.Lock] = {}
+        self._paths: dict[SnapshotLocation, Path] = {}
+        self._copying: dict[SnapshotLocation, int] = {}
+        self._small: dict[SnapshotLocation, bool] = {}
+
+    async def checkout(self, location: SnapshotLocation, dest: Path, where: str) -> None:
+        lock = self._locks.setdefault(location, anyio.Lock())
+        async with lock:
+            template = self._paths.get(location)
+            if template is None:
+                template = self.work_dir / f"{os.getpid()}-template-{uuid.uuid4().hex[:12]}"
+                self.work_dir.mkdir(parents=True, exist_ok=True)
+                await checkout_snapshot(location, template, where)
+                self._paths[location] = template
+                self._small[location] = _count_entries(template, _INLINE_COPY_MAX) < (
+                    _INLINE_COPY_MAX
+                )
+                self._evict(keep=location)
+            self._copying[location] = self._copying.get(location, 0) + 1
+        try:
+            # In a worker thread rather than `cp`: no fork of this process.
+            await anyio.to_thread.run_sync(lambda: shutil.copytree(template, dest, symlinks=True))
+        except OSError as exc:
+            raise CheckoutError(f"{where}: copying the checkout failed: {exc}") from None
+        finally:
+            self._copying[location] -= 1
+
+    def _evict(self, keep: SnapshotLocation) -> None:
+        idle = [k for k in self._paths if k != keep and not self._copying.get(k)]
+        while len(self._paths) > _KEEP_TEMPLATES and idle:
+            old = idle.pop(0)
+            shutil.rmtree(self._paths.pop(old), ignore_errors=True)
+            self._locks.pop(old, None)
+            self._small.pop(old, None)
+
+    def close(self) -> None:
+        """Removes every template (the owner's runs have ended)."""
+        for path in self._paths.values():
+            shutil.rmtree(path, ignore_errors=True)
+        self._paths.clear()
+        self._locks.clear()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_work_dir(work_dir: Path) -> list[Path]:
+    """Removes job directories and templates of processes that died (a crashed
+    runner): entries are named `<pid>-...`."""
+    removed: list[Path] = []
+    try:
+        names = os.listdir(work_dir)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        head = name.split("-", 1)[0]
+        if head.isdigit() and not _pid_alive(int(head)):
+            with contextlib.suppress(OSError):
+                shutil.rmtree(work_dir / name)
+                removed.append(work_dir / name)
+    return removed

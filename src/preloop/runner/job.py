@@ -131,6 +131,33 @@ class _StepFailure(PreloopError):
     """A step that could not run (bad shell, missing directory, unsupported uses)."""
 
 
+def kill_tracked(tracking_id: str) -> int:
+    """SIGKILLs every process whose environment holds RUNNER_TRACKING_ID=`tracking_id`
+    (repeating until none is left, so children forked meanwhile go too).
+    Returns how many were killed."""
+    needle = f"RUNNER_TRACKING_ID={tracking_id}".encode() + b"\0"
+    me = os.getpid()
+    killed = 0
+    for _ in range(10):
+        found = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == me:
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as fh:
+                    environ = fh.read()
+            except OSError:
+                continue  # gone, or another user's
+            if needle in environ:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(entry), signal.SIGKILL)
+                    found += 1
+        killed += found
+        if not found:
+            break
+    return killed
+
+
 def _str(v: Any) -> str:
     return ex.coerce_string(v)
 
@@ -169,7 +196,10 @@ class _Execution:
         self.path_prepend: list[str] = []
         self.env_from_files: dict[str, str] = {}
         self.status = "success"  # the job status the next step's `if` sees
-        self.groups: set[int] = set()
+        # GitHub's runner marks every step process with RUNNER_TRACKING_ID and
+        # kills what still carries it when the job ends (orphans, daemons
+        # that left the step's process group).
+        self.tracking_id = f"preloop_{uuid.uuid4().hex}"
         self.commands_dir = host.temp / "_runner_file_commands"
         self.commands_dir.mkdir(parents=True, exist_ok=True)
         for value in secrets.values():
@@ -452,12 +482,8 @@ class _Execution:
     ) -> tuple[dict[str, str], str]:
         files = self.step_files()
         penv = self.process_env(env, files, scope)
-        # The step's process group id, recorded so that background processes
-        # it leaves behind are killed when the job ends.
-        pgid_file = self.host.temp / f"_pgid_{uuid.uuid4().hex[:12]}"
-        launcher = ["sh", "-c", 'echo $$ > "$0"; exec "$@"', str(pgid_file), *argv]
-        if self.host.wrap is not None:
-            launcher = self.host.wrap(launcher)
+        penv["RUNNER_TRACKING_ID"] = self.tracking_id
+        launcher = self.host.wrap(argv) if self.host.wrap is not None else argv
         parser = WorkflowCommandParser(self.masker, self.job_key, name)
 
         def on_line(raw: str) -> None:
@@ -483,8 +509,6 @@ class _Execution:
             self.log(
                 f"Error: the step timed out after {(timeout or 0) / 60:g} minutes and was killed"
             )
-        finally:
-            self.note_group(pgid_file)
         self.annotations.extend(parser.effects.annotations)
         outputs = dict(parser.effects.outputs)
         outputs.update(parse_env_file(files["GITHUB_OUTPUT"], f"{name}: GITHUB_OUTPUT"))
@@ -496,17 +520,9 @@ class _Execution:
             self.summary_parts.append(self.masker.mask(summary))
         return outputs, outcome
 
-    def note_group(self, pgid_file: Path) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.groups.add(int(pgid_file.read_text().strip()))
-            pgid_file.unlink()
-
     def kill_leftovers(self) -> None:
-        """Kills process groups steps left behind (GitHub's orphan cleanup)."""
-        for pgid in self.groups:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-        self.groups.clear()
+        """Kills processes steps left behind (GitHub's orphan cleanup)."""
+        kill_tracked(self.tracking_id)
 
     # -- uses --------------------------------------------------------------------
     async def run_uses(

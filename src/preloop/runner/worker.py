@@ -13,20 +13,22 @@ repeat until `stop` is set; an idle runner polls the store.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import anyio
 
 from preloop.control import Lease, Store, StoreError
 from preloop.errors import PreloopError
-from preloop.runner.checkout import SnapshotLocation, checkout_snapshot
+from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation
 from preloop.runner.commands import Annotation, Masker
 from preloop.runner.job import JobControl, JobHost, JobResult, execute_job
 from preloop.runner.logs import JobLog
@@ -71,6 +73,18 @@ class RunnerOptions:
     idle_poll: float = 0.5
 
 
+T = TypeVar("T")
+
+
+async def store_call(store: Store, fn: Callable[[], T]) -> T:
+    """Runs one store operation: inline on the lite store (a local SQLite
+    transaction takes about a millisecond, less than a worker-thread hop on a
+    busy machine), in a worker thread on PostgreSQL (network round trips)."""
+    if store.dialect == "lite":
+        return fn()
+    return await anyio.to_thread.run_sync(fn)
+
+
 def runnable_spec(lease: Lease, contexts: dict[str, Any]) -> dict[str, Any]:
     """The step spec of a leased job.
 
@@ -102,10 +116,18 @@ def _failure_result(reason: str) -> JobResult:
 
 
 class Runner:
-    def __init__(self, store: Store, options: RunnerOptions, events: JobEvents | None = None):
+    def __init__(
+        self,
+        store: Store,
+        options: RunnerOptions,
+        events: JobEvents | None = None,
+        templates: CheckoutTemplates | None = None,
+    ):
         self.store = store
         self.options = options
         self.events = events or JobEvents()
+        # Shared by the runners of one process; the owner closes it.
+        self.templates = templates or CheckoutTemplates(options.state_dir / "work")
         self.current: JobControl | None = None
         self.jobs_run = 0
 
@@ -115,8 +137,9 @@ class Runner:
 
     async def claim(self) -> Lease | None:
         opts = self.options
-        return await anyio.to_thread.run_sync(
-            lambda: self.store.claim_job(opts.name, self.labels, lease_seconds=opts.lease_seconds)
+        return await store_call(
+            self.store,
+            lambda: self.store.claim_job(opts.name, self.labels, lease_seconds=opts.lease_seconds),
         )
 
     async def _heartbeat(self, lease: Lease, control: JobControl) -> None:
@@ -124,8 +147,9 @@ class Runner:
         while True:
             await anyio.sleep(opts.heartbeat_interval)
             try:
-                beat = await anyio.to_thread.run_sync(
-                    lambda: self.store.heartbeat(lease, lease_seconds=opts.lease_seconds)
+                beat = await store_call(
+                    self.store,
+                    lambda: self.store.heartbeat(lease, lease_seconds=opts.lease_seconds),
                 )
             except StoreError as exc:
                 _log.warning(
@@ -145,7 +169,7 @@ class Runner:
         job_dir = (
             opts.state_dir
             / "work"
-            / f"{lease.run_id}-{quote(lease.job_id, safe='')}-{uuid.uuid4().hex[:8]}"
+            / f"{os.getpid()}-{lease.run_id}-{quote(lease.job_id, safe='')}-{uuid.uuid4().hex[:8]}"
         )
         log = JobLog(opts.state_dir, lease.run_id, lease.job_id)
         masker = Masker()
@@ -171,8 +195,9 @@ class Runner:
             with anyio.CancelScope(shield=True):
                 final = result or JobResult("cancelled", {}, [], [], "", "cancelled")
                 try:
-                    await anyio.to_thread.run_sync(
-                        lambda: self.store.complete_job(lease, final.conclusion, final.outputs)
+                    await store_call(
+                        self.store,
+                        lambda: self.store.complete_job(lease, final.conclusion, final.outputs),
                     )
                 except StoreError as exc:
                     line(f"preloop: the result could not be recorded: {exc}")
@@ -180,7 +205,10 @@ class Runner:
                 log.close()
                 self.current = None
                 self.jobs_run += 1
-                await anyio.to_thread.run_sync(lambda: shutil.rmtree(job_dir, ignore_errors=True))
+                # Removed in the background: the next claim need not wait.
+                threading.Thread(
+                    target=shutil.rmtree, args=(job_dir,), kwargs={"ignore_errors": True}
+                ).start()
                 if self.events.on_end is not None:
                     self.events.on_end(lease, final)
         return final
@@ -196,8 +224,8 @@ class Runner:
     ) -> JobResult:
         opts = self.options
         try:
-            contexts: dict[str, Any] = await anyio.to_thread.run_sync(
-                lambda: self.store.job_context(lease.run_id, lease.job_id)
+            contexts: dict[str, Any] = await store_call(
+                self.store, lambda: self.store.job_context(lease.run_id, lease.job_id)
             )
             github = dict(contexts.get("github") or {})
             location = SnapshotLocation.from_context(github, where)
@@ -212,7 +240,7 @@ class Runner:
             job_dir.mkdir(parents=True)
             temp.mkdir()
             started = time.monotonic()
-            await checkout_snapshot(location, workspace, where)
+            await self.templates.checkout(location, workspace, where)
             line(
                 f"checked out snapshot {location.commit[:12]} in {time.monotonic() - started:.2f}s"
             )

@@ -432,11 +432,16 @@ def test_background_process_left_by_a_step_is_killed_at_job_end(tmp_path: Path) 
 
     result, _ = run_job(
         tmp_path,
-        [{"run": 'sleep 1000 > /dev/null 2>&1 &\necho "bg=$!"'}, {"run": "echo second"}],
+        [
+            {"run": 'sleep 1000 > /dev/null 2>&1 &\necho "bg=$!"'},
+            # A daemon that left the step's process group (and session).
+            {"run": 'setsid sleep 1000 > /dev/null 2>&1 < /dev/null &\necho "bg=$!"'},
+            {"run": "echo third"},
+        ],
         on_line=on_line,
     )
     assert result.conclusion == "success"
-    assert len(pidfds) == 1 and _exited(pidfds[0])
+    assert len(pidfds) == 2 and all(_exited(fd) for fd in pidfds)
 
 
 def test_env_file_parsing() -> None:

@@ -140,7 +140,7 @@ cdef object _slots_exception(pl_slots_error *e):
         msg = (f"coordination directory {path} is not a directory; remove it so preloop can "
                f"recreate it ({_SHARING})")
     elif e.kind == PL_SLOTS_E_CREATE:
-        msg = (f"cannot create coordination entry {path}: {reason}. Its parent must be writable "
+        msg = (f"cannot create coordination entry {path}: {reason}. Its parent directory must exist and be writable "
                f"to create it (or run prepare_host_coordination() as a user who can); "
                f"{_SHARING}")
     elif e.kind == PL_SLOTS_E_LOCK:

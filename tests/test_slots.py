@@ -426,3 +426,12 @@ def test_unusable_entry_names_path_and_sharing_mode(public_tmp: Path) -> None:
     assert f"cannot open coordination entry {directory}/admission read-only" in result.stderr
     assert "Permission denied" in result.stderr
     assert "files mode 0666" in result.stderr
+
+
+def test_trailing_slash_names_the_same_directory(tmp_path: Path) -> None:
+    directory = tmp_path / "coordination"
+    _native.slots_prepare(f"{directory}/")
+    assert sorted(os.listdir(tmp_path)) == ["coordination"]
+    got = _native.slots_acquire(f"{directory}//", 4, False)
+    assert got is not None and got[1] == 0
+    os.close(got[0])

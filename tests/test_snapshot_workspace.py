@@ -326,7 +326,8 @@ def test_fixup_path_tracks_ignore_changes_and_reappearing_files(
     (ws / "a.txt").write_text("a changed\n")
     third = capture(state, ws, "c3")
     calls = log.read_text()
-    assert "update-index -z --index-info" in calls and "read-tree" not in calls
+    assert "check-ignore --no-index" in calls and "read-tree" not in calls
+    assert "update-index -z --index-info" in calls  # u.txt ignored now, keep.log is back
     assert third.tree == oracle_tree(ws, tmp_path)
     entries = listing(third)
     assert "u.txt" not in entries and "keep.log" in entries

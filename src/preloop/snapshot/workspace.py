@@ -34,10 +34,11 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import anyio
 
-from preloop.process import CommandFailed
+from preloop.process import CommandFailed, CommandResult
 from preloop.snapshot import layout
 from preloop.snapshot.cache import ensure_object_cache
 from preloop.snapshot.capture import (
@@ -58,6 +59,7 @@ from preloop.snapshot.index import (
     MAX_FIXUP_PATHS,
     MEMO_NAME,
     IndexBase,
+    TreeChange,
     changed_entries,
     copy_if_exists,
     read_trailer,
@@ -66,7 +68,13 @@ from preloop.snapshot.index import (
 from preloop.snapshot.permits import NamespacePermits, namespace_from_url
 from preloop.snapshot.work import CaptureFaults
 
-__all__ = ["SNAPSHOT_IDENTITY", "capture_workspace", "commit_env", "inspect_repository"]
+__all__ = [
+    "SNAPSHOT_IDENTITY",
+    "Repository",
+    "capture_workspace",
+    "commit_env",
+    "inspect_repository",
+]
 
 # Fixed identity and date: the same tree on the same parents is the same commit.
 SNAPSHOT_IDENTITY = {
@@ -97,39 +105,49 @@ class Repository:
     object_format: str
     head: str | None
     head_tree: str | None
+    origin_url: str | None
 
 
 async def inspect_repository(workspace: Path) -> Repository:
-    """Finds the repository of `workspace` (a work tree or a directory in one)."""
+    """Finds the repository of `workspace` (a work tree or a directory in one).
+    The three questions are asked concurrently: they are independent."""
     if not workspace.is_dir():
         raise SnapshotError(f"workspace {workspace} is not a directory: pass a git work tree")
     env = git_env()
-    result = await git(
-        [
-            "rev-parse",
-            "--path-format=absolute",
-            "--is-inside-work-tree",
-            "--show-toplevel",
-            "--absolute-git-dir",
-            "--git-common-dir",
-            "--git-path",
-            "objects",
-            "--show-object-format",
-        ],
-        env=env,
-        cwd=workspace,
-        check=False,
-    )
-    lines = result.stdout_text().splitlines()
-    if result.returncode != 0 or len(lines) != 6 or lines[0] != "true":
+    results: dict[str, CommandResult] = {}
+
+    async def ask(name: str, args: list[str]) -> None:
+        results[name] = await git(args, env=env, cwd=workspace, check=False)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                ask,
+                "where",
+                [
+                    "rev-parse",
+                    "--path-format=absolute",
+                    "--is-inside-work-tree",
+                    "--show-toplevel",
+                    "--absolute-git-dir",
+                    "--git-common-dir",
+                    "--git-path",
+                    "objects",
+                    "--show-object-format",
+                ],
+            )
+            tg.start_soon(ask, "head", ["rev-parse", "HEAD^{commit}", "HEAD^{tree}"])
+            tg.start_soon(ask, "origin", ["config", "--get", "remote.origin.url"])
+    except ExceptionGroup as group:  # one failed (git missing?): report it alone
+        raise group.exceptions[0] from None
+    where, head, origin = results["where"], results["head"], results["origin"]
+    lines = where.stdout_text().splitlines()
+    if where.returncode != 0 or len(lines) != 6 or lines[0] != "true":
         raise SnapshotError(
             f"workspace {workspace} is not inside a git work tree "
-            f"({result.stderr_text().strip() or 'bare repository'}): "
+            f"({where.stderr_text().strip() or 'bare repository'}): "
             "run `git init` there or pass the path of a checkout"
         )
-    head = await git(
-        ["rev-parse", "HEAD^{commit}", "HEAD^{tree}"], env=env, cwd=workspace, check=False
-    )
     head_commit: str | None
     head_tree: str | None
     if head.returncode == 0:
@@ -149,17 +167,8 @@ async def inspect_repository(workspace: Path) -> Repository:
         object_format=lines[5],
         head=head_commit,
         head_tree=head_tree,
+        origin_url=origin.stdout_text().strip() if origin.returncode == 0 else None,
     )
-
-
-async def default_namespace(repo: Repository) -> str:
-    """The owner in `remote.origin.url`, or `default`."""
-    result = await git(
-        ["config", "--get", "remote.origin.url"],
-        env=git_env({"GIT_DIR": str(repo.git_dir)}),
-        check=False,
-    )
-    return namespace_from_url(result.stdout_text().strip() if result.returncode == 0 else None)
 
 
 def _move_into_place(src: Path, dst: Path) -> None:
@@ -187,6 +196,54 @@ async def _workspace_index_tree(
     return result.stdout_text().strip()
 
 
+def _existing(toplevel: Path, paths: list[str]) -> list[str]:
+    return [p for p in paths if os.path.lexists(toplevel / p)]
+
+
+async def _fix_up(
+    cap: CaptureState, repo: Repository, env: dict[str, str], memo: IndexBase
+) -> None:
+    """Brings the persisted index's tracked set back to the workspace index's
+    (see `preloop.snapshot.index`), writing the index only when needed.
+
+    - Paths the last capture added (untracked then) may stay: `git add -A`
+      updates or removes them as it would untracked files, unless they are
+      ignored now; those (found with `check-ignore --no-index`) are removed.
+    - Paths the last capture dropped (deleted then) are restored only if they
+      exist again: if they are still missing, `git add -A` would drop them anyway.
+    """
+    info: list[str] = []
+    if memo.added:
+        ignored = await git(
+            ["check-ignore", "--no-index", "-z", "--stdin"],
+            env=env,
+            cwd=repo.toplevel,
+            stdin="".join(f"{p}\0" for p in memo.added).encode("utf-8", "surrogateescape"),
+            check=False,
+        )
+        if ignored.returncode not in (0, 1):
+            raise SnapshotError(
+                f"git check-ignore failed in {repo.toplevel}: {ignored.stderr_text().strip()}"
+            )
+        zero = "0" * (2 * HASH_BYTES[repo.object_format])
+        for path in ignored.stdout.decode("utf-8", "surrogateescape").split("\0"):
+            if path:
+                info.append(f"0 {zero}\t{path}\0")
+    if memo.dropped:
+        back = set(
+            await cap.work.run(
+                "stat-dropped", _existing, repo.toplevel, [p for _, _, p in memo.dropped]
+            )
+        )
+        info += [f"{mode} {oid}\t{path}\0" for mode, oid, path in memo.dropped if path in back]
+    if info:
+        await git(
+            ["update-index", "-z", "--index-info"],
+            env=env,
+            stdin="".join(info).encode("utf-8", "surrogateescape"),
+        )
+
+
 async def _prepare_index(
     cap: CaptureState,
     repo: Repository,
@@ -209,15 +266,7 @@ async def _prepare_index(
             else:
                 ws_tree = await _workspace_index_tree(cap, repo, env)
             if ws_tree is not None and ws_tree == memo.ws_tree:
-                zero = "0" * (2 * HASH_BYTES[fmt])
-                info = [f"0 {zero}\t{path}\0" for path in memo.added]
-                info += [f"{mode} {oid}\t{path}\0" for mode, oid, path in memo.dropped]
-                if info:
-                    await git(
-                        ["update-index", "-z", "--index-info"],
-                        env=env,
-                        stdin="".join(info).encode("utf-8", "surrogateescape"),
-                    )
+                await _fix_up(cap, repo, env, memo)
                 return ws_tree
         if ws_tree is None:
             ws_tree = await _workspace_index_tree(cap, repo, env)
@@ -341,11 +390,26 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
     commit_args = ["commit-tree", "--no-gpg-sign", tree, "-m", "preloop snapshot"]
     for parent in parents:
         commit_args += ["-p", parent]
-    commit = (await git(commit_args, env=commit_env(env))).stdout_text().strip()
     # Objects git found in the workspace's store were not written to the cache:
-    # copy those the new tree needs (HEAD's are in the cache already).
+    # copy those the new tree needs (HEAD's are in the cache already). The
+    # tree diff and the commit are independent: run them together.
     head_tree = repo.head_tree or EMPTY_TREE[fmt]
-    changes = await changed_entries(env, head_tree, tree, trees=True)
+    done: dict[str, object] = {}
+
+    async def make_commit() -> None:
+        done["commit"] = (await git(commit_args, env=commit_env(env))).stdout_text().strip()
+
+    async def diff() -> None:
+        done["changes"] = await changed_entries(env, head_tree, tree, trees=True)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(make_commit)
+            tg.start_soon(diff)
+    except ExceptionGroup as group:
+        raise group.exceptions[0] from None
+    commit = str(done["commit"])
+    changes = cast(list[TreeChange], done["changes"])
     new_objects = {
         c.new_oid for c in changes if c.status in ("A", "M", "T") and c.new_mode != "160000"
     }
@@ -420,7 +484,7 @@ async def capture_workspace(
         with anyio.fail_after(limits.timeout):
             repo = await inspect_repository(workspace)
             if namespace is None:
-                namespace = await default_namespace(repo)
+                namespace = namespace_from_url(repo.origin_url)
     except TimeoutError:
         raise SnapshotCaptureTimeout(run_id, limits.timeout, []) from None
     return await run_capture(

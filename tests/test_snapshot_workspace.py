@@ -97,6 +97,8 @@ def workspace(tmp_path: Path) -> Path:
     (ws / "staged.txt").write_text("staged\n")
     git("add", "staged.txt", cwd=ws)
     (ws / "staged.txt").write_text("staged, then changed again\n")
+    (ws / "staged-only.txt").write_text("staged, blob only in the workspace's objects\n")
+    git("add", "staged-only.txt", cwd=ws)
     (ws / "untracked.txt").write_text("untracked\n")
     (ws / "dir/untracked2.txt").write_text("untracked too\n")
     (ws / "crlf.txt").write_bytes(b"one\r\ntwo\r\n")
@@ -127,6 +129,7 @@ def test_snapshot_is_what_git_add_all_stages(tmp_path: Path, workspace: Path) ->
         "a.txt",
         "dir/b.txt",
         "staged.txt",
+        "staged-only.txt",
         "untracked.txt",
         "dir/untracked2.txt",
         "build/keep.txt",
@@ -213,10 +216,16 @@ def test_unborn_head(tmp_path: Path) -> None:
     ).split() == [snap.commit]
     assert set(listing(snap)) == {"a.txt", "b/c.txt"}
     assert snap.tree == oracle_tree(ws, tmp_path)
+    # The staged blob existed only in the workspace's objects: it was copied.
+    git("fsck", "--strict", "--no-dangling", cwd=snap.repository)
     # Warm capture of an unborn repository too.
     (ws / "d.txt").write_text("d\n")
+    (ws / "e.txt").write_text("staged after the cache was made\n")
+    git("add", "e.txt", cwd=ws)
     again = capture(tmp_path / "state", ws, "unborn-2")
-    assert set(listing(again)) == {"a.txt", "b/c.txt", "d.txt"}
+    assert set(listing(again)) == {"a.txt", "b/c.txt", "d.txt", "e.txt"}
+    # e.txt's blob was only in the workspace's objects: it was copied.
+    git("fsck", "--strict", "--no-dangling", cwd=again.repository)
 
 
 def test_linked_worktree(tmp_path: Path) -> None:

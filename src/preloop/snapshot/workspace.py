@@ -66,7 +66,7 @@ from preloop.snapshot.index import (
     remove_if_exists,
 )
 from preloop.snapshot.permits import NamespacePermits, namespace_from_url
-from preloop.snapshot.work import CaptureFaults
+from preloop.snapshot.work import BlockingWork, CaptureFaults
 
 __all__ = [
     "SNAPSHOT_IDENTITY",
@@ -134,31 +134,32 @@ async def inspect_repository(workspace: Path) -> Repository:
                     "--git-path",
                     "objects",
                     "--show-object-format",
+                    "HEAD^{commit}",
+                    "HEAD^{tree}",
                 ],
             )
-            tg.start_soon(ask, "head", ["rev-parse", "HEAD^{commit}", "HEAD^{tree}"])
             tg.start_soon(ask, "origin", ["config", "--get", "remote.origin.url"])
     except ExceptionGroup as group:  # one failed (git missing?): report it alone
         raise group.exceptions[0] from None
-    where, head, origin = results["where"], results["head"], results["origin"]
+    where, origin = results["where"], results["origin"]
     lines = where.stdout_text().splitlines()
-    if where.returncode != 0 or len(lines) != 6 or lines[0] != "true":
+    # The flags print before HEAD is resolved: an unborn HEAD leaves them intact.
+    unborn = where.returncode != 0 and "unknown revision" in where.stderr_text()
+    if len(lines) < 6 or lines[0] != "true" or (where.returncode != 0 and not unborn):
         raise SnapshotError(
             f"workspace {workspace} is not inside a git work tree "
             f"({where.stderr_text().strip() or 'bare repository'}): "
             "run `git init` there or pass the path of a checkout"
         )
-    head_commit: str | None
-    head_tree: str | None
-    if head.returncode == 0:
-        head_commit, head_tree = head.stdout_text().split()
-    elif "unknown revision" in head.stderr_text():
-        head_commit = head_tree = None  # unborn HEAD
-    else:
-        raise SnapshotError(
-            f"cannot resolve HEAD of {lines[1]}: {head.stderr_text().strip()}; "
-            "run `git fsck` in the repository"
-        )
+    head_commit: str | None = None
+    head_tree: str | None = None
+    if not unborn:
+        if len(lines) != 8:
+            raise SnapshotError(
+                f"cannot resolve HEAD of {lines[1]}: {where.stderr_text().strip()}; "
+                "run `git fsck` in the repository"
+            )
+        head_commit, head_tree = lines[6], lines[7]
     return Repository(
         toplevel=Path(lines[1]),
         git_dir=Path(lines[2]),
@@ -294,11 +295,17 @@ async def _drop_unregistered_repositories(
     return paths
 
 
+def _not_loose(objects: Path, oids: set[str]) -> set[str]:
+    return {o for o in oids if not os.path.exists(objects / o[:2] / o[2:])}
+
+
 async def copy_missing_objects(
-    cache_repository: Path, source_git_dir: Path, oids: set[str], what: str
+    cache_repository: Path, source_git_dir: Path, oids: set[str], what: str, work: BlockingWork
 ) -> int:
     """Copies those of `oids` that the cache lacks from the source repository
     (one pack); returns how many. `what` names the snapshot in errors."""
+    # Objects git just wrote are loose in the cache: only the others need asking.
+    oids = await work.run("stat-objects", _not_loose, cache_repository / "objects", oids)
     if not oids:
         return 0
     cache_env = git_env({"GIT_DIR": str(cache_repository)})
@@ -322,7 +329,7 @@ async def copy_missing_objects(
             f"{cache_repository} nor the repository {source_git_dir} has ({exc}); "
             "run `git fsck` in the repository"
         ) from None
-    await git(["index-pack", "--stdin", "--quiet"], env=cache_env, stdin=pack.stdout)
+    await git(["index-pack", "--stdin"], env=cache_env, stdin=pack.stdout)
     return len(missing)
 
 
@@ -415,7 +422,7 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
     }
     new_objects.add(commit)
     await copy_missing_objects(
-        entry.repository, repo.git_dir, new_objects, f"snapshot of run {cap.run_id}"
+        entry.repository, repo.git_dir, new_objects, f"snapshot of run {cap.run_id}", cap.work
     )
     memo: IndexBase | None = None
     if ws_tree is not None:

@@ -79,6 +79,7 @@ from preloop.snapshot.references import (
     CacheReferences,
     snapshot_object_cache_references,
 )
+from preloop.snapshot.sweep import SweepReport, sweep_workspace_snapshots
 
 __all__ = [
     "MAX_BYTES_KNOB",
@@ -98,6 +99,7 @@ __all__ = [
     "prune_snapshot_object_cache_sync",
     "request_object_cache_prune",
     "start_object_cache_prune",
+    "startup_snapshot_maintenance",
 ]
 
 MAX_BYTES_KNOB = "PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES"
@@ -837,6 +839,24 @@ def start_object_cache_prune(
 
     task_group.start_soon(task, name=f"object-cache prune {state_dir}")
     return True
+
+
+async def startup_snapshot_maintenance(
+    state_dir: Path,
+    task_group: anyio.abc.TaskGroup,
+    max_bytes: int | None = None,
+    sweep: SnapshotObjectCacheSweep | None = None,
+    *,
+    on_done: Callable[[PruneReport], None] | None = None,
+) -> tuple[SweepReport, bool]:
+    """Startup: `sweep_workspace_snapshots` first (in a worker thread), because
+    removing the leftovers of dead captures drops their references and lets the
+    prune reclaim what only they used; then the object-cache prune is started in
+    `task_group` (`start_object_cache_prune`). Returns the sweep report and
+    whether the prune was started."""
+    report = await anyio.to_thread.run_sync(sweep_workspace_snapshots, Path(state_dir))
+    started = start_object_cache_prune(task_group, state_dir, max_bytes, sweep, on_done=on_done)
+    return report, started
 
 
 def request_object_cache_prune(

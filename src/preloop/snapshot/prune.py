@@ -27,10 +27,11 @@ leftovers and are removed under the lock) and no run repository's
 (see `preloop.snapshot.references`). Anything unreadable in that state aborts
 the whole eviction (fail closed); only ENOENT means "absent".
 
-**Removal** renames `<key>.git` to a private `.evicting-<key>-<pid>-<nonce>`
-directory while the lock is held, removes the sidecars, then deletes the renamed
-tree after the lock is released. A crash leaves at worst that private directory,
-which the next prune removes once its process is gone. Only bytes really removed
+**Removal** unlinks the sidecars and renames `<key>.git` to a private
+`.evicting-<key>-<pid>-<nonce>` directory while the lock is held, then deletes
+the renamed tree after the lock is released. A crash leaves at worst an intact
+repository without sidecars or that private directory, which the next prune
+removes once its process is gone. Only bytes really removed
 are subtracted from the total; a removal that fails part-way is reported as
 partial, and eviction stops as soon as the total is at or below the cap.
 
@@ -79,6 +80,7 @@ from preloop.snapshot.references import (
     CacheReferences,
     snapshot_object_cache_references,
 )
+from preloop.snapshot.sweep import SweepReport, sweep_workspace_snapshots
 
 __all__ = [
     "MAX_BYTES_KNOB",
@@ -98,6 +100,7 @@ __all__ = [
     "prune_snapshot_object_cache_sync",
     "request_object_cache_prune",
     "start_object_cache_prune",
+    "startup_snapshot_maintenance",
 ]
 
 MAX_BYTES_KNOB = "PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES"
@@ -225,7 +228,9 @@ class SnapshotObjectCacheSweep:
     worker thread after the prune was cancelled) holds its own ownership through
     `SweepPermit.hold()`; the guard is free only when every owner has released.
     Thread-safe. `for_state_dir` gives the process-wide guard of a state
-    directory (by real path); separate instances are independent."""
+    directory (by real path); separate instances are independent. The guard is
+    per process: prunes in different processes may overlap, which the per-entry
+    locks keep safe."""
 
     _registry: ClassVar[dict[str, SnapshotObjectCacheSweep]] = {}
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
@@ -594,6 +599,17 @@ def _retire(run: _Run, usage: CacheEntryUsage) -> None:
             run.evicted.append(EvictedEntry(key, usage.total_bytes, usage.total_bytes))
             run.total -= usage.total_bytes
             return
+        # Sidecars first: if we die before the repository is moved aside, what
+        # remains is an intact repository without sidecars, which the next
+        # capture simply refreshes (a cold index, a fetch check).
+        for sidecar in (
+            layout.cache_index_path(run.state_dir, key),
+            layout.cache_last_head_path(run.state_dir, key),
+        ):
+            n, err = _unlink_counted(sidecar)
+            freed += n
+            if err:
+                errors.append(err)
         repo = layout.cache_repository(run.state_dir, key)
         candidate = layout.cache_dir(run.state_dir) / (
             f"{TRASH_PREFIX}{key}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -610,17 +626,6 @@ def _retire(run: _Run, usage: CacheEntryUsage) -> None:
         if trash is None:
             with _active_trash_lock:
                 _active_trash.discard(str(candidate))
-        if not errors:
-            # Sidecars go only with their repository: a left-behind .last-head
-            # without .git is harmless, a .git whose sidecars vanished is not.
-            for sidecar in (
-                layout.cache_index_path(run.state_dir, key),
-                layout.cache_last_head_path(run.state_dir, key),
-            ):
-                n, err = _unlink_counted(sidecar)
-                freed += n
-                if err:
-                    errors.append(err)
     if trash is not None:
         try:
             if run.hooks.before_remove is not None:
@@ -839,6 +844,24 @@ def start_object_cache_prune(
     return True
 
 
+async def startup_snapshot_maintenance(
+    state_dir: Path,
+    task_group: anyio.abc.TaskGroup,
+    max_bytes: int | None = None,
+    sweep: SnapshotObjectCacheSweep | None = None,
+    *,
+    on_done: Callable[[PruneReport], None] | None = None,
+) -> tuple[SweepReport, bool]:
+    """Startup: `sweep_workspace_snapshots` first (in a worker thread), because
+    removing the leftovers of dead captures drops their references and lets the
+    prune reclaim what only they used; then the object-cache prune is started in
+    `task_group` (`start_object_cache_prune`). Returns the sweep report and
+    whether the prune was started."""
+    report = await anyio.to_thread.run_sync(sweep_workspace_snapshots, Path(state_dir))
+    started = start_object_cache_prune(task_group, state_dir, max_bytes, sweep, on_done=on_done)
+    return report, started
+
+
 def request_object_cache_prune(
     state_dir: Path,
     max_bytes: int | None = None,
@@ -864,7 +887,9 @@ def request_object_cache_prune(
         finally:
             permit.release()
 
-    thread = threading.Thread(target=body, name=f"object-cache prune {state_dir}")
+    # A daemon thread does not hold up the exit of a short-lived process: the
+    # prune is crash safe (see the module docstring), so dying mid-way is fine.
+    thread = threading.Thread(target=body, name=f"object-cache prune {state_dir}", daemon=True)
     try:
         thread.start()
     except BaseException:

@@ -133,6 +133,18 @@ STEP_KEYS = frozenset(
 )
 RUN_ONLY = ("shell", "working-directory")
 USES_ONLY = ("with",)
+_REF_FILTERS = frozenset(
+    ["branches", "branches-ignore", "tags", "tags-ignore", "paths", "paths-ignore"]
+)
+_TYPES_ONLY = frozenset(["types"])
+_PR_FILTERS = (_REF_FILTERS - {"tags", "tags-ignore"}) | _TYPES_ONLY
+_EVENT_FILTERS = {
+    "push": _REF_FILTERS,
+    "pull_request": _PR_FILTERS,
+    "pull_request_target": _PR_FILTERS,
+    "workflow_dispatch": frozenset(["inputs"]),
+    "workflow_run": frozenset(["workflows", "types", "branches", "branches-ignore"]),
+}
 _JOB_ID = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
@@ -147,9 +159,9 @@ class WorkflowError(PreloopError):
 
 def _order(
     diags: list[Diagnostic], primary: str | None
-) -> Callable[[Diagnostic], tuple[int, str, int, int]]:
+) -> Callable[[Diagnostic], tuple[int, str, int, int, int]]:
     first_path = primary if primary is not None else (diags[0].path if diags else "")
-    return lambda d: (d.path != first_path, d.path, d.line, d.column)
+    return lambda d: (d.path != first_path, d.path, d.phase, d.line, d.column)
 
 
 def workflow_files(root: str | os.PathLike[str]) -> list[Path]:
@@ -228,6 +240,10 @@ class _Reader:
     # -- helpers ------------------------------------------------------------
     def err(self, node: YNode | YScalar, message: str) -> None:
         self.errors.append(Diagnostic(self.path, node.line, node.column, message))
+
+    def err2(self, node: YNode | YScalar, message: str) -> None:
+        """An error about how parts relate (second pass, see Diagnostic.phase)."""
+        self.errors.append(Diagnostic(self.path, node.line, node.column, message, phase=1))
 
     def mapping(self, node: YNode, what: str) -> YMap | None:
         if isinstance(node, YMap):
@@ -440,6 +456,8 @@ class _Reader:
             if value is not None and not isinstance(value, YMap | YSeq):
                 self.err(value, f"the filters of event '{event}' must be a mapping")
                 continue
+            if isinstance(value, YMap) and event != "workflow_call":
+                self.keys(value, _EVENT_FILTERS.get(event, _TYPES_ONLY), f"event '{event}'")
             events[event] = plain(value) if value is not None else None
         return events, call, dispatch
 
@@ -568,11 +586,11 @@ class _Reader:
         ids = {j.id for j in jobs}
         if jobs and all(j.needs for j in jobs):
             # GitHub's rule, reported where GitHub reports it.
-            self.err(m, "the workflow must contain at least one job with no dependencies")
+            self.err2(m, "the workflow must contain at least one job with no dependencies")
         for job in jobs:
             for n in need_nodes.get(job.id, []):
                 if n.value not in ids:
-                    self.err(n, f"job '{job.id}' needs unknown job '{n.value}'")
+                    self.err2(n, f"job '{job.id}' needs unknown job '{n.value}'")
         # Cycles: depth-first search over the known edges.
         graph = {j.id: [n for n in j.needs if n in ids] for j in jobs}
         color: dict[str, int] = {}
@@ -602,7 +620,7 @@ class _Reader:
                             for src, dst in itertools.pairwise(cycle):
                                 for n in need_nodes.get(src, []):
                                     if n.value == dst:
-                                        self.err(n, text)
+                                        self.err2(n, text)
                 else:
                     color[node] = 2
                     path.pop()
@@ -822,7 +840,7 @@ class _Reader:
                     ex_node = m.get("exclude")
                     if isinstance(ex_node, YSeq):
                         where = ex_node.items[exc.where[1]]
-                self.err(where, f"job '{job_id}': {exc}")
+                self.err2(where, f"job '{job_id}': {exc}")
         return matrix
 
     def steps(self, node: YNode) -> tuple[Step, ...]:
@@ -936,17 +954,17 @@ class _Reader:
         secret_keys: dict[str, YScalar],
     ) -> Workflow | None:
         if not uses.startswith("./"):
-            self.err(
+            self.err2(
                 node,
                 f"reusable workflow '{uses}' is not local: preloop runs workflows from this "
                 "repository (`uses: ./.github/workflows/<file>.yml`)",
             )
             return None
         if "@" in uses:
-            self.err(node, f"a local reusable workflow takes no `@ref`: '{uses}'")
+            self.err2(node, f"a local reusable workflow takes no `@ref`: '{uses}'")
             return None
         if self.depth + 1 > MAX_REUSABLE_DEPTH:
-            self.err(
+            self.err2(
                 node,
                 f"reusable workflows nest at most {MAX_REUSABLE_DEPTH} levels deep "
                 f"(calling '{uses}' would be level {self.depth + 1})",
@@ -954,36 +972,36 @@ class _Reader:
             return None
         target = (self.state.repo / uses[2:]).resolve()
         if not target.is_file():
-            self.err(node, f"reusable workflow '{uses}' does not exist ({target})")
+            self.err2(node, f"reusable workflow '{uses}' does not exist ({target})")
             return None
         if target in self.state.stack:
-            self.err(node, f"reusable workflow '{uses}' calls itself (directly or indirectly)")
+            self.err2(node, f"reusable workflow '{uses}' calls itself (directly or indirectly)")
             return None
         before = len(self.state.errors)
         callee = _load(self.state, target, self.depth + 1, uses[2:])
         if callee is None:
             if len(self.state.errors) == before and target not in self.state.cache:
-                self.err(node, f"reusable workflow '{uses}' could not be loaded")
+                self.err2(node, f"reusable workflow '{uses}' could not be loaded")
             return None
         if callee.workflow_call is None:
-            self.err(node, f"'{uses}' is not a reusable workflow: it has no `on: workflow_call`")
+            self.err2(node, f"'{uses}' is not a reusable workflow: it has no `on: workflow_call`")
             return None
         decl = callee.workflow_call
         for name, key in with_keys.items():
             if name not in decl.inputs:
-                self.err(
+                self.err2(
                     key, f"input '{name}' is not declared by '{uses}' (on.workflow_call.inputs)"
                 )
         for name, spec in decl.inputs.items():
             if spec.get("required") is True and name not in with_ and "default" not in spec:
-                self.err(node, f"'{uses}' requires input '{name}', which `with` does not provide")
+                self.err2(node, f"'{uses}' requires input '{name}', which `with` does not provide")
         if secrets != "inherit":
             for name, key in secret_keys.items():
                 if name not in decl.secrets:
-                    self.err(key, f"secret '{name}' is not declared by '{uses}'")
+                    self.err2(key, f"secret '{name}' is not declared by '{uses}'")
             for name, spec in decl.secrets.items():
                 if spec.get("required") is True and name not in secret_keys:
-                    self.err(
+                    self.err2(
                         node, f"'{uses}' requires secret '{name}', which `secrets` does not pass"
                     )
         return callee

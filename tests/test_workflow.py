@@ -398,13 +398,15 @@ def test_every_error_reported_at_once(repo: Path) -> None:
             steps: [{run: "${{ 1 + }}"}]
         """,
     )
+    # The file's own problems first, then how its parts relate (GitHub's two
+    # passes), each in file order.
     assert [e.split(": ", 1)[0] for e in errs] == [
         ".github/workflows/w.yml:1:5",  # unknown event
         ".github/workflows/w.yml:4:5",  # no runs-on (at the job mapping)
-        ".github/workflows/w.yml:4:12",  # unknown need
         ".github/workflows/w.yml:6:9",  # step with neither
         ".github/workflows/w.yml:7:3",  # invalid job id
         ".github/workflows/w.yml:9:20",  # expression syntax, at its `${{`
+        ".github/workflows/w.yml:4:12",  # unknown need
     ]
 
 

@@ -587,3 +587,25 @@ def test_reusable_workflow_calling_itself(repo: Path) -> None:
         ".github/workflows/loop.yml:4:11: reusable workflow './.github/workflows/loop.yml' "
         "calls itself (directly or indirectly)"
     ]
+
+
+def test_local_action_must_exist(repo: Path) -> None:
+    (repo / "tools" / "setup").mkdir(parents=True)
+    (repo / "tools" / "setup" / "action.yml").write_text("runs: {using: composite, steps: []}\n")
+    errs = errors(
+        repo,
+        """
+        on: push
+        jobs:
+          a:
+            runs-on: x
+            steps:
+              - uses: ./tools/setup
+              - uses: ./tools/missing
+              - uses: actions/checkout@v4
+        """,
+    )
+    assert len(errs) == 1
+    assert errs[0].startswith(
+        ".github/workflows/w.yml:7:15: local action './tools/missing' has no action.yml"
+    )

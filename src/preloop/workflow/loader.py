@@ -888,6 +888,9 @@ class _Reader:
                     with_[str(k.value)] = v.value
                 else:
                     self.err(v, f"`with` value '{k.value}' must be a string, not {_kind(v)}")
+        uses_node = m.get("uses")
+        if isinstance(uses_node, YScalar) and isinstance(uses_node.value, str):
+            self.local_action(uses_node, uses_node.value)
         step_id = self.string(m.get("id"), "step `id`")
         if step_id is not None and not _JOB_ID.fullmatch(step_id):
             id_node = m.get("id")
@@ -913,6 +916,14 @@ class _Reader:
             ),
             timeout_minutes=timeout,
         )
+
+    def local_action(self, node: YScalar, uses: str) -> None:
+        """A local action (`uses: ./dir`) must have its action.yml."""
+        if not uses.startswith("./") or "${{" in uses:
+            return
+        target = self.state.repo / uses[2:]
+        if not any((target / name).is_file() for name in ("action.yml", "action.yaml")):
+            self.err2(node, f"local action '{uses}' has no action.yml ({target})")
 
     # -- reusable workflows -------------------------------------------------
     def caller(self, m: YMap, common: dict[str, Any]) -> Job | None:

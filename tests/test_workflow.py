@@ -609,3 +609,34 @@ def test_local_action_must_exist(repo: Path) -> None:
     assert errs[0].startswith(
         ".github/workflows/w.yml:7:15: local action './tools/missing' has no action.yml"
     )
+
+
+def test_context_availability(repo: Path) -> None:
+    errs = errors(
+        repo,
+        """
+        on: push
+        env:
+          A: ${{ secrets.TOKEN }}
+          B: ${{ matrix.os }}
+        jobs:
+          a:
+            runs-on: ${{ steps.x.outputs.label }}
+            if: ${{ hashFiles('x') != '' }}
+            outputs:
+              o: ${{ steps.s.outputs.o }}
+            steps:
+              - id: s
+                if: ${{ failure() || hashFiles('**/*.lock') != '' }}
+                run: echo ${{ secrets.TOKEN }} ${{ success() }}
+        """,
+    )
+    assert errs == [
+        ".github/workflows/w.yml:4:6: context 'matrix' is not available here (only github, "
+        "inputs, secrets, vars) in expression `matrix.os`",
+        ".github/workflows/w.yml:7:14: context 'steps' is not available here (only github, "
+        "inputs, matrix, needs, strategy, vars) in expression `steps.x.outputs.label`",
+        ".github/workflows/w.yml:8:9: function hashfiles() is not available here: "
+        "`hashFiles('x') != ''`",
+        ".github/workflows/w.yml:14:40: function success() is not available here: `success()`",
+    ]

@@ -166,7 +166,7 @@ class Doc:
         elif k == 13:
             job.set("continue-on-error", q(r, "maybe"), r)
         elif k == 14:
-            job.set("if", "${{ 1 + }}", r)
+            job.set("if", r.choice(["${{ 1 + }}", "${{ hashFiles('x') }}", "steps.a.outcome"]), r)
         elif k == 15:
             self.add_step(job, ["run: " + q(r, "echo ${{ foo.bar }}")])
         elif k == 16:
@@ -187,6 +187,9 @@ class Doc:
             job.set("strategy", "\n  fail-fast: " + q(r, "nope") + "\n  matrix:\n    os: linux", r)
         elif k == 21:
             job.set("runs-on", "dup", r)
+        elif k == 22 and r.random() < 0.5:
+            job.drop("runs-on")
+            job.set("runs-on", r.choice(["${{ steps.a.outputs.b }}", "${{ env.X }}"]), r)
         elif k == 22:
             self.root.insert(1, "defaults:\n  run:\n    shelll: bash")
         else:

@@ -8,10 +8,11 @@ Every problem is collected (nothing stops at the first) and reported as
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,20 @@ _EVENT_FILTERS = {
     "workflow_dispatch": frozenset(["inputs"]),
     "workflow_run": frozenset(["workflows", "types", "branches", "branches-ignore"]),
 }
+# Which contexts (and special functions) each kind of value may use: GitHub's
+# workflow schema ("Context availability" in the docs).
+_PLAN = frozenset(["github", "inputs", "vars"])
+_WF_ENV = _PLAN | {"secrets"}
+_WF_OUTPUT = _PLAN | {"jobs"}
+_STRATEGY = _PLAN | {"needs"}
+_JOB_IF = _STRATEGY
+_LEG = _STRATEGY | {"strategy", "matrix"}
+_JOB_ENV = _LEG | {"secrets"}
+_JOB_DEFAULTS = _LEG | {"env"}
+_RUNNER = _LEG | {"secrets", "steps", "job", "runner", "env"}
+_STEP_IF = _RUNNER - {"secrets"}
+_STATUS = frozenset(["success", "failure", "always", "cancelled"])
+_SPECIAL_FUNCTIONS = _STATUS | {"hashfiles"}
 _JOB_ID = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
@@ -236,6 +251,20 @@ class _Reader:
         self.depth = depth
         self.errors: list[Diagnostic] = []
         self.source = ""
+        self.allowed: frozenset[str] = ex.CONTEXT_NAMES
+        self.functions: frozenset[str] = _SPECIAL_FUNCTIONS
+
+    @contextlib.contextmanager
+    def using(
+        self, contexts: frozenset[str], functions: frozenset[str] = frozenset()
+    ) -> Iterator[None]:
+        """Values read inside may use only these contexts and special functions."""
+        saved = self.allowed, self.functions
+        self.allowed, self.functions = contexts, functions
+        try:
+            yield
+        finally:
+            self.allowed, self.functions = saved
 
     # -- helpers ------------------------------------------------------------
     def err(self, node: YNode | YScalar, message: str) -> None:
@@ -287,17 +316,37 @@ class _Reader:
                 self.check_expression(node, seg, k)
                 k += 1
 
-    def check_expression(self, node: YNode, expr: str, k: int = -1) -> None:
+    def check_expression(self, node: YNode, expr: str, k: int = -1, phase: int = 0) -> None:
         try:
             parsed = ex.parse(expr)
         except ex.ExpressionError as exc:
-            self.err_at(node, k, f"invalid expression `{expr}`: {exc.reason} (column {exc.column})")
+            self.err_at(
+                node, k, f"invalid expression `{expr}`: {exc.reason} (column {exc.column})", phase
+            )
             return
         unknown = sorted(parsed.contexts - ex.CONTEXT_NAMES)
         if unknown:
-            self.err_at(node, k, f"unrecognized named-value '{unknown[0]}' in expression `{expr}`")
+            self.err_at(
+                node, k, f"unrecognized named-value '{unknown[0]}' in expression `{expr}`", phase
+            )
+            return
+        unavailable = sorted(parsed.contexts - self.allowed)
+        if unavailable:
+            self.err_at(
+                node,
+                k,
+                f"context '{unavailable[0]}' is not available here (only "
+                f"{', '.join(sorted(self.allowed))}) in expression `{expr}`",
+                phase,
+            )
+            return
+        functions = sorted((parsed.functions & _SPECIAL_FUNCTIONS) - self.functions)
+        if functions:
+            self.err_at(
+                node, k, f"function {functions[0]}() is not available here: `{expr}`", phase
+            )
 
-    def err_at(self, node: YNode, k: int, message: str) -> None:
+    def err_at(self, node: YNode, k: int, message: str, phase: int = 0) -> None:
         """An error about the k-th `${{` of a scalar, placed where that `${{`
         is in the file (GitHub's convention); k < 0 means the scalar itself."""
         if isinstance(node, YScalar) and k >= 0 and 0 <= node.start < node.end:
@@ -311,9 +360,9 @@ class _Reader:
                 index = node.start + at
                 line = self.source.count("\n", 0, index) + 1
                 col = index - (self.source.rfind("\n", 0, index) + 1) + 1
-                self.errors.append(Diagnostic(self.path, line, col, message))
+                self.errors.append(Diagnostic(self.path, line, col, message, phase))
                 return
-        self.err(node, message)
+        self.errors.append(Diagnostic(self.path, node.line, node.column, message, phase))
 
     def bool_or_expr(self, node: YNode | None, what: str, default: bool) -> bool | str:
         if node is None:
@@ -397,11 +446,14 @@ class _Reader:
             self.err(m, "the workflow has no `on:` (which events trigger it)")
         else:
             on, call, dispatch = self.on(on_node)
-        name = self.string(m.get("name"), "`name`") or Path(self.path).name
-        run_name = self.string(m.get("run-name"), "`run-name`")
-        env = self.env(m.get("env"), "`env`")
-        defaults = self.defaults(m.get("defaults"))
-        conc = self.concurrency(m.get("concurrency"))
+        with self.using(frozenset()):
+            name = self.string(m.get("name"), "`name`") or Path(self.path).name
+        with self.using(_PLAN):
+            run_name = self.string(m.get("run-name"), "`run-name`")
+            defaults = self.defaults(m.get("defaults"))
+            conc = self.concurrency(m.get("concurrency"))
+        with self.using(_WF_ENV):
+            env = self.env(m.get("env"), "`env`")
         m_p = m.get("permissions")
         permissions = plain(m_p) if m_p is not None else None
         jobs_node = m.get("jobs")
@@ -490,6 +542,9 @@ class _Reader:
                     continue
                 self.keys(dm, allowed[section], f"`on.workflow_call.{section}.{k.value}`")
                 d = {str(dk.value): plain(dv) for dk, dv in dm.items}
+                if section == "inputs" and (default := dm.get("default")) is not None:
+                    with self.using(_PLAN):
+                        self.check_all_templates(default)
                 if section == "inputs":
                     t = d.get("type")
                     if t not in ("boolean", "number", "string"):
@@ -502,7 +557,8 @@ class _Reader:
                     if value is None:
                         self.err(dm, f"output '{k.value}' has no `value`")
                     else:
-                        self.string(value, f"output '{k.value}' value")
+                        with self.using(_WF_OUTPUT):
+                            self.string(value, f"output '{k.value}' value")
                 out[str(k.value)] = d
         return WorkflowCall(
             inputs=frozen_map(sections["inputs"]),
@@ -660,10 +716,13 @@ class _Reader:
                     need_nodes.setdefault(job_id, []).append(n)
                 else:
                     self.err(n, f"`needs` must name jobs (strings), not {_kind(n)}")
-        if_ = self.condition(m.get("if"))
-        name = self.string(m.get("name"), "`name`")
-        strategy = self.strategy(m.get("strategy"), job_id)
-        conc = self.concurrency(m.get("concurrency"))
+        with self.using(_JOB_IF, _STATUS):
+            if_ = self.condition(m.get("if"))
+        with self.using(_LEG):
+            name = self.string(m.get("name"), "`name`")
+            conc = self.concurrency(m.get("concurrency"))
+        with self.using(_STRATEGY):
+            strategy = self.strategy(m.get("strategy"), job_id)
         common: dict[str, Any] = dict(
             id=job_id,
             name=name,
@@ -677,7 +736,17 @@ class _Reader:
         )
         if is_caller:
             return self.caller(m, common)
-        runs_on = self.runs_on(m.get("runs-on"), m)
+        with self.using(_LEG):
+            runs_on = self.runs_on(m.get("runs-on"), m)
+            coe = self.bool_or_expr(m.get("continue-on-error"), "`continue-on-error`", False)
+            timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
+            for extra in ("container", "services", "environment"):
+                if (extra_node := m.get(extra)) is not None:
+                    self.check_all_templates(extra_node)
+        with self.using(_JOB_ENV):
+            env = self.env(m.get("env"), "`env`")
+        with self.using(_JOB_DEFAULTS):
+            defaults = self.defaults(m.get("defaults"))
         steps_node = m.get("steps")
         steps: tuple[Step, ...] = ()
         if steps_node is None:
@@ -688,26 +757,21 @@ class _Reader:
         out_node = m.get("outputs")
         if out_node is not None and (om := self.mapping(out_node, "`outputs`")) is not None:
             for k, v in om.items:
-                s = self.string(v, f"output '{k.value}'")
+                with self.using(_RUNNER):
+                    s = self.string(v, f"output '{k.value}'")
                 if s is not None:
                     outputs[str(k.value)] = s
-        timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
         services = m.get("services")
         if services is not None:
             self.mapping(services, "`services`")
-        for extra in ("container", "services", "environment"):
-            if (extra_node := m.get(extra)) is not None:
-                self.check_all_templates(extra_node)
         return Job(
             **common,
             runs_on=runs_on,
-            continue_on_error=self.bool_or_expr(
-                m.get("continue-on-error"), "`continue-on-error`", False
-            ),
+            continue_on_error=coe,
             timeout_minutes=timeout if timeout is not None else 360.0,
             outputs=frozen_map(outputs),
-            env=self.env(m.get("env"), "`env`"),
-            defaults_run=self.defaults(m.get("defaults")),
+            env=env,
+            defaults_run=defaults,
             steps=steps,
             container=plain(c) if (c := m.get("container")) is not None else None,
             services=frozen_map(plain(services))
@@ -734,7 +798,9 @@ class _Reader:
             if len(segs) == 1 and segs[0][0]:
                 return segs[0][1]
             return text
-        self.check_expression(node, text)
+        # A bare condition is checked in GitHub's second pass (when `if:` is
+        # converted), unlike a `${{ }}` template.
+        self.check_expression(node, text, phase=1)
         return text
 
     def runs_on(self, node: YNode | None, job: YMap) -> Any:
@@ -861,6 +927,10 @@ class _Reader:
         return tuple(steps)
 
     def step(self, node: YNode) -> Step | None:
+        with self.using(_RUNNER, frozenset({"hashfiles"})):
+            return self.read_step(node)
+
+    def read_step(self, node: YNode) -> Step | None:
         m = self.mapping(node, "a step")
         if m is None:
             return None
@@ -901,10 +971,12 @@ class _Reader:
                 "only letters, digits, '-' and '_'",
             )
         timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
+        with self.using(_STEP_IF, _SPECIAL_FUNCTIONS):
+            if_ = self.condition(m.get("if"))
         return Step(
             id=step_id,
             name=self.string(m.get("name"), "step `name`"),
-            if_=self.condition(m.get("if")),
+            if_=if_,
             run=self.string(m.get("run"), "`run`"),
             uses=self.string(m.get("uses"), "`uses`", allow_empty=False),
             with_=frozen_map(with_),
@@ -937,7 +1009,8 @@ class _Reader:
             for k, v in wm.items:
                 if isinstance(v, YScalar):
                     if isinstance(v.value, str):
-                        self.check_template(v, v.value)
+                        with self.using(_LEG):
+                            self.check_template(v, v.value)
                     with_[str(k.value)] = v.value
                     with_keys[str(k.value)] = k
                 else:
@@ -948,6 +1021,8 @@ class _Reader:
             if isinstance(s, YScalar) and s.value == "inherit":
                 secrets = "inherit"
             elif (sm := self.mapping(s, "`secrets`")) is not None:
+                with self.using(_LEG | {"secrets"}):
+                    self.check_all_templates(sm)
                 secrets = frozen_map({str(k.value): plain(v) for k, v in sm.items})
                 secret_keys = {str(k.value): k for k, _ in sm.items}
         callee = None

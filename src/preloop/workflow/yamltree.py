@@ -164,9 +164,7 @@ def _convert(node: yaml.Node, path: str, errors: list[Diagnostic], depth: int = 
             errors.append(
                 Diagnostic(path, key.line, key.column, f"'{key.value}' is already defined")
             )
-            # The later value wins (as in GitHub's parser), so errors about
-            # the value are not reported against the one it replaced.
-            items = [(k2, v2) for k2, v2 in items if k2.value != key.value]
+            continue  # the first value stands (and is the one validated)
         seen.add(key.value)
         items.append((key, value))
     return YMap(tuple(items), line, col)

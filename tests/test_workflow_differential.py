@@ -227,23 +227,9 @@ def repo(tmp_path: Path) -> Path:
     return tmp_path
 
 
+# Hand-written invalid workflows, one per file (tabs and all).
 HAND_WRITTEN = [
-    "on: push\njobs:\n  a:\n\truns-on: x\n",
-    "on: push\njobs:\n  a: [\n",
-    "on: push\njobs:\n  a:\n    runs-on: x\n    steps:\n      - run: |\n"
-    "          echo ${{ nope }}\n",
-    "on: push\njobs: {}\n",
-    "on: push\njobs:\n  1a:\n    runs-on: x\n    steps: [{run: echo}]\n",
-    "on: push\njobs:\n  a:\n    runs-on: x\n    steps: [{run: echo}]\n  b:\n"
-    "    needs: [a, c]\n    runs-on: x\n    steps: [{run: echo}]\n  c:\n    needs: b\n"
-    "    runs-on: x\n    steps: [{run: echo}]\n",
-    'on: push\njobs:\n  a:\n    runs-on: x\n    if: "${{ github.ref == }}"\n'
-    "    steps: [{run: echo}]\n",
-    "on: push\njobs:\n  a:\n    runs-on: {group: g, labelz: [x]}\n    steps: [{run: echo}]\n",
-    "on: push\njobs:\n  a:\n    runs-on: x\n    strategy:\n      matrix:\n"
-    "        include: 3\n    steps: [{run: echo}]\n",
-    "on:\n  workflow_call:\n    inputs:\n      x: {type: strin}\njobs:\n  a:\n"
-    "    runs-on: x\n    steps: [{run: echo}]\n",
+    p.read_text() for p in sorted((ROOT / "tests" / "data" / "invalid_workflows").glob("*.yml"))
 ]
 
 

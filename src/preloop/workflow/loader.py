@@ -132,6 +132,9 @@ STEP_KEYS = frozenset(
         "background",
     ]
 )
+_DISPATCH_TYPES = ("boolean", "choice", "number", "environment", "string")
+_CALLER_ONLY = CALLER_KEYS - JOB_KEYS
+_JOB_ONLY = JOB_KEYS - CALLER_KEYS
 RUN_ONLY = ("shell", "working-directory")
 USES_ONLY = ("with",)
 _REF_FILTERS = frozenset(
@@ -454,8 +457,7 @@ class _Reader:
             conc = self.concurrency(m.get("concurrency"))
         with self.using(_WF_ENV):
             env = self.env(m.get("env"), "`env`")
-        m_p = m.get("permissions")
-        permissions = plain(m_p) if m_p is not None else None
+        permissions = self.permissions(m.get("permissions"))
         jobs_node = m.get("jobs")
         jobs: tuple[Job, ...] = ()
         if jobs_node is None:
@@ -504,7 +506,12 @@ class _Reader:
             if event == "workflow_dispatch" and isinstance(value, YMap):
                 inputs = value.get("inputs")
                 if isinstance(inputs, YMap):
+                    self.dispatch_inputs(inputs)
                     dispatch = frozen_map({str(ik.value): plain(iv) for ik, iv in inputs.items})
+            if event == "schedule" and value is not None:
+                self.schedule(value)
+                events[event] = plain(value)
+                continue
             if value is not None and not isinstance(value, YMap | YSeq):
                 self.err(value, f"the filters of event '{event}' must be a mapping")
                 continue
@@ -512,6 +519,47 @@ class _Reader:
                 self.keys(value, _EVENT_FILTERS.get(event, _TYPES_ONLY), f"event '{event}'")
             events[event] = plain(value) if value is not None else None
         return events, call, dispatch
+
+    def dispatch_inputs(self, inputs: YMap) -> None:
+        allowed = frozenset(["description", "type", "required", "default", "options"])
+        for k, v in inputs.items:
+            if isinstance(v, YScalar) and v.value is None:
+                continue
+            dm = self.mapping(v, f"input '{k.value}'")
+            if dm is None:
+                continue
+            self.keys(dm, allowed, f"input '{k.value}'")
+            t = dm.get("type")
+            if t is not None and not (isinstance(t, YScalar) and t.value in _DISPATCH_TYPES):
+                self.err(t, f"input '{k.value}' type must be one of {', '.join(_DISPATCH_TYPES)}")
+
+    def schedule(self, node: YNode) -> None:
+        if not isinstance(node, YSeq):
+            self.err(node, f"`schedule` must be a list of {{cron: ...}}, not {_kind(node)}")
+            return
+        for entry in node.items:
+            em = self.mapping(entry, "a `schedule` entry")
+            if em is None:
+                continue
+            self.keys(em, frozenset(["cron"]), "a `schedule` entry")
+            if em.get("cron") is None:
+                self.err(em, "a `schedule` entry needs `cron`")
+            else:
+                self.string(em.get("cron"), "`cron`", allow_empty=False)
+
+    def permissions(self, node: YNode | None) -> Any:
+        if node is None:
+            return None
+        if isinstance(node, YScalar):
+            if node.value not in ("read-all", "write-all"):
+                self.err(node, "`permissions` must be read-all, write-all or a mapping")
+            return node.value
+        m = self.mapping(node, "`permissions`")
+        if m is not None:
+            for k, v in m.items:
+                if not (isinstance(v, YScalar) and v.value in ("read", "write", "none")):
+                    self.err(v, f"permission '{k.value}' must be read, write or none")
+        return plain(node)
 
     def workflow_call(self, node: YNode | None) -> WorkflowCall:
         if node is None:
@@ -690,7 +738,16 @@ class _Reader:
         m = self.mapping(node, f"job '{job_id}'")
         if m is None:
             return None
+        # Runner job or reusable-workflow caller? GitHub decides by the first
+        # key that only one of them has; `uses` decides when none does.
         is_caller = m.get("uses") is not None
+        for k, _ in m.items:
+            if k.value in _CALLER_ONLY:
+                is_caller = True
+                break
+            if k.value in _JOB_ONLY:
+                is_caller = False
+                break
         if is_caller:
             for k, _ in m.items:
                 if k.value not in CALLER_KEYS:
@@ -703,7 +760,15 @@ class _Reader:
                     else:
                         self.err(k, f"unknown key '{k.value}' in job '{job_id}'")
         else:
-            self.keys(m, JOB_KEYS, f"job '{job_id}'")
+            for k, _ in m.items:
+                if k.value in _CALLER_ONLY:
+                    self.err(
+                        k,
+                        f"job '{job_id}' runs steps on a runner and may not have "
+                        f"'{k.value}' (a reusable-workflow call is a job of its own)",
+                    )
+                elif k.value not in JOB_KEYS:
+                    self.err(k, f"unknown key '{k.value}' in job '{job_id}'")
         needs: list[str] = []
         needs_node = m.get("needs")
         if needs_node is not None:
@@ -730,7 +795,7 @@ class _Reader:
             if_=if_,
             strategy=strategy,
             concurrency=conc,
-            permissions=plain(m_p) if (m_p := m.get("permissions")) is not None else None,
+            permissions=self.permissions(m.get("permissions")),
             line=key.line,
             column=key.column,
         )
@@ -750,7 +815,7 @@ class _Reader:
         steps_node = m.get("steps")
         steps: tuple[Step, ...] = ()
         if steps_node is None:
-            self.err(m, f"job '{job_id}' has no `steps`")
+            self.err2(m, f"job '{job_id}' has no `steps`")
         else:
             steps = self.steps(steps_node)
         outputs: dict[str, str] = {}
@@ -773,12 +838,22 @@ class _Reader:
             env=env,
             defaults_run=defaults,
             steps=steps,
-            container=plain(c) if (c := m.get("container")) is not None else None,
+            container=self.container(m.get("container")),
             services=frozen_map(plain(services))
             if isinstance(services, YMap)
             else frozen_map(None),
             environment=plain(e) if (e := m.get("environment")) is not None else None,
         )
+
+    def container(self, node: YNode | None) -> Any:
+        if node is None:
+            return None
+        if isinstance(node, YSeq) or (
+            isinstance(node, YScalar) and not isinstance(node.value, str)
+        ):
+            self.err(node, f"`container` must be an image name or a mapping, not {_kind(node)}")
+            return None
+        return plain(node)
 
     def condition(self, node: YNode | None) -> str | None:
         if node is None:
@@ -921,7 +996,7 @@ class _Reader:
                 continue
             if step.id is not None:
                 if step.id in ids:
-                    self.err(n, f"step id '{step.id}' is used twice in this job")
+                    self.err2(n, f"step id '{step.id}' is used twice in this job")
                 ids.add(step.id)
             steps.append(step)
         return tuple(steps)
@@ -1000,7 +1075,9 @@ class _Reader:
     # -- reusable workflows -------------------------------------------------
     def caller(self, m: YMap, common: dict[str, Any]) -> Job | None:
         uses_node = m.get("uses")
-        assert uses_node is not None
+        if uses_node is None:
+            self.err(m, f"job '{common['id']}' calls a reusable workflow but has no `uses`")
+            return None
         uses = self.string(uses_node, "`uses`", allow_empty=False)
         with_node = m.get("with")
         with_: dict[str, Any] = {}

@@ -32,6 +32,10 @@ class Diagnostic:
     line: int
     column: int
     message: str
+    # 0: the file's own structure (YAML, keys, types, expressions); 1: what
+    # relates its parts (needs, cycles, matrices, called workflows). GitHub's
+    # parser checks in the same two passes; errors are listed in this order.
+    phase: int = 0
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}:{self.column}: {self.message}"
@@ -155,13 +159,14 @@ def _convert(node: yaml.Node, path: str, errors: list[Diagnostic], depth: int = 
         key = YScalar(
             k.value if isinstance(k, yaml.ScalarNode) else key.value, key.line, key.column
         )
+        value = _convert(v, path, errors, depth + 1)
         if key.value in seen:
             errors.append(
                 Diagnostic(path, key.line, key.column, f"'{key.value}' is already defined")
             )
-            continue
+            continue  # the first value stands (and is the one validated)
         seen.add(key.value)
-        items.append((key, _convert(v, path, errors, depth + 1)))
+        items.append((key, value))
     return YMap(tuple(items), line, col)
 
 

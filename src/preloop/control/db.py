@@ -84,18 +84,25 @@ class Tx:
         else:
             self._cur.executemany(sql, rows)
 
-    def lock_run(self, run_id: int) -> Row | None:
-        """The run row, locked (pg: `FOR UPDATE`, wait timed; lite already holds
-        the write lock). Lock order: this comes before any job row."""
-        sql = "SELECT id, status, cancel_requested, conc_group, context FROM runs WHERE id = ?"
-        if not self._pg:
-            row = self.one(sql, (run_id,))
-            self.lock_taken_ns = self.lock_taken_ns or time.perf_counter_ns()
-            return row
+    def lock_run(self, run_id: int, settle_delta: int | None = None) -> Row | None:
+        """The run row, locked (pg: the wait is timed; lite already holds the
+        write lock). Lock order: this comes before any job row. With
+        `settle_delta` the lock is taken by the statement that adjusts
+        `remaining_jobs` (the settle path's first write)."""
+        cols = "id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs"
+        if settle_delta is not None:
+            sql = (
+                f"UPDATE runs SET remaining_jobs = remaining_jobs + ? WHERE id = ? RETURNING {cols}"
+            )
+            params: tuple[Any, ...] = (settle_delta, run_id)
+        else:
+            sql = f"SELECT {cols} FROM runs WHERE id = ?" + (" FOR UPDATE" if self._pg else "")
+            params = (run_id,)
         t0 = time.perf_counter_ns()
-        row = self.one(sql + " FOR UPDATE", (run_id,))
+        row = self.one(sql, params)
         t1 = time.perf_counter_ns()
-        self._backend.counters.add_lock_run_wait(t1 - t0)
+        if self._pg:
+            self._backend.counters.add_lock_run_wait(t1 - t0)
         self.lock_taken_ns = self.lock_taken_ns or t1
         return row
 
@@ -103,7 +110,10 @@ class Tx:
         """The run row if it can be locked without waiting (pg `SKIP LOCKED`):
         used only when the caller already holds a different run's lock, so no
         transaction ever waits on run rows out of order."""
-        sql = "SELECT id, status, cancel_requested, conc_group, context FROM runs WHERE id = ?"
+        sql = (
+            "SELECT id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs "
+            "FROM runs WHERE id = ?"
+        )
         if not self._pg:
             return self.one(sql, (run_id,))
         return self.one(sql + " FOR UPDATE SKIP LOCKED", (run_id,))

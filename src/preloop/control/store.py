@@ -389,33 +389,43 @@ class Store:
         groups: set[str] = set()
 
         def tx_fn(tx: Tx) -> Completion:
-            run = tx.lock_run(run_id)
+            # The common path is three statements: the run row (locked by the
+            # write that counts the job as ended), the job row (guarded: only
+            # a live job, only the lease holder), and its unit.
+            run = tx.lock_run(run_id, settle_delta=-1)
+            if run is None:
+                raise UnknownRun(f"no run {run_id} in the store {self.url}")
+            lease_guard = " AND status = 'running' AND lease_token = ?" if token else ""
             job = tx.one(
-                f"SELECT {_JOB}, conclusion, lease_token FROM jobs WHERE run_id = ? AND id = ?",
-                (run_id, job_id),
+                "UPDATE jobs SET status = 'completed', conclusion = CASE WHEN "
+                "cancel_requested = 1 AND ? <> 'skipped' THEN 'cancelled' ELSE ? END, "
+                "outputs = ?, reason = ?, completed_at = ?, lease_token = NULL "
+                "WHERE run_id = ? AND id = ? AND status NOT IN ('completed', 'expanded', 'folding')"
+                f"{lease_guard} RETURNING {_JOB}, conclusion",
+                (
+                    conclusion,
+                    conclusion,
+                    _dumps(outputs or {}),
+                    reason,
+                    time.time(),
+                    run_id,
+                    job_id,
+                    *((token,) if token else ()),
+                ),
             )
-            if run is None or job is None:
-                raise UnknownRun(f"run {run_id} has no job {job_id!r}")
-            if job["status"] in ("completed", "expanded"):
-                return Completion(run_id, job_id, job["conclusion"] or "skipped", False)
-            if token is not None and (job["status"] != "running" or job["lease_token"] != token):
-                raise StoreError(
-                    f"run {run_id} job {job_id!r}: the lease is not held (status {job['status']})"
+            if job is None:
+                tx.execute(
+                    "UPDATE runs SET remaining_jobs = remaining_jobs + 1 WHERE id = ?", (run_id,)
                 )
-            if job["kind"] == "caller" and job["status"] == "folding":
-                raise StoreError(
-                    f"run {run_id} job {job_id!r} is a reusable-workflow caller: it ends "
-                    "when its inner jobs end"
-                )
-            final = conclusion
-            if job["cancel_requested"] and conclusion != "skipped":
-                final = "cancelled"
+                return _not_settled(tx, run_id, job_id)
             c = _Cascade(tx, self)
             c.note_run(run)
-            c.conclude(job, final, outputs or {}, reason)
+            if int(run["remaining_jobs"]) == 0:
+                c.pending_end[run_id] = run
+            c.after_conclude(job, job["conclusion"], outputs or {})
             c.finish()
             groups.update(c.retry_groups)
-            return Completion(run_id, job_id, final, True)
+            return Completion(run_id, job_id, job["conclusion"], True)
 
         result = self._db.transaction(op, tx_fn)
         self._retry_groups(groups)
@@ -551,6 +561,26 @@ class Store:
             ),
         )
         return [_job_info(r) for r in rows]
+
+
+def _not_settled(tx: Tx, run_id: int, job_id: str) -> Completion:
+    """Why a settle changed nothing: a duplicate (idempotent), or an error."""
+    job = tx.one(
+        "SELECT status, conclusion, kind FROM jobs WHERE run_id = ? AND id = ?", (run_id, job_id)
+    )
+    if job is None:
+        raise UnknownRun(f"run {run_id} has no job {job_id!r}")
+    if job["status"] in ("completed", "expanded"):
+        return Completion(run_id, job_id, job["conclusion"] or "skipped", False)
+    if job["status"] == "folding":
+        raise StoreError(
+            f"run {run_id} job {job_id!r} is a reusable-workflow caller: it ends when its "
+            "inner jobs end"
+        )
+    raise StoreError(
+        f"run {run_id} job {job_id!r}: this lease is not held (the job is {job['status']}); "
+        "stop the job"
+    )
 
 
 def _run_info(row: Row) -> RunInfo:
@@ -704,6 +734,8 @@ class _Cascade:
         self.run_delta: dict[int, list[int]] = {}  # run -> [remaining delta, failed delta]
         self.retry_groups: set[str] = set()
         self.work: list[tuple[str, tuple[Any, ...]]] = []
+        # Runs whose settle write already brought remaining_jobs to 0.
+        self.pending_end: dict[int, Row] = {}
 
     # -- run rows
 
@@ -722,7 +754,9 @@ class _Cascade:
         run = self.run(run_id)
         ctx = run.get("_ctx")
         if ctx is None:
-            ctx = run["_ctx"] = json.loads(run["context"])
+            row = self.tx.one("SELECT context FROM runs WHERE id = ?", (run_id,))
+            assert row is not None
+            ctx = run["_ctx"] = json.loads(row["context"])
         assert isinstance(ctx, dict)
         return ctx
 
@@ -742,21 +776,25 @@ class _Cascade:
             while self.work:
                 kind, args = self.work.pop()
                 getattr(self, "_do_" + kind)(*args)
-            if not self.run_delta:
+            if not self.run_delta and not self.pending_end:
                 return
             deltas, self.run_delta = self.run_delta, {}
-            for run_id, (rem, failed) in sorted(deltas.items()):
-                if rem == 0 and failed == 0:
-                    continue
-                row = self.tx.one(
-                    "UPDATE runs SET remaining_jobs = remaining_jobs + ?, failed_jobs = "
-                    "failed_jobs + ? "
-                    "WHERE id = ? RETURNING remaining_jobs, failed_jobs, status, "
-                    "cancel_requested, conc_group",
-                    (rem, failed, run_id),
-                )
-                assert row is not None
-                if int(row["remaining_jobs"]) == 0 and row["status"] != "completed":
+            for run_id in sorted(set(deltas) | set(self.pending_end)):
+                rem, failed = deltas.get(run_id, (0, 0))
+                row: Row | None
+                if rem or failed:
+                    row = self.tx.one(
+                        "UPDATE runs SET remaining_jobs = remaining_jobs + ?, failed_jobs = "
+                        "failed_jobs + ? WHERE id = ? RETURNING remaining_jobs, failed_jobs, "
+                        "status, cancel_requested, conc_group",
+                        (rem, failed, run_id),
+                    )
+                else:
+                    row = self.pending_end.get(run_id)
+                self.pending_end.pop(run_id, None)
+                ended = row is not None and int(row["remaining_jobs"]) == 0
+                if ended and self.run(run_id)["status"] != "completed":
+                    assert row is not None
                     self.end_run(run_id, row)
 
     def start_run(self, run_id: int) -> None:
@@ -768,8 +806,7 @@ class _Cascade:
             "ORDER BY seq",
             (run_id,),
         )
-        for job in reversed(roots):
-            self.work.append(("gate", (job,)))
+        self.ready(run_id, roots)
         if not roots:
             row = self.tx.one(
                 "SELECT remaining_jobs, failed_jobs, cancel_requested, conc_group FROM runs "
@@ -811,52 +848,50 @@ class _Cascade:
     def _do_conclude(
         self, job: Row, conclusion: str, outputs: dict[str, Any], reason: str | None
     ) -> None:
-        tx = self.tx
         run_id = int(job["run_id"])
-        changed = tx.one(
+        changed = self.tx.one(
             "UPDATE jobs SET status = 'completed', conclusion = ?, outputs = ?, reason = ?, "
-            "completed_at = ?, holds_slot = 0, holds_group = NULL, lease_token = NULL "
+            "completed_at = ?, lease_token = NULL "
             "WHERE run_id = ? AND id = ? AND status = ? RETURNING id",
             (conclusion, _dumps(outputs), reason, time.time(), run_id, job["id"], job["status"]),
         )
         if changed is None:
             return  # already ended by another path of this cascade
+        self.run_delta.setdefault(run_id, [0, 0])[0] -= 1
+        self.after_conclude(job, conclusion, outputs)
+
+    def after_conclude(self, job: Row, conclusion: str, outputs: dict[str, Any]) -> None:
+        """What a job's end sets off: its slot, its group, fail-fast, its unit."""
+        tx = self.tx
+        run_id = int(job["run_id"])
         coe = bool(job["continue_on_error"])
         effective = "success" if conclusion == "failure" and coe else conclusion
-        delta = self.run_delta.setdefault(run_id, [0, 0])
-        delta[0] -= 1
         if effective == "failure":
-            delta[1] += 1
+            self.run_delta.setdefault(run_id, [0, 0])[1] += 1
         if job["holds_slot"]:
             self.work.append(("release_slot", (run_id, job["cohort"])))
         if job["holds_group"]:
             self.work.append(("release_group", (job["holds_group"], run_id, job["id"])))
         if conclusion == "failure" and not coe and job["cohort"] is not None:
             self.work.append(("fail_fast", (run_id, job["cohort"], job["id"])))
-        # The member's share of its unit (base id).
         column = {"success": "n_success", "failure": "n_failure", "cancelled": "n_cancelled"}.get(
             effective, "n_skipped"
         )
-        merged = None
+        merge = ""
+        params: list[Any] = [int(job["anc_fail"]), int(job["anc_bad"])]
         if outputs:
-            prev = tx.one(
-                "SELECT outputs FROM units WHERE run_id = ? AND base_id = ?",
-                (run_id, job["base_id"]),
-            )
-            merged = {**(json.loads(prev["outputs"]) if prev else {}), **outputs}
+            # A matrix's outputs: the last leg to set a name wins, as on GitHub.
+            if tx.dialect == "pg":
+                merge = ", outputs = (outputs::jsonb || CAST(? AS jsonb))::text"
+            else:
+                merge = ", outputs = json_patch(outputs, ?)"
+            params.append(_dumps(outputs))
         unit = tx.one(
             f"UPDATE units SET remaining = remaining - 1, {column} = {column} + 1, "
             "anc_fail = CASE WHEN ? = 1 THEN 1 ELSE anc_fail END, "
-            "anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END, "
-            "outputs = COALESCE(?, outputs) "
+            f"anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END{merge} "
             "WHERE run_id = ? AND base_id = ? RETURNING *",
-            (
-                int(job["anc_fail"]),
-                int(job["anc_bad"]),
-                _dumps(merged) if merged is not None else None,
-                run_id,
-                job["base_id"],
-            ),
+            (*params, run_id, job["base_id"]),
         )
         if unit is not None and int(unit["remaining"]) == 0:
             self.work.append(("end_unit", (run_id, unit)))
@@ -889,11 +924,84 @@ class _Cascade:
             (int(fail), int(bad), run_id, run_id, base),
         )
         ready = [j for j in ready if int(j["remaining_needs"]) == 0]
-        ready.sort(key=lambda j: (j["seq"], j["id"]), reverse=True)
-        for job in ready:
-            self.work.append(("gate", (job,)))
+        ready.sort(key=lambda j: (j["seq"], j["id"]))
+        self.ready(run_id, ready)
 
     # -- gates
+
+    def ready(self, run_id: int, jobs: list[Row]) -> None:
+        """Jobs (seq order) whose needs all ended. A plain job that runs on
+        `success()` with clean ancestors and no concurrency group needs no
+        evaluation: those are queued (or parked behind their cohort cap) in
+        bulk, so a need that unblocks 20,000 legs costs a few statements."""
+        cancelled = bool(self.run(run_id)["cancel_requested"])
+        plain: list[str] = []
+        parked: dict[str, list[str]] = {}
+        gated: list[Row] = []
+        for job in jobs:
+            simple = (
+                job["kind"] == "job"
+                and job["if_expr"] is None
+                and not job["anc_fail"]
+                and not job["anc_bad"]
+                and not cancelled
+                and job["conc_group"] is None
+                and job["conc_group_expr"] is None
+            )
+            if not simple:
+                gated.append(job)
+            elif job["capped"]:
+                parked.setdefault(job["cohort"], []).append(job["id"])
+            else:
+                plain.append(job["id"])
+        self._bulk_status(run_id, plain, "queued")
+        for cohort, ids in parked.items():
+            self._bulk_status(run_id, ids, "parked")
+            self.work.append(("fill_cohort", (run_id, cohort)))
+        for job in reversed(gated):
+            self.work.append(("gate", (job,)))
+
+    def _bulk_status(self, run_id: int, ids: list[str], status: str) -> None:
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            marks = ", ".join("?" for _ in chunk)
+            self.tx.execute(
+                f"UPDATE jobs SET status = ? WHERE run_id = ? AND status = 'blocked' "
+                f"AND id IN ({marks})",
+                (status, run_id, *chunk),
+            )
+
+    def _do_fill_cohort(self, run_id: int, cohort: str) -> None:
+        """Admits parked legs into the cohort's free slots (seq order)."""
+        c = self.tx.one(
+            "SELECT max_parallel - active AS free FROM cohorts WHERE run_id = ? AND id = ?",
+            (run_id, cohort),
+        )
+        if c is None or int(c["free"]) <= 0:
+            return
+        legs = self.tx.execute(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND cohort = ? AND status = 'parked' "
+            "ORDER BY seq LIMIT ?",
+            (run_id, cohort, int(c["free"])),
+        )
+        if not legs:
+            return
+        self.tx.execute(
+            "UPDATE cohorts SET active = active + ? WHERE run_id = ? AND id = ?",
+            (len(legs), run_id, cohort),
+        )
+        plain = [j["id"] for j in legs if j["conc_group"] is None and j["conc_group_expr"] is None]
+        for i in range(0, len(plain), 500):
+            chunk = plain[i : i + 500]
+            marks = ", ".join("?" for _ in chunk)
+            self.tx.execute(
+                "UPDATE jobs SET status = 'queued', holds_slot = 1 WHERE run_id = ? "
+                f"AND id IN ({marks})",
+                (run_id, *chunk),
+            )
+        for job in legs:
+            if job["conc_group"] is not None or job["conc_group_expr"] is not None:
+                self.through_group(job, holds_slot=True)
 
     def _do_gate(self, job: Row) -> None:
         """A job whose needs have all ended: decide skip/run, then admit."""

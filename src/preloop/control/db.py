@@ -224,7 +224,7 @@ class PgBackend(Backend):
 
     dialect: Dialect = "pg"
 
-    def __init__(self, url: str, max_size: int = 8) -> None:
+    def __init__(self, url: str, max_size: int = 16) -> None:
         super().__init__()
         import psycopg
         from psycopg.rows import dict_row
@@ -232,6 +232,9 @@ class PgBackend(Backend):
 
         self.url = url
         self._errors = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+        self._local = threading.local()
+        self._held: list[Any] = []
+        self._held_lock = threading.Lock()
         self._pool = ConnectionPool(
             url,
             min_size=1,
@@ -267,21 +270,47 @@ class PgBackend(Backend):
 
         self.transaction("migrate", apply)
 
+    def _connection(self) -> Any:
+        """This thread's connection: checked out of the pool once and kept, so
+        a transaction costs only its own round trips."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None or conn.closed:
+            conn = self._local.conn = self._pool.getconn()
+            with self._held_lock:
+                self._held.append(conn)
+        return conn
+
+    def _drop_connection(self, conn: Any) -> None:
+        self._local.conn = None
+        with self._held_lock:
+            if conn in self._held:
+                self._held.remove(conn)
+        self._pool.putconn(conn)
+
     def transaction(self, op: str, fn: Callable[[Tx], T]) -> T:
+        import psycopg
+
         while True:
-            with self._pool.connection() as conn:
-                tx = None
-                try:
-                    with conn.transaction(), conn.cursor() as cur:
-                        tx = Tx(self, cur, op)
-                        result = fn(tx)
-                except self._errors:
-                    self.counters.add_deadlock_retry()
-                    continue
-                self._finish(tx, time.perf_counter_ns())
-                return result
+            conn = self._connection()
+            try:
+                with conn.transaction(), conn.cursor() as cur:
+                    tx = Tx(self, cur, op)
+                    result = fn(tx)
+            except self._errors:
+                self.counters.add_deadlock_retry()
+                continue
+            except psycopg.OperationalError:
+                # A broken connection goes back to the pool (which replaces it).
+                self._drop_connection(conn)
+                raise
+            self._finish(tx, time.perf_counter_ns())
+            return result
 
     def close(self) -> None:
+        with self._held_lock:
+            held, self._held = self._held, []
+        for conn in held:
+            self._pool.putconn(conn)
         self._pool.close()
 
 

@@ -70,6 +70,18 @@ QUEUE_MAX = 100  # GitHub's `queue: max` pending limit
 SEQ_STRIDE = 4096  # room below each planned seq for deferred legs
 DEFAULT_LEASE_SECONDS = 60.0
 
+# Takes a concurrency group for a job (or, holder_job NULL, a run) when it is
+# free and nobody waits; the row is created on first use. On PostgreSQL the
+# group row stays locked either way until commit.
+_ACQUIRE = (
+    "INSERT INTO conc_groups (name, holder_run, holder_job) VALUES (?, ?, ?) "
+    "ON CONFLICT (name) DO UPDATE SET holder_run = excluded.holder_run, "
+    "holder_job = excluded.holder_job WHERE conc_groups.holder_run IS NULL "
+    "AND NOT EXISTS (SELECT 1 FROM jobs w WHERE w.conc_group = ? AND w.status = 'waiting') "
+    "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = ? AND r.status = 'pending') "
+    "RETURNING name"
+)
+
 # Columns the cascade needs from a job row.
 _JOB = (
     "run_id, id, seq, base_id, kind, needs, if_expr, cohort, continue_on_error, "
@@ -1265,17 +1277,7 @@ class _Cascade:
                 (int(holds_slot), run_id, job["id"]),
             )
             return
-        tx.execute(
-            "INSERT INTO conc_groups (name) VALUES (?) ON CONFLICT (name) DO NOTHING", (group,)
-        )
-        got = tx.one(
-            "UPDATE conc_groups SET holder_run = ?, holder_job = ? WHERE name = ? AND "
-            "holder_run IS NULL "
-            "AND NOT EXISTS (SELECT 1 FROM jobs w WHERE w.conc_group = ? AND w.status = 'waiting') "
-            "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = ? AND r.status = 'pending') "
-            "RETURNING name",
-            (run_id, job["id"], group, group, group),
-        )
+        got = tx.one(_ACQUIRE, (group, run_id, job["id"], group, group))
         if got is not None:
             tx.execute(
                 "UPDATE jobs SET status = 'queued', holds_slot = ?, holds_group = ?, "
@@ -1299,14 +1301,15 @@ class _Cascade:
         """One pending waiter per group (a newer one replaces the older), or up
         to QUEUE_MAX with `queue: max` (the oldest beyond it is cancelled)."""
         limit = QUEUE_MAX if queue_max else 1
-        waiters = self.tx.execute(
+        excess = self.tx.execute(
             "SELECT run_id, id, wait_seq, 0 AS is_run FROM jobs WHERE conc_group = ? AND "
             "status = 'waiting' "
             "UNION ALL SELECT id AS run_id, NULL AS id, wait_seq, 1 AS is_run FROM runs "
-            "WHERE conc_group = ? AND status = 'pending' ORDER BY wait_seq DESC",
-            (group, group),
+            "WHERE conc_group = ? AND status = 'pending' ORDER BY wait_seq DESC "
+            "LIMIT 1000000 OFFSET ?",
+            (group, group, limit),
         )
-        for w in waiters[limit:]:
+        for w in excess:
             if (int(w["run_id"]), w["id"]) == keep:
                 continue
             self.cancel_waiter(group, w)
@@ -1366,20 +1369,22 @@ class _Cascade:
             (group, run_id, job_id),
         )
         if released is not None:
-            self.promote_group(group)
+            self.promote_group(group, locked=True)
 
-    def promote_group(self, group: str) -> None:
-        """A free group takes its oldest waiter: a job (queued) or a run (resumed)."""
+    def promote_group(self, group: str, *, locked: bool = False) -> None:
+        """A free group takes its oldest waiter: a job (queued) or a run
+        (resumed). `locked`: this transaction has just freed the group row."""
         tx = self.tx
         while True:
-            g = tx.one(
-                "UPDATE conc_groups SET holder_run = holder_run WHERE name = ? AND holder_run "
-                "IS NULL "
-                "RETURNING name",
-                (group,),
-            )
-            if g is None:
-                return
+            if not locked:
+                g = tx.one(
+                    "UPDATE conc_groups SET holder_run = holder_run WHERE name = ? "
+                    "AND holder_run IS NULL RETURNING name",
+                    (group,),
+                )
+                if g is None:
+                    return
+            locked = False
             w = tx.one(
                 "SELECT run_id, id, wait_seq, 0 AS is_run FROM jobs WHERE conc_group = ? AND "
                 "status = 'waiting' "
@@ -1391,11 +1396,11 @@ class _Cascade:
                 return
             run_id = int(w["run_id"])
             if run_id not in self.runs:
-                locked = tx.try_lock_run(run_id)
-                if locked is None:
+                other = tx.try_lock_run(run_id)
+                if other is None:
                     self.retry_groups.add(group)
                     return
-                self.note_run(locked)
+                self.note_run(other)
             if w["is_run"]:
                 tx.execute(
                     "UPDATE conc_groups SET holder_run = ?, holder_job = NULL WHERE name = ?",
@@ -1422,17 +1427,7 @@ class _Cascade:
     def acquire_run_group(self, run_id: int, group: str, conc: Any) -> bool:
         """True when the new run holds its workflow-level group and may start."""
         tx = self.tx
-        tx.execute(
-            "INSERT INTO conc_groups (name) VALUES (?) ON CONFLICT (name) DO NOTHING", (group,)
-        )
-        got = tx.one(
-            "UPDATE conc_groups SET holder_run = ?, holder_job = NULL WHERE name = ? AND "
-            "holder_run IS NULL "
-            "AND NOT EXISTS (SELECT 1 FROM jobs w WHERE w.conc_group = ? AND w.status = 'waiting') "
-            "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = ? AND r.status = 'pending') "
-            "RETURNING name",
-            (run_id, group, group, group),
-        )
+        got = tx.one(_ACQUIRE, (group, run_id, None, group, group))
         if got is not None:
             return True
         seq = tx.next_wait_seq()

@@ -552,3 +552,33 @@ def test_default_lite_store_lives_in_state_dir(
     with open_store() as s:
         assert s.dialect == "lite"
     assert (tmp_path / "home" / "state" / "preloop.db").is_file()
+
+
+def test_job_level_group_across_runs(store: Store) -> None:
+    """Waiters in other runs are promoted, replaced and cancelled in progress
+    from their own rows."""
+
+    def plan(name: str, cancel: bool = False) -> Plan:
+        b = PlanBuilder()
+        b.job("deploy", concurrency=ConcurrencySpec("prod", cancel_in_progress=cancel))
+        return b.plan(name)
+
+    r1 = store.submit_run(plan("one"))
+    first = store.claim_job("r", [])
+    assert first is not None and first.run_id == r1
+    r2 = store.submit_run(plan("two"))
+    assert store.get_job(r2, "deploy").status == "waiting"
+    r3 = store.submit_run(plan("three"))  # replaces r2's pending job
+    assert store.get_job(r2, "deploy").conclusion == "cancelled"
+    assert store.get_run(r2).conclusion == "cancelled" or store.get_run(r2).status == "completed"
+    store.complete_job(first, "success")  # r3's waiter is promoted across runs
+    third = store.claim_job("r", [])
+    assert third is not None and third.run_id == r3
+    r4 = store.submit_run(plan("four", cancel=True))  # cancels r3's running holder
+    assert store.heartbeat(third).cancel_requested
+    assert store.complete_job(third, "success").conclusion == "cancelled"
+    fourth = store.claim_job("r", [])
+    assert fourth is not None and fourth.run_id == r4
+    store.complete_job(fourth, "success")
+    assert [store.get_run(r).status for r in (r1, r2, r3, r4)] == ["completed"] * 4
+    assert store.counters.snapshot().graph_loads == 0

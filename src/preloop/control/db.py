@@ -63,7 +63,10 @@ class Tx:
         """Runs one statement; returns its rows (empty for statements without)."""
         self.statements += 1
         if self._pg:
-            self._cur.execute(_pg_sql(sql), params)
+            if params:
+                self._cur.execute(_pg_sql(sql), params)
+            else:  # no placeholders: the text goes as is (plpgsql bodies use %)
+                self._cur.execute(sql)
             return list(self._cur.fetchall()) if self._cur.description else []
         cur = self._cur.execute(sql, params)
         if cur.description is None:
@@ -105,6 +108,12 @@ class Tx:
             self._backend.counters.add_lock_run_wait(t1 - t0)
         self.lock_taken_ns = self.lock_taken_ns or t1
         return row
+
+    def note_lock_run_wait(self, call_start_ns: int, wait_ns: int) -> None:
+        """For a server-side function that took the run lock itself: `wait_ns`
+        as it measured, and the hold counted from when the wait ended."""
+        self._backend.counters.add_lock_run_wait(wait_ns)
+        self.lock_taken_ns = self.lock_taken_ns or call_start_ns + wait_ns
 
     def try_lock_run(self, run_id: int) -> Row | None:
         """The run row if it can be locked without waiting (pg `SKIP LOCKED`):
@@ -195,7 +204,9 @@ class LiteBackend(Backend):
             _check_version(have, self.url)
             for migration in MIGRATIONS[have:]:
                 for statement in migration:
-                    tx.execute(render(statement, "lite"))
+                    sql = render(statement, "lite")
+                    if sql is not None:
+                        tx.execute(sql)
             tx.execute("UPDATE preloop_schema_version SET version = ?", (len(MIGRATIONS),))
 
         self.transaction("migrate", apply)
@@ -265,7 +276,9 @@ class PgBackend(Backend):
             _check_version(have, self.url)
             for migration in MIGRATIONS[have:]:
                 for statement in migration:
-                    tx.execute(render(statement, "pg"))
+                    sql = render(statement, "pg")
+                    if sql is not None:
+                        tx.execute(sql)
             tx.execute("UPDATE preloop_schema_version SET version = ?", (len(MIGRATIONS),))
 
         self.transaction("migrate", apply)

@@ -404,6 +404,10 @@ class Store:
             # The common path is three statements: the run row (locked by the
             # write that counts the job as ended), the job row (guarded: only
             # a live job, only the lease holder), and its unit.
+            if tx.dialect == "pg":
+                return self._settle_pg(
+                    tx, run_id, job_id, conclusion, outputs, reason, token, groups
+                )
             run = tx.lock_run(run_id, settle_delta=-1)
             if run is None:
                 raise UnknownRun(f"no run {run_id} in the store {self.url}")
@@ -442,6 +446,48 @@ class Store:
         result = self._db.transaction(op, tx_fn)
         self._retry_groups(groups)
         return result
+
+    def _settle_pg(
+        self,
+        tx: Tx,
+        run_id: int,
+        job_id: str,
+        conclusion: str,
+        outputs: dict[str, Any] | None,
+        reason: str | None,
+        token: str | None,
+        groups: set[str],
+    ) -> Completion:
+        """The PostgreSQL settle: one `preloop_settle` call (schema migration
+        2) does the common path; the cascade continues here when needed."""
+        t0 = time.perf_counter_ns()
+        row = tx.one(
+            "SELECT run_row, job_row, unit_row, admitted, wait_us "
+            "FROM preloop_settle(?, ?, ?, ?, ?, ?, ?)",
+            (run_id, job_id, conclusion, _dumps(outputs or {}), reason, token, time.time()),
+        )
+        if row is None:
+            raise UnknownRun(f"no run {run_id} in the store {self.url}")
+        tx.note_lock_run_wait(t0, int(row["wait_us"]) * 1000)
+        if row["job_row"] is None:
+            return _not_settled(tx, run_id, job_id)
+        run: Row = row["run_row"]
+        job: Row = row["job_row"]
+        unit: Row = row["unit_row"]
+        c = _Cascade(tx, self)
+        c.note_run(run)
+        if int(run["remaining_jobs"]) == 0:
+            c.pending_end[run_id] = run
+        c.after_conclude(
+            job,
+            job["conclusion"],
+            outputs or {},
+            unit=unit,
+            slot_handed=row["admitted"] is not None,
+        )
+        c.finish()
+        groups.update(c.retry_groups)
+        return Completion(run_id, job_id, job["conclusion"], True)
 
     def cancel_run(self, run_id: int) -> bool:
         """Cancels a run: queued jobs are cancelled, running jobs told to stop,
@@ -872,20 +918,34 @@ class _Cascade:
         self.run_delta.setdefault(run_id, [0, 0])[0] -= 1
         self.after_conclude(job, conclusion, outputs)
 
-    def after_conclude(self, job: Row, conclusion: str, outputs: dict[str, Any]) -> None:
-        """What a job's end sets off: its slot, its group, fail-fast, its unit."""
+    def after_conclude(
+        self,
+        job: Row,
+        conclusion: str,
+        outputs: dict[str, Any],
+        *,
+        unit: Row | None = None,
+        slot_handed: bool = False,
+    ) -> None:
+        """What a job's end sets off: its slot, its group, fail-fast, its unit.
+        `unit`: the unit row already counted (pg `preloop_settle`);
+        `slot_handed`: its cohort slot already went to the next parked leg."""
         tx = self.tx
         run_id = int(job["run_id"])
         coe = bool(job["continue_on_error"])
         effective = "success" if conclusion == "failure" and coe else conclusion
         if effective == "failure":
             self.run_delta.setdefault(run_id, [0, 0])[1] += 1
-        if job["holds_slot"]:
+        if job["holds_slot"] and not slot_handed:
             self.work.append(("release_slot", (run_id, job["cohort"])))
         if job["holds_group"]:
             self.work.append(("release_group", (job["holds_group"], run_id, job["id"])))
         if conclusion == "failure" and not coe and job["cohort"] is not None:
             self.work.append(("fail_fast", (run_id, job["cohort"], job["id"])))
+        if unit is not None:
+            if int(unit["remaining"]) == 0:
+                self.work.append(("end_unit", (run_id, unit)))
+            return
         column = {"success": "n_success", "failure": "n_failure", "cancelled": "n_cancelled"}.get(
             effective, "n_skipped"
         )

@@ -200,7 +200,12 @@ BEGIN
 END
 $fn$"""
 
-MIGRATIONS: list[list[Statement]] = [_V1, [{"pg": _SETTLE_FN, "lite": None}]]
+MIGRATIONS: list[list[Statement]] = [
+    _V1,
+    [{"pg": _SETTLE_FN, "lite": None}],
+    # A re-run points at the run it repeats.
+    ["ALTER TABLE runs ADD COLUMN rerun_of BIGINT"],
+]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 _DIALECT = {

@@ -321,6 +321,7 @@ UNPRIVILEGED = textwrap.dedent(
         "evicted": [[e.key, e.size_bytes, e.removed_bytes, e.partial, e.error]
                     for e in report.evicted],
         "total_after": report.total_bytes_after,
+        "skipped": [[s.key, s.reason.value, s.detail] for s in report.skipped],
     }))
     """
 )
@@ -388,6 +389,18 @@ def test_unlistable_cache_directory_aborts_eviction(public_tmp: Path) -> None:
     result = prune_unprivileged(state, 1)
     assert result["outcome"] == "aborted"
     assert all(present(state, k) for k in keys)
+
+
+def test_an_entry_whose_lock_cannot_be_opened_is_kept(public_tmp: Path) -> None:
+    # Root owns the cache: nobody can read everything but create no lock file.
+    state = public_tmp / "state"
+    key = make_cache_entry(state, "a", payload=4 * KiB, last_use=T0)
+    result = prune_unprivileged(state, 1)
+    assert result["outcome"] == "completed" and result["evicted"] == []
+    ((skipped_key, reason, detail),) = result["skipped"]  # one entry, kept
+    assert (skipped_key, reason) == (key, "busy")
+    assert "cannot open its lock file" in detail and str(layout.cache_dir(state)) in detail
+    assert present(state, key)
 
 
 def test_unreadable_alternates_line_aborts_eviction(state: Path) -> None:

@@ -526,10 +526,14 @@ def _unlink_counted(path: Path) -> tuple[int, str | None]:
     return st.st_blocks * 512, None
 
 
-def _delete_tree(trash: Path) -> tuple[int, str | None]:
+def _delete_tree(trash: Path, estimate: int) -> tuple[int, str | None]:
     """Deletes a renamed-aside repository: (bytes removed, error). On a failure
-    part-way, the bytes still present are measured and not counted."""
-    before = _allocated(trash)
+    part-way, the bytes still present are measured and not counted. `estimate`
+    (the size measured before the lock) stands in if the tree cannot be sized."""
+    try:
+        before = _allocated(trash)
+    except OSError:
+        before = estimate
     errors: list[str] = []
 
     def record(exc: BaseException, path: str) -> None:
@@ -600,7 +604,13 @@ def _check_pins(run: _Run, key: str, now: float) -> str | None:
 def _retire(run: _Run, usage: CacheEntryUsage) -> None:
     """Evicts one candidate if its lock is free and nothing uses it."""
     key = usage.key
-    lock = try_acquire_cache_lock(run.state_dir, key)
+    try:
+        lock = try_acquire_cache_lock(run.state_dir, key)
+    except OSError as exc:
+        # Without the lock nothing proves the entry idle: keep it.
+        detail = f"cannot open its lock file {exc.filename}: {exc.strerror or exc}"
+        run.skipped.append(SkippedEntry(key, SkipReason.BUSY, detail))
+        return
     if lock is None:
         run.skipped.append(SkippedEntry(key, SkipReason.BUSY, "its cache lock is held"))
         return
@@ -656,7 +666,7 @@ def _retire(run: _Run, usage: CacheEntryUsage) -> None:
         try:
             if run.hooks.before_remove is not None:
                 run.hooks.before_remove(key, trash)
-            n, err = _delete_tree(trash)
+            n, err = _delete_tree(trash, usage.repository_bytes)
         finally:
             with _active_trash_lock:
                 _active_trash.discard(str(trash))

@@ -391,6 +391,12 @@ def test_unlistable_cache_directory_aborts_eviction(public_tmp: Path) -> None:
     assert all(present(state, k) for k in keys)
 
 
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root to create files another user cannot remove"
+)
+
+
+@needs_root
 def test_an_entry_whose_lock_cannot_be_opened_is_kept(public_tmp: Path) -> None:
     # Root owns the cache: nobody can read everything but create no lock file.
     state = public_tmp / "state"
@@ -422,6 +428,7 @@ def test_alternates_that_is_a_directory_aborts_eviction(state: Path) -> None:
     assert all(present(state, k) for k in keys)
 
 
+@needs_root
 def test_partial_removal_is_reported_and_only_removed_bytes_count(public_tmp: Path) -> None:
     state = public_tmp / "state"
     a = make_cache_entry(state, "a", payload=64 * KiB, last_use=T0)

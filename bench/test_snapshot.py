@@ -75,34 +75,45 @@ def repo(request: pytest.FixtureRequest) -> Iterator[tuple[int, Path]]:
     (path / "bench-untracked.txt").unlink(missing_ok=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def report(request: pytest.FixtureRequest) -> Iterator[None]:
-    yield
-    reporter = request.config.pluginmanager.getplugin("terminalreporter")
-    if reporter is None or not MEDIANS:
-        return
-    reporter.write_line("")
-    reporter.write_line("snapshot capture vs git plumbing (median ms; ratio = preloop / plumbing)")
-    reporter.write_line(
-        f"{'files':>7} {'warm':>8} {'plumbing':>9} {'ratio':>6}   "
-        f"{'cold':>8} {'plumbing':>9} {'ratio':>6} {'seeded':>8} {'ratio':>6}"
-    )
-    for n in SIZES:
-        m = {k: MEDIANS.get((k, n)) for k in ("warm", "warm-git", "cold", "cold-git", "seed-git")}
-        if m["warm"] is None:
-            continue
+class _RatioReport:
+    """Prints the ratio table in pytest's terminal summary (after the
+    pytest-benchmark table)."""
 
-        def ms(v: float | None) -> str:
-            return f"{v * 1000:8.0f}" if v is not None else f"{'-':>8}"
-
-        def ratio(a: float | None, b: float | None) -> str:
-            return f"{a / b:6.2f}" if a and b else f"{'-':>6}"
-
-        reporter.write_line(
-            f"{n:>7} {ms(m['warm'])} {ms(m['warm-git'])} {ratio(m['warm'], m['warm-git'])}   "
-            f"{ms(m['cold'])} {ms(m['cold-git'])} {ratio(m['cold'], m['cold-git'])} "
-            f"{ms(m['seed-git'])} {ratio(m['cold'], m['seed-git'])}"
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if not MEDIANS:
+            return
+        write = terminalreporter.write_line
+        terminalreporter.write_sep("-", "snapshot capture vs git plumbing (median ms)")
+        write(
+            f"{'files':>7} {'warm':>8} {'plumbing':>9} {'ratio':>6}   {'cold':>8} "
+            f"{'plumbing':>9} {'ratio':>6} {'seeded':>8} {'ratio':>6}"
         )
+        for n in SIZES:
+            m = {
+                k: MEDIANS.get((k, n)) for k in ("warm", "warm-git", "cold", "cold-git", "seed-git")
+            }
+            write(
+                f"{n:>7} {_ms(m['warm'])} {_ms(m['warm-git'], 9)} "
+                f"{_ratio(m['warm'], m['warm-git'])}"
+                f"   {_ms(m['cold'])} {_ms(m['cold-git'], 9)} {_ratio(m['cold'], m['cold-git'])}"
+                f" {_ms(m['seed-git'])} {_ratio(m['cold'], m['seed-git'])}"
+            )
+        write("ratio = preloop / plumbing; `seeded` = plumbing starting from a copy of .git/index")
+
+
+def _ms(value: float | None, width: int = 8) -> str:
+    return f"{value * 1000:{width}.0f}" if value is not None else f"{'-':>{width}}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:6.2f}" if a and b else f"{'-':>6}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report(request: pytest.FixtureRequest) -> None:
+    manager = request.config.pluginmanager
+    if not manager.has_plugin("preloop-snapshot-bench-report"):
+        manager.register(_RatioReport(), "preloop-snapshot-bench-report")
 
 
 def _touch(ws: Path) -> None:

@@ -502,3 +502,44 @@ def test_cli_file_and_errors(repo: Path) -> None:
     ]
     res = run_cli(repo, "-f", "missing.yml")
     assert res.returncode == 1 and "missing.yml:1:1: cannot read workflow" in res.stderr
+
+
+def git(cwd: Path, *args: str) -> str:
+    env_args = ["-c", "user.email=t@example.com", "-c", "user.name=t"]
+    out = subprocess.run(["git", *env_args, *args], cwd=cwd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_local_github_context_from_git(repo: Path) -> None:
+    from preloop.workflow.github_context import local_github_context
+
+    assert local_github_context(repo) == {"workspace": str(repo.resolve())}  # not a repo yet
+    git(repo, "init", "-q", "-b", "feature/x")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "one")
+    git(repo, "remote", "add", "origin", "https://github.com/acme/widget.git")
+    ctx = local_github_context(repo)
+    assert ctx["sha"] == git(repo, "rev-parse", "HEAD")
+    assert (ctx["ref"], ctx["ref_name"], ctx["ref_type"]) == (
+        "refs/heads/feature/x",
+        "feature/x",
+        "branch",
+    )
+    assert (ctx["repository"], ctx["repository_owner"]) == ("acme/widget", "acme")
+    git(repo, "tag", "v1")
+    git(repo, "checkout", "-q", "--detach")
+    assert local_github_context(repo)["ref"] == "refs/tags/v1"
+
+
+def test_cli_uses_the_repository_for_github_context(repo: Path) -> None:
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "one")
+    write(
+        repo,
+        "c.yml",
+        "on: push\nconcurrency: ci-${{ github.ref_name }}\njobs:\n"
+        "  a:\n    runs-on: x\n    steps: [{run: echo}]\n",
+    )
+    res = run_cli(repo / ".github", "--json")  # from a subdirectory
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)[0]["concurrency"]["group"] == "ci-main"

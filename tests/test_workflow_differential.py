@@ -129,7 +129,7 @@ class Doc:
 
     def mutate(self) -> None:
         r = self.r
-        k = r.randrange(24)
+        k = r.randrange(32)
         job = self.job()
         if k == 0:
             self.root[0] = "on: " + r.choice(["pushh", "[push, nope]"])
@@ -192,8 +192,24 @@ class Doc:
             job.set("runs-on", r.choice(["${{ steps.a.outputs.b }}", "${{ env.X }}"]), r)
         elif k == 22:
             self.root.insert(1, "defaults:\n  run:\n    shelll: bash")
-        else:
+        elif k == 23:
             self.root[0] = "on:\n  push:\n    branchez: main"
+        elif k == 24:
+            self.root[0] = "on:\n  schedule:\n    - " + r.choice(["crn: x", "cron: [x]", "3"])
+        elif k == 25:
+            job.set("permissions", r.choice(["bogus", "{contents: maybe}", "[x]"]), r)
+        elif k == 26:
+            job.set("container", r.choice(["[x]", "3", "{image: x, bogus: 1}"]), r)
+        elif k == 27:
+            job.set("outputs", r.choice(["[a]", "{a: [b]}"]), r)
+        elif k == 28:
+            self.add_step(job, ["run: echo", "env: " + r.choice(["3", "[a]", "{A: [1]}"])])
+        elif k == 29:
+            self.add_step(job, ["uses: " + r.choice(['""', "[x]"])])
+        elif k == 30:
+            self.add_step(job, ["run: echo", "timeout-minutes: " + q(r, "x")])
+        else:
+            job.set("strategy", r.choice(["3", "\n  matrix: 3", "\n  matrix:\n    include: 3"]), r)
 
 
 def ours(repo: Path, text: str) -> list[tuple[int, int, str]]:

@@ -132,6 +132,7 @@ STEP_KEYS = frozenset(
         "background",
     ]
 )
+_CONTAINER_KEYS = frozenset(["image", "options", "env", "ports", "volumes", "credentials"])
 _DISPATCH_TYPES = ("boolean", "choice", "number", "environment", "string")
 _CALLER_ONLY = CALLER_KEYS - JOB_KEYS
 _JOB_ONLY = JOB_KEYS - CALLER_KEYS
@@ -848,11 +849,11 @@ class _Reader:
     def container(self, node: YNode | None) -> Any:
         if node is None:
             return None
-        if isinstance(node, YSeq) or (
-            isinstance(node, YScalar) and not isinstance(node.value, str)
-        ):
+        if isinstance(node, YSeq):
             self.err(node, f"`container` must be an image name or a mapping, not {_kind(node)}")
             return None
+        if isinstance(node, YMap):
+            self.keys(node, _CONTAINER_KEYS, "`container`")
         return plain(node)
 
     def condition(self, node: YNode | None) -> str | None:

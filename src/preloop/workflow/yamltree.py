@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -69,18 +69,19 @@ class YMap:
     line: int
     column: int
     kind = "mapping"
+    index: dict[Any, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.index:
+            self.index.update((k.value, i) for i, (k, _) in enumerate(self.items))
 
     def get(self, key: str) -> YNode | None:
-        for k, v in self.items:
-            if k.value == key:
-                return v
-        return None
+        i = self.index.get(key)
+        return None if i is None else self.items[i][1]
 
     def key_node(self, key: str) -> YScalar | None:
-        for k, _ in self.items:
-            if k.value == key:
-                return k
-        return None
+        i = self.index.get(key)
+        return None if i is None else self.items[i][0]
 
 
 YNode = YScalar | YSeq | YMap
@@ -107,8 +108,13 @@ _INF = re.compile(r"[-+]?\.(inf|Inf|INF)")
 _NAN = re.compile(r"\.(nan|NaN|NAN)")
 
 
+_MAYBE_TYPED = frozenset("~nNtTfF0123456789+-.")
+
+
 def resolve_plain(text: str) -> Any:
     """YAML 1.2 core-schema resolution of a plain scalar."""
+    if text and text[0] not in _MAYBE_TYPED:
+        return text  # a word: no typed form starts this way
     if _NULL.fullmatch(text):
         return None
     if _TRUE.fullmatch(text):

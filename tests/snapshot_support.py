@@ -22,7 +22,9 @@ REAL_GIT = shutil.which("git") or "/usr/bin/git"
 
 # Hangs when "$*" matches $PRELOOP_FAKE_GIT_HANG (an extended regex): starts a
 # grandchild, reports its pid on the FIFO $PRELOOP_FAKE_GIT_FIFO, waits.
+# With $PRELOOP_FAKE_GIT_LOG set, every call's arguments are appended to it.
 FAKE_GIT = f"""#!/bin/sh
+if [ -n "$PRELOOP_FAKE_GIT_LOG" ]; then printf '%s\\n' "$*" >> "$PRELOOP_FAKE_GIT_LOG"; fi
 if [ -n "$PRELOOP_FAKE_GIT_HANG" ] && printf '%s\\n' "$*" | grep -Eq -- "$PRELOOP_FAKE_GIT_HANG"
 then
     sleep 100000 </dev/null >/dev/null 2>&1 &
@@ -131,6 +133,9 @@ class FakeGit:
         self._pidfds: list[int] = []
         monkeypatch.setenv("PATH", f"{self.bin}{os.pathsep}{os.environ['PATH']}")
         monkeypatch.setenv("PRELOOP_FAKE_GIT_FIFO", str(self.fifo))
+
+    def log_to(self, path: Path) -> None:
+        self._monkeypatch.setenv("PRELOOP_FAKE_GIT_LOG", str(path))
 
     def hang_on(self, pattern: str) -> None:
         self._monkeypatch.setenv("PRELOOP_FAKE_GIT_HANG", pattern)

@@ -552,3 +552,86 @@ def test_default_lite_store_lives_in_state_dir(
     with open_store() as s:
         assert s.dialect == "lite"
     assert (tmp_path / "home" / "state" / "preloop.db").is_file()
+
+
+def test_job_level_group_across_runs(store: Store) -> None:
+    """Waiters in other runs are promoted, replaced and cancelled in progress
+    from their own rows."""
+
+    def plan(name: str, cancel: bool = False) -> Plan:
+        b = PlanBuilder()
+        b.job("deploy", concurrency=ConcurrencySpec("prod", cancel_in_progress=cancel))
+        return b.plan(name)
+
+    r1 = store.submit_run(plan("one"))
+    first = store.claim_job("r", [])
+    assert first is not None and first.run_id == r1
+    r2 = store.submit_run(plan("two"))
+    assert store.get_job(r2, "deploy").status == "waiting"
+    r3 = store.submit_run(plan("three"))  # replaces r2's pending job
+    assert store.get_job(r2, "deploy").conclusion == "cancelled"
+    assert store.get_run(r2).conclusion == "cancelled" or store.get_run(r2).status == "completed"
+    store.complete_job(first, "success")  # r3's waiter is promoted across runs
+    third = store.claim_job("r", [])
+    assert third is not None and third.run_id == r3
+    r4 = store.submit_run(plan("four", cancel=True))  # cancels r3's running holder
+    assert store.heartbeat(third).cancel_requested
+    assert store.complete_job(third, "success").conclusion == "cancelled"
+    fourth = store.claim_job("r", [])
+    assert fourth is not None and fourth.run_id == r4
+    store.complete_job(fourth, "success")
+    assert [store.get_run(r).status for r in (r1, r2, r3, r4)] == ["completed"] * 4
+    assert store.counters.snapshot().graph_loads == 0
+
+
+def test_rerun_failed_jobs_keeps_what_succeeded(store: Store) -> None:
+    b = PlanBuilder()
+    b.job("setup")
+    b.matrix("test", 3, needs=["setup"], max_parallel=2)
+    b.job("report", needs=["test"], if_expr="always()")
+    b.job("deploy", needs=["test"])
+    plan = b.plan()
+    first = store.submit_run(plan)
+    drive(
+        store,
+        plan,
+        first,
+        lambda lease: ("success", {"v": lease.job_id}) if lease.job_id != "test#1" else "failure",
+    )
+    assert store.get_run(first).conclusion == "failure"
+    store.counters.reset()
+    again = store.rerun(first)
+    res = drive(store, plan, again)
+    assert store.counters.snapshot().graph_loads == 0
+    assert res.dispatched == ["test#1", "report", "deploy"]
+    assert store.get_job(again, "setup").outputs == {"v": "setup"}
+    assert store.get_run(again).conclusion == "success"
+    everything = store.rerun(again, failed_only=False)
+    assert drive(store, plan, everything).dispatched == [j.id for j in plan.jobs]
+    assert store.get_run(everything).conclusion == "success"
+
+
+def test_rerun_deferred_caller(store: Store) -> None:
+    plan = _deferred_plan()
+    first = store.submit_run(plan)
+    matrix = '{"os": ["a", "b"]}'
+
+    def outcome(lease: object) -> tuple[str, dict[str, str]]:
+        job_id = lease.job_id  # type: ignore[attr-defined]
+        if job_id == "call/prep":
+            return "success", {"matrix": matrix}
+        return ("failure" if job_id == "call/test#1" else "success"), {}
+
+    drive(store, plan, first, outcome)
+    assert store.get_job(first, "call").conclusion == "failure"
+    again = store.rerun(first)
+    res = drive(store, plan, again)
+    assert res.dispatched == ["call/test#1", "call/after", "final"]
+    assert store.get_job(again, "call").conclusion == "success"
+    assert store.get_job(again, "final").conclusion == "success"
+    whole = store.rerun(again, failed_only=False)
+    res = drive(store, plan, whole, outcome)
+    assert res.dispatched[:2] == ["setup", "call/prep"]
+    assert store.get_job(whole, "call/test").inner_job_ids == ("call/test#0", "call/test#1")
+    assert store.get_job(whole, "call").inner_job_ids.count("call/test#0") == 1
+    assert store.get_run(whole).status == "completed"

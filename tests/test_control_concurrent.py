@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from preloop.control import Store, open_store
+from preloop.control.schema import SCHEMA_VERSION
 from preloop.testing.plans import PlanBuilder
 from preloop.workflow.plan import ConcurrencySpec
 
@@ -116,6 +117,6 @@ def test_two_nodes_migrating_together_migrate_once(store_url: str) -> None:
     rows = s._db.transaction(
         "query", lambda tx: tx.execute("SELECT version FROM preloop_schema_version")
     )
-    assert [r["version"] for r in rows] == [1]
+    assert [r["version"] for r in rows] == [SCHEMA_VERSION]
     for o in opened:
         o.close()

@@ -264,3 +264,19 @@ def test_hash_files_follows_github_algorithm(tmp_path: Path) -> None:
     assert evaluate("hashFiles('src/**', '!**/*.txt')", ctx) == combined(b"A")
     assert evaluate("hashFiles('*.none')", ctx) == ""
     assert evaluate("hashFiles('x')", ctx, hash_files=lambda p: "|".join(p)) == "x"
+
+
+@pytest.mark.parametrize(
+    ("cond", "expected"),
+    [
+        (None, False),
+        ("always()", True),
+        ("success()", False),
+        ("failure()", False),
+        ("!failure()", True),
+    ],
+)
+def test_other_statuses_make_every_status_function_false(cond: str | None, expected: bool) -> None:
+    # The scheduler passes "skipped" when an ancestor was skipped: neither
+    # success() nor failure() holds, as on GitHub.
+    assert evaluate_if(cond, CTX, status="skipped") is expected

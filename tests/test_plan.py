@@ -394,13 +394,25 @@ def workflows(draw: st.DrawFn) -> str:
     for i, job_id in enumerate(ids):
         lines.append(f"  {job_id}:")
         earlier = ids[:i]
-        if earlier and draw(st.booleans()):
+        has_needs = bool(earlier) and draw(st.booleans())
+        if has_needs:
             needs = draw(st.lists(st.sampled_from(earlier), min_size=1, unique=True))
             lines.append(f"    needs: [{', '.join(needs)}]")
+            earlier = needs
         if draw(st.booleans()):
             lines.append("    if: ${{ github.event_name == 'push' || failure() }}")
+        kind = draw(st.sampled_from(["job", "job", "caller", "deferred"]))
+        if kind == "caller":
+            lines.append("    uses: ./.github/workflows/callee.yml")
+            lines.append(f"    with: {{who: {job_id}}}")
+            continue
+        if kind == "deferred" and earlier:
+            if not has_needs:
+                lines.append(f"    needs: [{earlier[0]}]")
+            lines += ["    strategy:", "      matrix: ${{ fromJSON(needs.X.outputs.m) }}"]
+            lines[-1] = lines[-1].replace("needs.X", f"needs.{earlier[0]}")
         lines.append("    runs-on: " + draw(st.sampled_from(["linux", "[self-hosted, gpu]"])))
-        if draw(st.booleans()):
+        if kind == "job" and draw(st.booleans()):
             vec = draw(st.lists(st.integers(0, 9), min_size=1, max_size=4, unique=True))
             lines += ["    strategy:", f"      max-parallel: {draw(st.integers(1, 3))}"]
             lines += ["      matrix:", f"        v: {vec}", "        w: [x, 'y z']"]
@@ -417,6 +429,7 @@ def workflows(draw: st.DrawFn) -> str:
 )
 @given(text=workflows())
 def test_random_workflows_round_trip_through_json(repo: Path, text: str) -> None:
+    write(repo, "callee.yml", CALLEE)
     p = plan(load_workflow(write(repo, "r.yml", text)), "push")
     again = Plan.from_json(p.to_json())
     assert again == p
@@ -425,6 +438,16 @@ def test_random_workflows_round_trip_through_json(repo: Path, text: str) -> None
     assert seqs == sorted(set(seqs))
     ids = {j.base_id for j in p.jobs}
     assert all(n in ids for j in p.jobs for n in j.needs)
+    taken = set(seqs)
+    for j in again.jobs:
+        if j.kind != "deferred":
+            continue
+        needs = {n.rsplit("/", 1)[-1]: {"outputs": {"m": '{"v": [1, 2]}'}} for n in j.needs}
+        out = expand_deferred(j, {"needs": needs})
+        assert [leg.id for leg in out.jobs] == [f"{j.id}#0", f"{j.id}#1"]
+        block = range(j.seq, j.seq + j.spec["deferred"]["seq_block"])
+        assert all(leg.seq in block for leg in out.jobs)
+        assert not (taken - {j.seq}) & set(block)
 
 
 # --- CLI ------------------------------------------------------------------------
@@ -470,11 +493,53 @@ def test_cli_file_and_errors(repo: Path) -> None:
     res = run_cli(repo, "-f", ".github/workflows/bad.yml")
     assert res.returncode == 1 and res.stdout == ""
     assert res.stderr.splitlines() == [
-        "preloop: error: .github/workflows/bad.yml:3:3: the workflow must contain at least one "
-        "job with no dependencies",
-        ".github/workflows/bad.yml:4:5: the job has no `runs-on` (which runner labels it needs)",
-        ".github/workflows/bad.yml:4:12: job 'a' needs unknown job 'nope'",
+        "preloop: error: .github/workflows/bad.yml:4:5: the job has no `runs-on` "
+        "(which runner labels it needs)",
         ".github/workflows/bad.yml:5:13: a step needs `run` (a command) or `uses` (an action)",
+        ".github/workflows/bad.yml:3:3: the workflow must contain at least one job with no "
+        "dependencies",
+        ".github/workflows/bad.yml:4:12: job 'a' needs unknown job 'nope'",
     ]
     res = run_cli(repo, "-f", "missing.yml")
     assert res.returncode == 1 and "missing.yml:1:1: cannot read workflow" in res.stderr
+
+
+def git(cwd: Path, *args: str) -> str:
+    env_args = ["-c", "user.email=t@example.com", "-c", "user.name=t"]
+    out = subprocess.run(["git", *env_args, *args], cwd=cwd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_local_github_context_from_git(repo: Path) -> None:
+    from preloop.workflow.github_context import local_github_context
+
+    assert local_github_context(repo) == {"workspace": str(repo.resolve())}  # not a repo yet
+    git(repo, "init", "-q", "-b", "feature/x")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "one")
+    git(repo, "remote", "add", "origin", "https://github.com/acme/widget.git")
+    ctx = local_github_context(repo)
+    assert ctx["sha"] == git(repo, "rev-parse", "HEAD")
+    assert (ctx["ref"], ctx["ref_name"], ctx["ref_type"]) == (
+        "refs/heads/feature/x",
+        "feature/x",
+        "branch",
+    )
+    assert (ctx["repository"], ctx["repository_owner"]) == ("acme/widget", "acme")
+    git(repo, "tag", "v1")
+    git(repo, "checkout", "-q", "--detach")
+    assert local_github_context(repo)["ref"] == "refs/tags/v1"
+
+
+def test_cli_uses_the_repository_for_github_context(repo: Path) -> None:
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "one")
+    write(
+        repo,
+        "c.yml",
+        "on: push\nconcurrency: ci-${{ github.ref_name }}\njobs:\n"
+        "  a:\n    runs-on: x\n    steps: [{run: echo}]\n",
+    )
+    res = run_cli(repo / ".github", "--json")  # from a subdirectory
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)[0]["concurrency"]["group"] == "ci-main"

@@ -321,6 +321,7 @@ UNPRIVILEGED = textwrap.dedent(
         "evicted": [[e.key, e.size_bytes, e.removed_bytes, e.partial, e.error]
                     for e in report.evicted],
         "total_after": report.total_bytes_after,
+        "skipped": [[s.key, s.reason.value, s.detail] for s in report.skipped],
     }))
     """
 )
@@ -390,6 +391,24 @@ def test_unlistable_cache_directory_aborts_eviction(public_tmp: Path) -> None:
     assert all(present(state, k) for k in keys)
 
 
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root to create files another user cannot remove"
+)
+
+
+@needs_root
+def test_an_entry_whose_lock_cannot_be_opened_is_kept(public_tmp: Path) -> None:
+    # Root owns the cache: nobody can read everything but create no lock file.
+    state = public_tmp / "state"
+    key = make_cache_entry(state, "a", payload=4 * KiB, last_use=T0)
+    result = prune_unprivileged(state, 1)
+    assert result["outcome"] == "completed" and result["evicted"] == []
+    ((skipped_key, reason, detail),) = result["skipped"]  # one entry, kept
+    assert (skipped_key, reason) == (key, "busy")
+    assert "cannot open its lock file" in detail and str(layout.cache_dir(state)) in detail
+    assert present(state, key)
+
+
 def test_unreadable_alternates_line_aborts_eviction(state: Path) -> None:
     keys = four_entries(state)
     run = layout.snapshots_dir(state) / "run-1"
@@ -409,6 +428,7 @@ def test_alternates_that_is_a_directory_aborts_eviction(state: Path) -> None:
     assert all(present(state, k) for k in keys)
 
 
+@needs_root
 def test_partial_removal_is_reported_and_only_removed_bytes_count(public_tmp: Path) -> None:
     state = public_tmp / "state"
     a = make_cache_entry(state, "a", payload=64 * KiB, last_use=T0)

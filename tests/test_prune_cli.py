@@ -101,3 +101,16 @@ def test_prune_abort_is_one_line_and_exit_1(tmp_path: Path) -> None:
     assert all(layout.cache_repository(state, k).is_dir() for k in keys)
     j = run("cache", "prune", "--state-dir", str(state), "--max-bytes", "1", "--json")
     assert j.returncode == 1 and json.loads(j.stdout)["outcome"] == "aborted"
+
+
+def test_status_reports_unknown_references_instead_of_guessing(tmp_path: Path) -> None:
+    state, _ = populated(tmp_path)
+    alternates = layout.snapshots_dir(state) / "run-7" / "objects" / "info" / "alternates"
+    alternates.write_text('"broken\n')
+    r = run("cache", "status", "--state-dir", str(state), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert str(alternates) in doc["references_error"]
+    assert all(e["referenced_by"] is None for e in doc["entries"])
+    text = run("cache", "status", "--state-dir", str(state))
+    assert "references unknown: cannot read" in text.stdout

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +107,24 @@ def test_digest_once() -> None:
     h.digest()
     with pytest.raises(ValueError):
         h.update(b"x")
+
+
+@pytest.mark.skipif(
+    not (shutil.which("aarch64-linux-gnu-gcc") and shutil.which("qemu-aarch64")),
+    reason="needs gcc-aarch64-linux-gnu and qemu-user to check the ARMv8 path",
+)
+def test_armv8_crypto_extension_path_under_qemu(tmp_path: Path) -> None:
+    native = Path(__file__).parents[1] / "src" / "native"
+    binary = tmp_path / "sha256_paths"
+    subprocess.run(
+        ["aarch64-linux-gnu-gcc", "-static", "-O2", "-Wall", "-Wextra", "-Werror",
+         f"-I{native}", str(Path(__file__).parent / "native" / "sha256_paths.c"),
+         str(native / "sha256.c"), "-o", str(binary)],
+        check=True,
+    )  # fmt: skip
+    out = subprocess.run(
+        ["qemu-aarch64", "-cpu", "max", str(binary)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "default: armv8-ce" in out
+    assert NIST[1][1] in out
+    assert "mismatches: 0" in out

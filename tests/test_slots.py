@@ -362,3 +362,76 @@ def test_sandboxed_process_shares_the_cap_through_a_read_only_bind(tmp_path: Pat
     assert sandboxed.wait(30) == 0
     for slot in again:
         slot.release()
+
+
+def as_nobody(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs `code` as the unprivileged user `nobody` (tests run as root)."""
+    return subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to act as another user",
+)
+
+
+@needs_root
+def test_another_user_shares_a_directory_cold_started_under_umask_077(public_tmp: Path) -> None:
+    directory = public_tmp / "coordination"
+    old = os.umask(0o077)
+    try:
+        mine = held(HostSlots(directory), 3)
+    finally:
+        os.umask(old)
+    result = as_nobody(
+        """
+        import sys
+        from preloop.fingerprint import HostSlots
+        slots = HostSlots(sys.argv[1])
+        slot = slots.try_acquire()
+        print(slot.index, slots.try_acquire())
+        """,
+        str(directory),
+    )
+    assert result.returncode == 0, result.stderr
+    index, second = result.stdout.split()
+    assert int(index) not in [s.index for s in mine]
+    assert second == "None"  # the fourth slot was the last: nobody shares root's cap
+    for slot in mine:
+        slot.release()
+
+
+@needs_root
+def test_unusable_entry_names_path_and_sharing_mode(public_tmp: Path) -> None:
+    directory = public_tmp / "coordination"
+    directory.mkdir(mode=0o755)
+    for name in SLOT_NAMES:
+        (directory / name).touch(mode=0o600)
+    result = as_nobody(
+        """
+        import sys
+        from preloop.fingerprint import HostSlots
+        HostSlots(sys.argv[1]).acquire()
+        """,
+        str(directory),
+    )
+    assert result.returncode != 0
+    assert "CoordinationError" in result.stderr
+    assert f"cannot open coordination entry {directory}/admission read-only" in result.stderr
+    assert "Permission denied" in result.stderr
+    assert "files mode 0666" in result.stderr
+
+
+def test_trailing_slash_names_the_same_directory(tmp_path: Path) -> None:
+    directory = tmp_path / "coordination"
+    _native.slots_prepare(f"{directory}/")
+    assert sorted(os.listdir(tmp_path)) == ["coordination"]
+    got = _native.slots_acquire(f"{directory}//", 4, False)
+    assert got is not None and got[1] == 0
+    os.close(got[0])

@@ -14,6 +14,7 @@ import pytest
 from preloop.fs import tree_bytes
 from preloop.snapshot import Snapshot, SnapshotError, capture_workspace, layout
 from snapshot_support import (
+    FakeGit,
     git,
     make_repo,
     oracle_tree,
@@ -96,6 +97,8 @@ def workspace(tmp_path: Path) -> Path:
     (ws / "staged.txt").write_text("staged\n")
     git("add", "staged.txt", cwd=ws)
     (ws / "staged.txt").write_text("staged, then changed again\n")
+    (ws / "staged-only.txt").write_text("staged, blob only in the workspace's objects\n")
+    git("add", "staged-only.txt", cwd=ws)
     (ws / "untracked.txt").write_text("untracked\n")
     (ws / "dir/untracked2.txt").write_text("untracked too\n")
     (ws / "crlf.txt").write_bytes(b"one\r\ntwo\r\n")
@@ -126,6 +129,7 @@ def test_snapshot_is_what_git_add_all_stages(tmp_path: Path, workspace: Path) ->
         "a.txt",
         "dir/b.txt",
         "staged.txt",
+        "staged-only.txt",
         "untracked.txt",
         "dir/untracked2.txt",
         "build/keep.txt",
@@ -212,10 +216,16 @@ def test_unborn_head(tmp_path: Path) -> None:
     ).split() == [snap.commit]
     assert set(listing(snap)) == {"a.txt", "b/c.txt"}
     assert snap.tree == oracle_tree(ws, tmp_path)
+    # The staged blob existed only in the workspace's objects: it was copied.
+    git("fsck", "--strict", "--no-dangling", cwd=snap.repository)
     # Warm capture of an unborn repository too.
     (ws / "d.txt").write_text("d\n")
+    (ws / "e.txt").write_text("staged after the cache was made\n")
+    git("add", "e.txt", cwd=ws)
     again = capture(tmp_path / "state", ws, "unborn-2")
-    assert set(listing(again)) == {"a.txt", "b/c.txt", "d.txt"}
+    assert set(listing(again)) == {"a.txt", "b/c.txt", "d.txt", "e.txt"}
+    # e.txt's blob was only in the workspace's objects: it was copied.
+    git("fsck", "--strict", "--no-dangling", cwd=again.repository)
 
 
 def test_linked_worktree(tmp_path: Path) -> None:
@@ -297,3 +307,42 @@ def test_run_id_collision_keeps_the_existing_snapshot(tmp_path: Path) -> None:
         capture(state, ws, "same")
     assert git("rev-parse", "refs/heads/snapshot", cwd=snap.repository).strip() == snap.commit
     assert os.listdir(layout.staging_dir(state)) == []
+
+
+def test_fixup_path_tracks_ignore_changes_and_reappearing_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cheap path (persisted index fixed up from the memo, no read-tree)
+    still gives exactly what `git add -A` stages."""
+    ws = make_repo(tmp_path / "ws", {"a.txt": "a\n", "b.txt": "b\n", ".gitignore": "*.log\n"})
+    (ws / "keep.log").write_text("tracked although ignored\n")
+    git("add", "-f", "keep.log", cwd=ws)
+    git("commit", "-q", "-m", "keep", cwd=ws)
+    state = tmp_path / "state"
+    capture(state, ws, "c1")  # seeded from the workspace index
+    (ws / "u.txt").write_text("untracked\n")
+    (ws / "keep.log").unlink()
+    second = capture(state, ws, "c2")  # reset path; writes the memo
+    assert second.tree == oracle_tree(ws, tmp_path)
+    assert "u.txt" in listing(second) and "keep.log" not in listing(second)
+
+    fake = FakeGit(tmp_path, monkeypatch)
+    log = tmp_path / "git-calls.log"
+    fake.log_to(log)
+    with (ws / ".git/info/exclude").open("a") as fh:
+        fh.write("u.txt\n")
+    (ws / "keep.log").write_text("back again\n")
+    (ws / "a.txt").write_text("a changed\n")
+    third = capture(state, ws, "c3")
+    calls = log.read_text()
+    assert "check-ignore --no-index" in calls and "read-tree" not in calls
+    assert "update-index -z --index-info" in calls  # u.txt ignored now, keep.log is back
+    assert third.tree == oracle_tree(ws, tmp_path)
+    entries = listing(third)
+    assert "u.txt" not in entries and "keep.log" in entries
+    assert blob(third, "a.txt") == b"a changed\n"
+    log.write_text("")
+    fourth = capture(state, ws, "c4")
+    assert "read-tree" not in log.read_text()
+    assert fourth.commit == third.commit
+    fake.close()

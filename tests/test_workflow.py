@@ -398,13 +398,15 @@ def test_every_error_reported_at_once(repo: Path) -> None:
             steps: [{run: "${{ 1 + }}"}]
         """,
     )
+    # The file's own problems first, then how its parts relate (GitHub's two
+    # passes), each in file order.
     assert [e.split(": ", 1)[0] for e in errs] == [
         ".github/workflows/w.yml:1:5",  # unknown event
         ".github/workflows/w.yml:4:5",  # no runs-on (at the job mapping)
-        ".github/workflows/w.yml:4:12",  # unknown need
         ".github/workflows/w.yml:6:9",  # step with neither
         ".github/workflows/w.yml:7:3",  # invalid job id
         ".github/workflows/w.yml:9:20",  # expression syntax, at its `${{`
+        ".github/workflows/w.yml:4:12",  # unknown need
     ]
 
 
@@ -584,4 +586,57 @@ def test_reusable_workflow_calling_itself(repo: Path) -> None:
     assert errs == [
         ".github/workflows/loop.yml:4:11: reusable workflow './.github/workflows/loop.yml' "
         "calls itself (directly or indirectly)"
+    ]
+
+
+def test_local_action_must_exist(repo: Path) -> None:
+    (repo / "tools" / "setup").mkdir(parents=True)
+    (repo / "tools" / "setup" / "action.yml").write_text("runs: {using: composite, steps: []}\n")
+    errs = errors(
+        repo,
+        """
+        on: push
+        jobs:
+          a:
+            runs-on: x
+            steps:
+              - uses: ./tools/setup
+              - uses: ./tools/missing
+              - uses: actions/checkout@v4
+        """,
+    )
+    assert len(errs) == 1
+    assert errs[0].startswith(
+        ".github/workflows/w.yml:7:15: local action './tools/missing' has no action.yml"
+    )
+
+
+def test_context_availability(repo: Path) -> None:
+    errs = errors(
+        repo,
+        """
+        on: push
+        env:
+          A: ${{ secrets.TOKEN }}
+          B: ${{ matrix.os }}
+        jobs:
+          a:
+            runs-on: ${{ steps.x.outputs.label }}
+            if: ${{ hashFiles('x') != '' }}
+            outputs:
+              o: ${{ steps.s.outputs.o }}
+            steps:
+              - id: s
+                if: ${{ failure() || hashFiles('**/*.lock') != '' }}
+                run: echo ${{ secrets.TOKEN }} ${{ success() }}
+        """,
+    )
+    assert errs == [
+        ".github/workflows/w.yml:4:6: context 'matrix' is not available here (only github, "
+        "inputs, secrets, vars) in expression `matrix.os`",
+        ".github/workflows/w.yml:7:14: context 'steps' is not available here (only github, "
+        "inputs, matrix, needs, strategy, vars) in expression `steps.x.outputs.label`",
+        ".github/workflows/w.yml:8:9: function hashfiles() is not available here: "
+        "`hashFiles('x') != ''`",
+        ".github/workflows/w.yml:14:40: function success() is not available here: `success()`",
     ]

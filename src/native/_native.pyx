@@ -122,6 +122,12 @@ def coordination_dir():
     return os.environ.get("PRELOOP_COORDINATION_DIR") or DEFAULT_COORDINATION_DIR
 
 
+cdef bytes _dir_bytes(directory):
+    """The directory as bytes without trailing slashes (temporary names are siblings)."""
+    raw = os.fsencode(directory)
+    return raw.rstrip(b"/") or b"/"
+
+
 cdef object _slots_exception(pl_slots_error *e):
     from preloop.errors import CoordinationError
 
@@ -140,7 +146,7 @@ cdef object _slots_exception(pl_slots_error *e):
         msg = (f"coordination directory {path} is not a directory; remove it so preloop can "
                f"recreate it ({_SHARING})")
     elif e.kind == PL_SLOTS_E_CREATE:
-        msg = (f"cannot create coordination entry {path}: {reason}. Its parent must be writable "
+        msg = (f"cannot create coordination entry {path}: {reason}. Its parent directory must exist and be writable "
                f"to create it (or run prepare_host_coordination() as a user who can); "
                f"{_SHARING}")
     elif e.kind == PL_SLOTS_E_LOCK:
@@ -165,7 +171,7 @@ cdef bint _interrupted(pl_slots_error *e) except -1:
 def slots_prepare(directory, int nslots=HOST_SLOTS):
     """Creates or adopts the coordination directory and its files (never truncating
     or unlinking existing ones); returns nothing. Raises CoordinationError."""
-    cdef bytes d = os.fsencode(directory)
+    cdef bytes d = _dir_bytes(directory)
     cdef const char *c_dir = d
     cdef pl_slots_error e
     cdef int rc
@@ -178,7 +184,7 @@ def slots_prepare(directory, int nslots=HOST_SLOTS):
 def slots_acquire(directory, int nslots=HOST_SLOTS, bint blocking=True, long pid=0):
     """Takes a host slot: returns (fd, slot index), or None when not blocking and every
     slot is taken. Closing fd releases the slot. `pid` (tests) picks the full-cap slot."""
-    cdef bytes d = os.fsencode(directory)
+    cdef bytes d = _dir_bytes(directory)
     cdef const char *c_dir = d
     cdef pl_slots_error e
     cdef pl_slot s
@@ -259,7 +265,7 @@ def fingerprint(roots, str mode="content", directory=None):
     else:
         raise ValueError(f"fingerprint mode must be 'content' or 'metadata', got {mode!r}")
     ordered = _resolve_roots(roots)
-    cdef bytes d = os.fsencode(directory if directory is not None else coordination_dir())
+    cdef bytes d = _dir_bytes(directory if directory is not None else coordination_dir())
     cdef const char *c_dir = d
     cdef size_t n = len(ordered)
     cdef const char **c_roots = <const char **>malloc(n * sizeof(char *))

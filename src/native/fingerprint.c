@@ -304,6 +304,10 @@ static int emit_file(fwalk *w, int dirfd, const char *name, const struct stat *b
             break;
         pl_sha256_update(&file, w->buf, (size_t)got);
         total += (uint64_t)got;
+        /* A short read that reaches the lstat size is the end: skip the read that
+         * would return 0. Growth after it shows in the second lstat's size. */
+        if ((size_t)got < BUF_SIZE && total == (uint64_t)before->st_size)
+            break;
     }
     close(fd);
     if (pl_fp_after_read_hook) {

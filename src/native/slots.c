@@ -231,17 +231,14 @@ int pl_slots_acquire(const char *dir, int nslots, int blocking, long pid, pl_slo
     out->dir_dev = (uint64_t)dst.st_dev;
     out->dir_ino = (uint64_t)dst.st_ino;
 
-    int adm = openat(dirfd, "admission", O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-    if (adm < 0 && errno == ENOENT) {
+    int adm = open_lock_file(dirfd, dir, "admission", error);
+    if (adm < 0 && error->kind == PL_SLOTS_E_OPEN && error->err == ENOENT) {
         /* A directory made by hand or an older run: add the missing files. */
-        if (ensure_files(dirfd, dir, nslots, error) != 0) {
-            close(dirfd);
-            return -1;
-        }
-    } else if (adm >= 0) {
-        close(adm);
+        free(error->path);
+        memset(error, 0, sizeof *error);
+        if (ensure_files(dirfd, dir, nslots, error) == 0)
+            adm = open_lock_file(dirfd, dir, "admission", error);
     }
-    adm = open_lock_file(dirfd, dir, "admission", error);
     if (adm < 0) {
         close(dirfd);
         return -1;

@@ -17,6 +17,7 @@ from preloop.workflow import (
     plan,
     workflow_files,
 )
+from preloop.workflow.github_context import local_github_context
 from preloop.workflow.yamltree import Diagnostic
 
 __all__ = ["plan_command", "stages"]
@@ -96,11 +97,12 @@ def plan_command(file: Path | None, event: str, inputs: tuple[str, ...], as_json
     run in. Nothing is executed. Invalid workflows are reported as
     `path:line:col: message`, every problem at once."""
     given = _parse_inputs(inputs)
+    root = _find_root(Path.cwd() if file is None else file.resolve().parent)
+    github = local_github_context(root)
     if file is not None:
         paths = [file]
         explicit = True
     else:
-        root = _find_root(Path.cwd())
         paths = workflow_files(root)
         explicit = False
         if not paths:
@@ -117,7 +119,7 @@ def plan_command(file: Path | None, event: str, inputs: tuple[str, ...], as_json
             continue
         if not explicit and (not wf.triggered_by(event) or event == "workflow_call"):
             continue
-        plans.append(plan(wf, event, inputs=given))
+        plans.append(plan(wf, event, inputs=given, github=github))
     if problems:
         raise WorkflowError(problems, str(problems[0].path))
     if not plans:
@@ -147,4 +149,4 @@ def _find_root(start: Path) -> Path:
     for d in (start, *start.parents):
         if (d / ".github" / "workflows").is_dir():
             return d
-    return start
+    return Path.cwd()

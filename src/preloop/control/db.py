@@ -63,7 +63,10 @@ class Tx:
         """Runs one statement; returns its rows (empty for statements without)."""
         self.statements += 1
         if self._pg:
-            self._cur.execute(_pg_sql(sql), params)
+            if params:
+                self._cur.execute(_pg_sql(sql), params)
+            else:  # no placeholders: the text goes as is (plpgsql bodies use %)
+                self._cur.execute(sql)
             return list(self._cur.fetchall()) if self._cur.description else []
         cur = self._cur.execute(sql, params)
         if cur.description is None:
@@ -84,26 +87,42 @@ class Tx:
         else:
             self._cur.executemany(sql, rows)
 
-    def lock_run(self, run_id: int) -> Row | None:
-        """The run row, locked (pg: `FOR UPDATE`, wait timed; lite already holds
-        the write lock). Lock order: this comes before any job row."""
-        sql = "SELECT id, status, cancel_requested, conc_group, context FROM runs WHERE id = ?"
-        if not self._pg:
-            row = self.one(sql, (run_id,))
-            self.lock_taken_ns = self.lock_taken_ns or time.perf_counter_ns()
-            return row
+    def lock_run(self, run_id: int, settle_delta: int | None = None) -> Row | None:
+        """The run row, locked (pg: the wait is timed; lite already holds the
+        write lock). Lock order: this comes before any job row. With
+        `settle_delta` the lock is taken by the statement that adjusts
+        `remaining_jobs` (the settle path's first write)."""
+        cols = "id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs"
+        if settle_delta is not None:
+            sql = (
+                f"UPDATE runs SET remaining_jobs = remaining_jobs + ? WHERE id = ? RETURNING {cols}"
+            )
+            params: tuple[Any, ...] = (settle_delta, run_id)
+        else:
+            sql = f"SELECT {cols} FROM runs WHERE id = ?" + (" FOR UPDATE" if self._pg else "")
+            params = (run_id,)
         t0 = time.perf_counter_ns()
-        row = self.one(sql + " FOR UPDATE", (run_id,))
+        row = self.one(sql, params)
         t1 = time.perf_counter_ns()
-        self._backend.counters.add_lock_run_wait(t1 - t0)
+        if self._pg:
+            self._backend.counters.add_lock_run_wait(t1 - t0)
         self.lock_taken_ns = self.lock_taken_ns or t1
         return row
+
+    def note_lock_run_wait(self, call_start_ns: int, wait_ns: int) -> None:
+        """For a server-side function that took the run lock itself: `wait_ns`
+        as it measured, and the hold counted from when the wait ended."""
+        self._backend.counters.add_lock_run_wait(wait_ns)
+        self.lock_taken_ns = self.lock_taken_ns or call_start_ns + wait_ns
 
     def try_lock_run(self, run_id: int) -> Row | None:
         """The run row if it can be locked without waiting (pg `SKIP LOCKED`):
         used only when the caller already holds a different run's lock, so no
         transaction ever waits on run rows out of order."""
-        sql = "SELECT id, status, cancel_requested, conc_group, context FROM runs WHERE id = ?"
+        sql = (
+            "SELECT id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs "
+            "FROM runs WHERE id = ?"
+        )
         if not self._pg:
             return self.one(sql, (run_id,))
         return self.one(sql + " FOR UPDATE SKIP LOCKED", (run_id,))
@@ -185,7 +204,9 @@ class LiteBackend(Backend):
             _check_version(have, self.url)
             for migration in MIGRATIONS[have:]:
                 for statement in migration:
-                    tx.execute(render(statement, "lite"))
+                    sql = render(statement, "lite")
+                    if sql is not None:
+                        tx.execute(sql)
             tx.execute("UPDATE preloop_schema_version SET version = ?", (len(MIGRATIONS),))
 
         self.transaction("migrate", apply)
@@ -214,7 +235,7 @@ class PgBackend(Backend):
 
     dialect: Dialect = "pg"
 
-    def __init__(self, url: str, max_size: int = 8) -> None:
+    def __init__(self, url: str, max_size: int = 16) -> None:
         super().__init__()
         import psycopg
         from psycopg.rows import dict_row
@@ -222,6 +243,9 @@ class PgBackend(Backend):
 
         self.url = url
         self._errors = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+        self._local = threading.local()
+        self._held: list[Any] = []
+        self._held_lock = threading.Lock()
         self._pool = ConnectionPool(
             url,
             min_size=1,
@@ -252,26 +276,54 @@ class PgBackend(Backend):
             _check_version(have, self.url)
             for migration in MIGRATIONS[have:]:
                 for statement in migration:
-                    tx.execute(render(statement, "pg"))
+                    sql = render(statement, "pg")
+                    if sql is not None:
+                        tx.execute(sql)
             tx.execute("UPDATE preloop_schema_version SET version = ?", (len(MIGRATIONS),))
 
         self.transaction("migrate", apply)
 
+    def _connection(self) -> Any:
+        """This thread's connection: checked out of the pool once and kept, so
+        a transaction costs only its own round trips."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None or conn.closed:
+            conn = self._local.conn = self._pool.getconn()
+            with self._held_lock:
+                self._held.append(conn)
+        return conn
+
+    def _drop_connection(self, conn: Any) -> None:
+        self._local.conn = None
+        with self._held_lock:
+            if conn in self._held:
+                self._held.remove(conn)
+        self._pool.putconn(conn)
+
     def transaction(self, op: str, fn: Callable[[Tx], T]) -> T:
+        import psycopg
+
         while True:
-            with self._pool.connection() as conn:
-                tx = None
-                try:
-                    with conn.transaction(), conn.cursor() as cur:
-                        tx = Tx(self, cur, op)
-                        result = fn(tx)
-                except self._errors:
-                    self.counters.add_deadlock_retry()
-                    continue
-                self._finish(tx, time.perf_counter_ns())
-                return result
+            conn = self._connection()
+            try:
+                with conn.transaction(), conn.cursor() as cur:
+                    tx = Tx(self, cur, op)
+                    result = fn(tx)
+            except self._errors:
+                self.counters.add_deadlock_retry()
+                continue
+            except psycopg.OperationalError:
+                # A broken connection goes back to the pool (which replaces it).
+                self._drop_connection(conn)
+                raise
+            self._finish(tx, time.perf_counter_ns())
+            return result
 
     def close(self) -> None:
+        with self._held_lock:
+            held, self._held = self._held, []
+        for conn in held:
+            self._pool.putconn(conn)
         self._pool.close()
 
 

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "render"]
 
-_V1 = [
+# A migration is a list of statements; a dict holds one per dialect (None: nothing).
+Statement = str | dict[str, str | None]
+
+_V1: list[Statement] = [
     """CREATE TABLE IF NOT EXISTS runs (
         id {id} PRIMARY KEY,
         workflow TEXT NOT NULL,
@@ -138,7 +141,71 @@ _V1 = [
     "INSERT INTO wait_seq (id, value) VALUES (1, 0) ON CONFLICT (id) DO NOTHING",
 ]
 
-MIGRATIONS: list[list[str]] = [_V1]
+# PostgreSQL only: the settle fast path as one server-side call, so the run
+# lock is held for one round trip instead of three to five. It takes the run
+# row first (lock order), ends the job (guarded as in Python), counts it in its
+# unit and hands a freed cohort slot to the next parked leg without a
+# concurrency group. Everything else (a unit that ended, a group to release,
+# fail-fast) continues in Python in the same transaction.
+_SETTLE_FN = """CREATE OR REPLACE FUNCTION preloop_settle(
+    p_run BIGINT, p_job TEXT, p_conclusion TEXT, p_outputs TEXT, p_reason TEXT,
+    p_token TEXT, p_now DOUBLE PRECISION)
+RETURNS TABLE (run_row JSON, job_row JSON, unit_row JSON, admitted TEXT, wait_us BIGINT)
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    r RECORD; j jobs%ROWTYPE; u units%ROWTYPE; eff TEXT; nxt TEXT;
+    t0 TIMESTAMPTZ := clock_timestamp(); waited BIGINT;
+BEGIN
+    UPDATE runs SET remaining_jobs = remaining_jobs - 1 WHERE id = p_run
+        RETURNING id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs INTO r;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    waited := (extract(epoch FROM clock_timestamp() - t0) * 1000000)::BIGINT;
+    UPDATE jobs SET status = 'completed',
+        conclusion = CASE WHEN cancel_requested = 1 AND p_conclusion <> 'skipped'
+                          THEN 'cancelled' ELSE p_conclusion END,
+        outputs = p_outputs, reason = p_reason, completed_at = p_now, lease_token = NULL
+        WHERE run_id = p_run AND id = p_job
+          AND status NOT IN ('completed', 'expanded', 'folding')
+          AND (p_token IS NULL OR (status = 'running' AND lease_token = p_token))
+        RETURNING * INTO j;
+    IF NOT FOUND THEN
+        UPDATE runs SET remaining_jobs = remaining_jobs + 1 WHERE id = p_run;
+        RETURN QUERY SELECT row_to_json(r), NULL::JSON, NULL::JSON, NULL::TEXT, waited;
+        RETURN;
+    END IF;
+    eff := CASE WHEN j.conclusion = 'failure' AND j.continue_on_error = 1
+                THEN 'success' ELSE j.conclusion END;
+    UPDATE units SET remaining = remaining - 1,
+        n_success = n_success + (eff = 'success')::INT,
+        n_failure = n_failure + (eff = 'failure')::INT,
+        n_cancelled = n_cancelled + (eff = 'cancelled')::INT,
+        n_skipped = n_skipped + (eff NOT IN ('success', 'failure', 'cancelled'))::INT,
+        anc_fail = GREATEST(anc_fail, j.anc_fail),
+        anc_bad = GREATEST(anc_bad, j.anc_bad),
+        outputs = CASE WHEN p_outputs = '{{}}' THEN outputs
+                       ELSE (outputs::JSONB || p_outputs::JSONB)::TEXT END
+        WHERE run_id = p_run AND base_id = j.base_id
+        RETURNING * INTO u;
+    IF j.holds_slot = 1 THEN
+        UPDATE jobs SET status = 'queued', holds_slot = 1
+            WHERE (run_id, id) = (SELECT p.run_id, p.id FROM jobs p
+                                  WHERE p.run_id = p_run AND p.cohort = j.cohort
+                                    AND p.status = 'parked' ORDER BY p.seq LIMIT 1)
+              AND conc_group IS NULL AND conc_group_expr IS NULL
+            RETURNING id INTO nxt;
+    END IF;
+    RETURN QUERY SELECT row_to_json(r), row_to_json(j), row_to_json(u), nxt, waited;
+END
+$fn$"""
+
+MIGRATIONS: list[list[Statement]] = [
+    _V1,
+    [{"pg": _SETTLE_FN, "lite": None}],
+    # A re-run points at the run it repeats.
+    ["ALTER TABLE runs ADD COLUMN rerun_of BIGINT"],
+]
 SCHEMA_VERSION = len(MIGRATIONS)
 
 _DIALECT = {
@@ -147,6 +214,12 @@ _DIALECT = {
 }
 
 
-def render(statement: str, dialect: str) -> str:
-    """`statement` with the dialect's column types filled in."""
+def render(statement: Statement, dialect: str) -> str | None:
+    """`statement` for `dialect` with its column types filled in (None: the
+    migration has nothing to do on this dialect)."""
+    if isinstance(statement, dict):
+        text = statement[dialect]
+        if text is None:
+            return None
+        statement = text
     return statement.format(**_DIALECT[dialect])

@@ -29,6 +29,7 @@ its legs exist. Conclusions: success, failure, cancelled, skipped.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from collections.abc import Sequence
@@ -48,7 +49,7 @@ from preloop.control.conditions import (
 from preloop.control.counters import Counters
 from preloop.control.db import Backend, LiteBackend, PgBackend, Row, StoreError, Tx
 from preloop.errors import PreloopError
-from preloop.workflow.plan import Plan, PlannedJob
+from preloop.workflow.plan import ConcurrencySpec, Plan, PlannedJob
 
 __all__ = [
     "TERMINAL",
@@ -69,6 +70,18 @@ TERMINAL: frozenset[str] = frozenset({"success", "failure", "cancelled", "skippe
 QUEUE_MAX = 100  # GitHub's `queue: max` pending limit
 SEQ_STRIDE = 4096  # room below each planned seq for deferred legs
 DEFAULT_LEASE_SECONDS = 60.0
+
+# Takes a concurrency group for a job (or, holder_job NULL, a run) when it is
+# free and nobody waits; the row is created on first use. On PostgreSQL the
+# group row stays locked either way until commit.
+_ACQUIRE = (
+    "INSERT INTO conc_groups (name, holder_run, holder_job) VALUES (?, ?, ?) "
+    "ON CONFLICT (name) DO UPDATE SET holder_run = excluded.holder_run, "
+    "holder_job = excluded.holder_job WHERE conc_groups.holder_run IS NULL "
+    "AND NOT EXISTS (SELECT 1 FROM jobs w WHERE w.conc_group = ? AND w.status = 'waiting') "
+    "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = ? AND r.status = 'pending') "
+    "RETURNING name"
+)
 
 # Columns the cascade needs from a job row.
 _JOB = (
@@ -259,6 +272,57 @@ class Store:
         self._retry_groups(cascade_groups)
         return run_id
 
+    def rerun(self, run_id: int, *, failed_only: bool = True) -> int:
+        """A new run from an ended one (GitHub's re-run). With `failed_only`,
+        jobs that succeeded with every ancestor succeeding are kept as they
+        ended (outputs included) and the rest run again; otherwise every job
+        runs again (deferred matrices are expanded anew). Set-based over the
+        old run's rows: no graph load."""
+        groups: set[str] = set()
+        keep = 1 if failed_only else 0
+
+        def tx_fn(tx: Tx) -> int:
+            old = tx.lock_run(run_id)
+            if old is None:
+                raise UnknownRun(f"no run {run_id} in the store {self.url}")
+            if old["status"] != "completed":
+                raise StoreError(
+                    f"run {run_id} is still {old['status']}: cancel it or wait for it to end "
+                    "before re-running"
+                )
+            row = tx.one(
+                "INSERT INTO runs (workflow, name, event, status, remaining_jobs, conc_group, "
+                "conc_cancel, conc_queue_max, context, created_at, rerun_of) "
+                "SELECT workflow, name, event, 'running', 0, conc_group, conc_cancel, "
+                "conc_queue_max, context, ?, id FROM runs WHERE id = ? RETURNING id",
+                (time.time(), run_id),
+            )
+            assert row is not None
+            new = int(row["id"])
+            tx.lock_run(new)
+            for sql in _RERUN_SQL:
+                tx.execute(*_rerun_statement(sql, new, run_id, keep))
+            c = _Cascade(tx, self)
+            group = old["conc_group"]
+            if group is not None:
+                conc = tx.one("SELECT conc_cancel, conc_queue_max FROM runs WHERE id = ?", (new,))
+                assert conc is not None
+                spec = ConcurrencySpec(
+                    group, None, bool(conc["conc_cancel"]), bool(conc["conc_queue_max"])
+                )
+                if not c.acquire_run_group(new, group, spec):
+                    c.finish()
+                    groups.update(c.retry_groups)
+                    return new
+            c.start_run(new)
+            c.finish()
+            groups.update(c.retry_groups)
+            return new
+
+        new_id = self._db.transaction("rerun", tx_fn)
+        self._retry_groups(groups)
+        return new_id
+
     # ------------------------------------------------------------------ claims
 
     def claim_job(
@@ -389,37 +453,93 @@ class Store:
         groups: set[str] = set()
 
         def tx_fn(tx: Tx) -> Completion:
-            run = tx.lock_run(run_id)
+            # The common path is three statements: the run row (locked by the
+            # write that counts the job as ended), the job row (guarded: only
+            # a live job, only the lease holder), and its unit.
+            if tx.dialect == "pg":
+                return self._settle_pg(
+                    tx, run_id, job_id, conclusion, outputs, reason, token, groups
+                )
+            run = tx.lock_run(run_id, settle_delta=-1)
+            if run is None:
+                raise UnknownRun(f"no run {run_id} in the store {self.url}")
+            lease_guard = " AND status = 'running' AND lease_token = ?" if token else ""
             job = tx.one(
-                f"SELECT {_JOB}, conclusion, lease_token FROM jobs WHERE run_id = ? AND id = ?",
-                (run_id, job_id),
+                "UPDATE jobs SET status = 'completed', conclusion = CASE WHEN "
+                "cancel_requested = 1 AND ? <> 'skipped' THEN 'cancelled' ELSE ? END, "
+                "outputs = ?, reason = ?, completed_at = ?, lease_token = NULL "
+                "WHERE run_id = ? AND id = ? AND status NOT IN ('completed', 'expanded', 'folding')"
+                f"{lease_guard} RETURNING {_JOB}, conclusion",
+                (
+                    conclusion,
+                    conclusion,
+                    _dumps(outputs or {}),
+                    reason,
+                    time.time(),
+                    run_id,
+                    job_id,
+                    *((token,) if token else ()),
+                ),
             )
-            if run is None or job is None:
-                raise UnknownRun(f"run {run_id} has no job {job_id!r}")
-            if job["status"] in ("completed", "expanded"):
-                return Completion(run_id, job_id, job["conclusion"] or "skipped", False)
-            if token is not None and (job["status"] != "running" or job["lease_token"] != token):
-                raise StoreError(
-                    f"run {run_id} job {job_id!r}: the lease is not held (status {job['status']})"
+            if job is None:
+                tx.execute(
+                    "UPDATE runs SET remaining_jobs = remaining_jobs + 1 WHERE id = ?", (run_id,)
                 )
-            if job["kind"] == "caller" and job["status"] == "folding":
-                raise StoreError(
-                    f"run {run_id} job {job_id!r} is a reusable-workflow caller: it ends "
-                    "when its inner jobs end"
-                )
-            final = conclusion
-            if job["cancel_requested"] and conclusion != "skipped":
-                final = "cancelled"
+                return _not_settled(tx, run_id, job_id)
             c = _Cascade(tx, self)
             c.note_run(run)
-            c.conclude(job, final, outputs or {}, reason)
+            if int(run["remaining_jobs"]) == 0:
+                c.pending_end[run_id] = run
+            c.after_conclude(job, job["conclusion"], outputs or {})
             c.finish()
             groups.update(c.retry_groups)
-            return Completion(run_id, job_id, final, True)
+            return Completion(run_id, job_id, job["conclusion"], True)
 
         result = self._db.transaction(op, tx_fn)
         self._retry_groups(groups)
         return result
+
+    def _settle_pg(
+        self,
+        tx: Tx,
+        run_id: int,
+        job_id: str,
+        conclusion: str,
+        outputs: dict[str, Any] | None,
+        reason: str | None,
+        token: str | None,
+        groups: set[str],
+    ) -> Completion:
+        """The PostgreSQL settle: one `preloop_settle` call (schema migration
+        2) does the common path; the cascade continues here when needed."""
+        t0 = time.perf_counter_ns()
+        row = tx.one(
+            "SELECT run_row, job_row, unit_row, admitted, wait_us "
+            "FROM preloop_settle(?, ?, ?, ?, ?, ?, ?)",
+            (run_id, job_id, conclusion, _dumps(outputs or {}), reason, token, time.time()),
+        )
+        if row is None:
+            raise UnknownRun(f"no run {run_id} in the store {self.url}")
+        tx.note_lock_run_wait(t0, int(row["wait_us"]) * 1000)
+        if row["job_row"] is None:
+            return _not_settled(tx, run_id, job_id)
+        run: Row = row["run_row"]
+        job: Row = row["job_row"]
+        unit: Row = row["unit_row"]
+        c = _Cascade(tx, self)
+        c.note_run(run)
+        if int(run["remaining_jobs"]) == 0:
+            c.pending_end[run_id] = run
+        c.after_conclude(
+            job,
+            job["conclusion"],
+            outputs or {},
+            unit=unit,
+            slot_handed=row["admitted"] is not None,
+        )
+        c.finish()
+        groups.update(c.retry_groups)
+        return Completion(run_id, job_id, job["conclusion"], True)
 
     def cancel_run(self, run_id: int) -> bool:
         """Cancels a run: queued jobs are cancelled, running jobs told to stop,
@@ -551,6 +671,97 @@ class Store:
             ),
         )
         return [_job_info(r) for r in rows]
+
+
+# A job of the old run that a failed-only re-run keeps: it succeeded with
+# every ancestor succeeding, or an enclosing reusable caller is kept whole.
+# (`:keep` is 1 for a failed-only re-run, 0 to re-run everything.)
+_KEPT = (
+    "(:keep = 1 AND ((o.conclusion = 'success' AND o.anc_bad = 0) OR EXISTS ("
+    "SELECT 1 FROM jobs c WHERE c.run_id = o.run_id AND c.kind = 'caller' "
+    "AND c.conclusion = 'success' AND c.anc_bad = 0 "
+    "AND substr(o.id, 1, length(c.id) + 1) = c.id || '/')))"
+)
+# A leg of a deferred matrix (its parent row is `expanded`): re-run-all drops
+# it, and the parent expands again.
+_DEFERRED_LEG = (
+    "EXISTS (SELECT 1 FROM jobs p WHERE p.run_id = o.run_id AND p.status = 'expanded' "
+    "AND p.id = o.base_id AND o.id <> o.base_id)"
+)
+_RERUN_SQL = [
+    # Jobs: kept ones as they ended, the rest back to blocked.
+    "INSERT INTO jobs (run_id, id, seq, base_id, name, kind, needs, if_expr, runs_on, cohort, "
+    "matrix, strategy, continue_on_error, timeout_minutes, conc_group, conc_group_expr, "
+    "conc_cancel, conc_queue_max, outputs_expr, caller, inner_job_ids, deferred_matrix, spec, "
+    "status, conclusion, outputs, reason, remaining_needs, capped, completed_at) "
+    "SELECT :new, o.id, o.seq, o.base_id, o.name, o.kind, o.needs, o.if_expr, o.runs_on, "
+    "o.cohort, o.matrix, o.strategy, o.continue_on_error, o.timeout_minutes, "
+    "CASE WHEN o.conc_group_expr IS NULL THEN o.conc_group END, o.conc_group_expr, "
+    "o.conc_cancel, o.conc_queue_max, o.outputs_expr, o.caller, "
+    f"CASE WHEN o.status = 'expanded' AND NOT {_KEPT} AND :keep = 0 THEN '[]' "
+    "ELSE o.inner_job_ids END, o.deferred_matrix, o.spec, "
+    f"CASE WHEN {_KEPT} THEN o.status "
+    "WHEN o.status = 'expanded' AND :keep = 1 THEN 'expanded' ELSE 'blocked' END, "
+    f"CASE WHEN {_KEPT} THEN o.conclusion END, CASE WHEN {_KEPT} THEN o.outputs END, "
+    f"CASE WHEN {_KEPT} THEN o.reason END, 0, o.capped, "
+    f"CASE WHEN {_KEPT} THEN o.completed_at END "
+    f"FROM jobs o WHERE o.run_id = :old AND NOT (:keep = 0 AND {_DEFERRED_LEG})",
+    "INSERT INTO deps (run_id, need, job_id) SELECT :new, need, job_id FROM deps "
+    "WHERE run_id = :old",
+    "INSERT INTO cohorts (run_id, id, max_parallel, fail_fast, total) "
+    "SELECT :new, id, max_parallel, fail_fast, total FROM cohorts WHERE run_id = :old",
+    # Units: members still to run; a unit whose members are all kept keeps its result.
+    "INSERT INTO units (run_id, base_id, caller, remaining, n_success, outputs, result) "
+    "SELECT :new, u.base_id, u.caller, k.pending, k.kept, "
+    "CASE WHEN k.pending = 0 THEN u.outputs ELSE '{}' END, "
+    "CASE WHEN k.pending = 0 THEN u.result END FROM units u JOIN ("
+    "SELECT base_id, SUM(CASE WHEN status = 'blocked' THEN 1 ELSE 0 END) AS pending, "
+    "SUM(CASE WHEN status = 'completed' THEN 1 ELSE 0 END) AS kept FROM jobs "
+    "WHERE run_id = :new AND status <> 'expanded' GROUP BY base_id) k ON k.base_id = u.base_id "
+    "WHERE u.run_id = :old",
+    # A caller's start unit: done when the caller is kept, else it starts again.
+    "INSERT INTO units (run_id, base_id, remaining, n_success, result) "
+    "SELECT :new, '^' || id, CASE WHEN status = 'blocked' THEN 1 ELSE 0 END, "
+    "CASE WHEN status = 'blocked' THEN 0 ELSE 1 END, "
+    "CASE WHEN status = 'blocked' THEN NULL ELSE 'success' END "
+    "FROM jobs WHERE run_id = :new AND kind = 'caller'",
+    "UPDATE jobs SET remaining_needs = (SELECT COUNT(*) FROM deps d JOIN units u "
+    "ON u.run_id = d.run_id AND u.base_id = d.need WHERE d.run_id = jobs.run_id "
+    "AND d.job_id = jobs.id AND u.remaining > 0), "
+    "remaining_inner = (SELECT COUNT(*) FROM units i WHERE i.run_id = jobs.run_id "
+    "AND i.caller = jobs.id AND i.remaining > 0) "
+    "WHERE run_id = :new AND status = 'blocked'",
+    "UPDATE runs SET remaining_jobs = (SELECT COUNT(*) FROM jobs WHERE run_id = :new "
+    "AND status = 'blocked') WHERE id = :new",
+]
+
+
+def _rerun_statement(sql: str, new: int, old: int, keep: int) -> tuple[str, tuple[Any, ...]]:
+    """A `_RERUN_SQL` statement with its named markers made positional."""
+    marker = re.compile(r":(new|old|keep)\b")
+    values = {"new": new, "old": old, "keep": keep}
+    params = tuple(values[n] for n in marker.findall(sql))
+    return marker.sub("?", sql), params
+
+
+def _not_settled(tx: Tx, run_id: int, job_id: str) -> Completion:
+    """Why a settle changed nothing: a duplicate (idempotent), or an error."""
+    job = tx.one(
+        "SELECT status, conclusion, kind FROM jobs WHERE run_id = ? AND id = ?", (run_id, job_id)
+    )
+    if job is None:
+        raise UnknownRun(f"run {run_id} has no job {job_id!r}")
+    if job["status"] in ("completed", "expanded"):
+        return Completion(run_id, job_id, job["conclusion"] or "skipped", False)
+    if job["status"] == "folding":
+        raise StoreError(
+            f"run {run_id} job {job_id!r} is a reusable-workflow caller: it ends when its "
+            "inner jobs end"
+        )
+    raise StoreError(
+        f"run {run_id} job {job_id!r}: this lease is not held (the job is {job['status']}); "
+        "stop the job"
+    )
 
 
 def _run_info(row: Row) -> RunInfo:
@@ -704,6 +915,8 @@ class _Cascade:
         self.run_delta: dict[int, list[int]] = {}  # run -> [remaining delta, failed delta]
         self.retry_groups: set[str] = set()
         self.work: list[tuple[str, tuple[Any, ...]]] = []
+        # Runs whose settle write already brought remaining_jobs to 0.
+        self.pending_end: dict[int, Row] = {}
 
     # -- run rows
 
@@ -722,7 +935,9 @@ class _Cascade:
         run = self.run(run_id)
         ctx = run.get("_ctx")
         if ctx is None:
-            ctx = run["_ctx"] = json.loads(run["context"])
+            row = self.tx.one("SELECT context FROM runs WHERE id = ?", (run_id,))
+            assert row is not None
+            ctx = run["_ctx"] = json.loads(row["context"])
         assert isinstance(ctx, dict)
         return ctx
 
@@ -742,21 +957,25 @@ class _Cascade:
             while self.work:
                 kind, args = self.work.pop()
                 getattr(self, "_do_" + kind)(*args)
-            if not self.run_delta:
+            if not self.run_delta and not self.pending_end:
                 return
             deltas, self.run_delta = self.run_delta, {}
-            for run_id, (rem, failed) in sorted(deltas.items()):
-                if rem == 0 and failed == 0:
-                    continue
-                row = self.tx.one(
-                    "UPDATE runs SET remaining_jobs = remaining_jobs + ?, failed_jobs = "
-                    "failed_jobs + ? "
-                    "WHERE id = ? RETURNING remaining_jobs, failed_jobs, status, "
-                    "cancel_requested, conc_group",
-                    (rem, failed, run_id),
-                )
-                assert row is not None
-                if int(row["remaining_jobs"]) == 0 and row["status"] != "completed":
+            for run_id in sorted(set(deltas) | set(self.pending_end)):
+                rem, failed = deltas.get(run_id, (0, 0))
+                row: Row | None
+                if rem or failed:
+                    row = self.tx.one(
+                        "UPDATE runs SET remaining_jobs = remaining_jobs + ?, failed_jobs = "
+                        "failed_jobs + ? WHERE id = ? RETURNING remaining_jobs, failed_jobs, "
+                        "status, cancel_requested, conc_group",
+                        (rem, failed, run_id),
+                    )
+                else:
+                    row = self.pending_end.get(run_id)
+                self.pending_end.pop(run_id, None)
+                ended = row is not None and int(row["remaining_jobs"]) == 0
+                if ended and self.run(run_id)["status"] != "completed":
+                    assert row is not None
                     self.end_run(run_id, row)
 
     def start_run(self, run_id: int) -> None:
@@ -768,8 +987,7 @@ class _Cascade:
             "ORDER BY seq",
             (run_id,),
         )
-        for job in reversed(roots):
-            self.work.append(("gate", (job,)))
+        self.ready(run_id, roots)
         if not roots:
             row = self.tx.one(
                 "SELECT remaining_jobs, failed_jobs, cancel_requested, conc_group FROM runs "
@@ -811,52 +1029,64 @@ class _Cascade:
     def _do_conclude(
         self, job: Row, conclusion: str, outputs: dict[str, Any], reason: str | None
     ) -> None:
-        tx = self.tx
         run_id = int(job["run_id"])
-        changed = tx.one(
+        changed = self.tx.one(
             "UPDATE jobs SET status = 'completed', conclusion = ?, outputs = ?, reason = ?, "
-            "completed_at = ?, holds_slot = 0, holds_group = NULL, lease_token = NULL "
+            "completed_at = ?, lease_token = NULL "
             "WHERE run_id = ? AND id = ? AND status = ? RETURNING id",
             (conclusion, _dumps(outputs), reason, time.time(), run_id, job["id"], job["status"]),
         )
         if changed is None:
             return  # already ended by another path of this cascade
+        self.run_delta.setdefault(run_id, [0, 0])[0] -= 1
+        self.after_conclude(job, conclusion, outputs)
+
+    def after_conclude(
+        self,
+        job: Row,
+        conclusion: str,
+        outputs: dict[str, Any],
+        *,
+        unit: Row | None = None,
+        slot_handed: bool = False,
+    ) -> None:
+        """What a job's end sets off: its slot, its group, fail-fast, its unit.
+        `unit`: the unit row already counted (pg `preloop_settle`);
+        `slot_handed`: its cohort slot already went to the next parked leg."""
+        tx = self.tx
+        run_id = int(job["run_id"])
         coe = bool(job["continue_on_error"])
         effective = "success" if conclusion == "failure" and coe else conclusion
-        delta = self.run_delta.setdefault(run_id, [0, 0])
-        delta[0] -= 1
         if effective == "failure":
-            delta[1] += 1
-        if job["holds_slot"]:
+            self.run_delta.setdefault(run_id, [0, 0])[1] += 1
+        if job["holds_slot"] and not slot_handed:
             self.work.append(("release_slot", (run_id, job["cohort"])))
         if job["holds_group"]:
             self.work.append(("release_group", (job["holds_group"], run_id, job["id"])))
         if conclusion == "failure" and not coe and job["cohort"] is not None:
             self.work.append(("fail_fast", (run_id, job["cohort"], job["id"])))
-        # The member's share of its unit (base id).
+        if unit is not None:
+            if int(unit["remaining"]) == 0:
+                self.work.append(("end_unit", (run_id, unit)))
+            return
         column = {"success": "n_success", "failure": "n_failure", "cancelled": "n_cancelled"}.get(
             effective, "n_skipped"
         )
-        merged = None
+        merge = ""
+        params: list[Any] = [int(job["anc_fail"]), int(job["anc_bad"])]
         if outputs:
-            prev = tx.one(
-                "SELECT outputs FROM units WHERE run_id = ? AND base_id = ?",
-                (run_id, job["base_id"]),
-            )
-            merged = {**(json.loads(prev["outputs"]) if prev else {}), **outputs}
+            # A matrix's outputs: the last leg to set a name wins, as on GitHub.
+            if tx.dialect == "pg":
+                merge = ", outputs = (outputs::jsonb || CAST(? AS jsonb))::text"
+            else:
+                merge = ", outputs = json_patch(outputs, ?)"
+            params.append(_dumps(outputs))
         unit = tx.one(
             f"UPDATE units SET remaining = remaining - 1, {column} = {column} + 1, "
             "anc_fail = CASE WHEN ? = 1 THEN 1 ELSE anc_fail END, "
-            "anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END, "
-            "outputs = COALESCE(?, outputs) "
+            f"anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END{merge} "
             "WHERE run_id = ? AND base_id = ? RETURNING *",
-            (
-                int(job["anc_fail"]),
-                int(job["anc_bad"]),
-                _dumps(merged) if merged is not None else None,
-                run_id,
-                job["base_id"],
-            ),
+            (*params, run_id, job["base_id"]),
         )
         if unit is not None and int(unit["remaining"]) == 0:
             self.work.append(("end_unit", (run_id, unit)))
@@ -889,11 +1119,84 @@ class _Cascade:
             (int(fail), int(bad), run_id, run_id, base),
         )
         ready = [j for j in ready if int(j["remaining_needs"]) == 0]
-        ready.sort(key=lambda j: (j["seq"], j["id"]), reverse=True)
-        for job in ready:
-            self.work.append(("gate", (job,)))
+        ready.sort(key=lambda j: (j["seq"], j["id"]))
+        self.ready(run_id, ready)
 
     # -- gates
+
+    def ready(self, run_id: int, jobs: list[Row]) -> None:
+        """Jobs (seq order) whose needs all ended. A plain job that runs on
+        `success()` with clean ancestors and no concurrency group needs no
+        evaluation: those are queued (or parked behind their cohort cap) in
+        bulk, so a need that unblocks 20,000 legs costs a few statements."""
+        cancelled = bool(self.run(run_id)["cancel_requested"])
+        plain: list[str] = []
+        parked: dict[str, list[str]] = {}
+        gated: list[Row] = []
+        for job in jobs:
+            simple = (
+                job["kind"] == "job"
+                and job["if_expr"] is None
+                and not job["anc_fail"]
+                and not job["anc_bad"]
+                and not cancelled
+                and job["conc_group"] is None
+                and job["conc_group_expr"] is None
+            )
+            if not simple:
+                gated.append(job)
+            elif job["capped"]:
+                parked.setdefault(job["cohort"], []).append(job["id"])
+            else:
+                plain.append(job["id"])
+        self._bulk_status(run_id, plain, "queued")
+        for cohort, ids in parked.items():
+            self._bulk_status(run_id, ids, "parked")
+            self.work.append(("fill_cohort", (run_id, cohort)))
+        for job in reversed(gated):
+            self.work.append(("gate", (job,)))
+
+    def _bulk_status(self, run_id: int, ids: list[str], status: str) -> None:
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            marks = ", ".join("?" for _ in chunk)
+            self.tx.execute(
+                f"UPDATE jobs SET status = ? WHERE run_id = ? AND status = 'blocked' "
+                f"AND id IN ({marks})",
+                (status, run_id, *chunk),
+            )
+
+    def _do_fill_cohort(self, run_id: int, cohort: str) -> None:
+        """Admits parked legs into the cohort's free slots (seq order)."""
+        c = self.tx.one(
+            "SELECT max_parallel - active AS free FROM cohorts WHERE run_id = ? AND id = ?",
+            (run_id, cohort),
+        )
+        if c is None or int(c["free"]) <= 0:
+            return
+        legs = self.tx.execute(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND cohort = ? AND status = 'parked' "
+            "ORDER BY seq LIMIT ?",
+            (run_id, cohort, int(c["free"])),
+        )
+        if not legs:
+            return
+        self.tx.execute(
+            "UPDATE cohorts SET active = active + ? WHERE run_id = ? AND id = ?",
+            (len(legs), run_id, cohort),
+        )
+        plain = [j["id"] for j in legs if j["conc_group"] is None and j["conc_group_expr"] is None]
+        for i in range(0, len(plain), 500):
+            chunk = plain[i : i + 500]
+            marks = ", ".join("?" for _ in chunk)
+            self.tx.execute(
+                "UPDATE jobs SET status = 'queued', holds_slot = 1 WHERE run_id = ? "
+                f"AND id IN ({marks})",
+                (run_id, *chunk),
+            )
+        for job in legs:
+            if job["conc_group"] is not None or job["conc_group_expr"] is not None:
+                self.through_group(job, holds_slot=True)
 
     def _do_gate(self, job: Row) -> None:
         """A job whose needs have all ended: decide skip/run, then admit."""
@@ -1080,7 +1383,7 @@ class _Cascade:
                 (run_id, full["caller"]),
             )
             if c is not None:
-                inner = json.loads(c["inner_job_ids"])
+                inner = [x for x in json.loads(c["inner_job_ids"]) if not x.startswith(jid + "#")]
                 spliced: list[str] = []
                 for x in inner:
                     spliced.extend(ids if x == jid else [x])
@@ -1157,17 +1460,7 @@ class _Cascade:
                 (int(holds_slot), run_id, job["id"]),
             )
             return
-        tx.execute(
-            "INSERT INTO conc_groups (name) VALUES (?) ON CONFLICT (name) DO NOTHING", (group,)
-        )
-        got = tx.one(
-            "UPDATE conc_groups SET holder_run = ?, holder_job = ? WHERE name = ? AND "
-            "holder_run IS NULL "
-            "AND NOT EXISTS (SELECT 1 FROM jobs w WHERE w.conc_group = ? AND w.status = 'waiting') "
-            "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = ? AND r.status = 'pending') "
-            "RETURNING name",
-            (run_id, job["id"], group, group, group),
-        )
+        got = tx.one(_ACQUIRE, (group, run_id, job["id"], group, group))
         if got is not None:
             tx.execute(
                 "UPDATE jobs SET status = 'queued', holds_slot = ?, holds_group = ?, "
@@ -1191,14 +1484,15 @@ class _Cascade:
         """One pending waiter per group (a newer one replaces the older), or up
         to QUEUE_MAX with `queue: max` (the oldest beyond it is cancelled)."""
         limit = QUEUE_MAX if queue_max else 1
-        waiters = self.tx.execute(
+        excess = self.tx.execute(
             "SELECT run_id, id, wait_seq, 0 AS is_run FROM jobs WHERE conc_group = ? AND "
             "status = 'waiting' "
             "UNION ALL SELECT id AS run_id, NULL AS id, wait_seq, 1 AS is_run FROM runs "
-            "WHERE conc_group = ? AND status = 'pending' ORDER BY wait_seq DESC",
-            (group, group),
+            "WHERE conc_group = ? AND status = 'pending' ORDER BY wait_seq DESC "
+            "LIMIT 1000000 OFFSET ?",
+            (group, group, limit),
         )
-        for w in waiters[limit:]:
+        for w in excess:
             if (int(w["run_id"]), w["id"]) == keep:
                 continue
             self.cancel_waiter(group, w)
@@ -1258,20 +1552,22 @@ class _Cascade:
             (group, run_id, job_id),
         )
         if released is not None:
-            self.promote_group(group)
+            self.promote_group(group, locked=True)
 
-    def promote_group(self, group: str) -> None:
-        """A free group takes its oldest waiter: a job (queued) or a run (resumed)."""
+    def promote_group(self, group: str, *, locked: bool = False) -> None:
+        """A free group takes its oldest waiter: a job (queued) or a run
+        (resumed). `locked`: this transaction has just freed the group row."""
         tx = self.tx
         while True:
-            g = tx.one(
-                "UPDATE conc_groups SET holder_run = holder_run WHERE name = ? AND holder_run "
-                "IS NULL "
-                "RETURNING name",
-                (group,),
-            )
-            if g is None:
-                return
+            if not locked:
+                g = tx.one(
+                    "UPDATE conc_groups SET holder_run = holder_run WHERE name = ? "
+                    "AND holder_run IS NULL RETURNING name",
+                    (group,),
+                )
+                if g is None:
+                    return
+            locked = False
             w = tx.one(
                 "SELECT run_id, id, wait_seq, 0 AS is_run FROM jobs WHERE conc_group = ? AND "
                 "status = 'waiting' "
@@ -1283,11 +1579,11 @@ class _Cascade:
                 return
             run_id = int(w["run_id"])
             if run_id not in self.runs:
-                locked = tx.try_lock_run(run_id)
-                if locked is None:
+                other = tx.try_lock_run(run_id)
+                if other is None:
                     self.retry_groups.add(group)
                     return
-                self.note_run(locked)
+                self.note_run(other)
             if w["is_run"]:
                 tx.execute(
                     "UPDATE conc_groups SET holder_run = ?, holder_job = NULL WHERE name = ?",
@@ -1314,17 +1610,7 @@ class _Cascade:
     def acquire_run_group(self, run_id: int, group: str, conc: Any) -> bool:
         """True when the new run holds its workflow-level group and may start."""
         tx = self.tx
-        tx.execute(
-            "INSERT INTO conc_groups (name) VALUES (?) ON CONFLICT (name) DO NOTHING", (group,)
-        )
-        got = tx.one(
-            "UPDATE conc_groups SET holder_run = ?, holder_job = NULL WHERE name = ? AND "
-            "holder_run IS NULL "
-            "AND NOT EXISTS (SELECT 1 FROM jobs w WHERE w.conc_group = ? AND w.status = 'waiting') "
-            "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = ? AND r.status = 'pending') "
-            "RETURNING name",
-            (run_id, group, group, group),
-        )
+        got = tx.one(_ACQUIRE, (group, run_id, None, group, group))
         if got is not None:
             return True
         seq = tx.next_wait_seq()

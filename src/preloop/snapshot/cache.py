@@ -118,15 +118,33 @@ async def ensure_object_cache(
         if not repository.is_dir():
             tmp = layout.cache_tmp_clone_path(state_dir, key, secrets.token_hex(6))
             try:
-                await git(["clone", "--bare", "--local", "--quiet", "--no-tags", source, tmp])
-                await git(["config", "gc.auto", "0"], env=_cache_repo_env(tmp))
+                # A local clone copies (hardlinks) the whole object store, so
+                # every commit the source has, HEAD included, is there after it.
+                await git(
+                    [
+                        "clone",
+                        "--bare",
+                        "--local",
+                        "--quiet",
+                        "--no-tags",
+                        "--config",
+                        "gc.auto=0",
+                        source,
+                        tmp,
+                    ]
+                )
                 await _inline(work, "publish-cache", os.rename, tmp, repository)
             finally:
                 await _inline(work, "remove-tmp-clone", _rmtree, tmp)
+            cloned = True
             last_head = None
         else:
+            cloned = False
             last_head = _read_last_head(last_head_path)
-        if want and not (record_head and want[0] == last_head and len(want) == 1):
+        if cloned:
+            if want and record_head:
+                await _inline(work, "last-head", _write_atomic, last_head_path, want[0] + "\n")
+        elif want and not (record_head and want[0] == last_head and len(want) == 1):
             missing = await _missing(repository, want)
             if missing:
                 refspecs = [f"+{oid}:refs/preloop/want/{oid}" for oid in missing]

@@ -27,10 +27,11 @@ leftovers and are removed under the lock) and no run repository's
 (see `preloop.snapshot.references`). Anything unreadable in that state aborts
 the whole eviction (fail closed); only ENOENT means "absent".
 
-**Removal** renames `<key>.git` to a private `.evicting-<key>-<pid>-<nonce>`
-directory while the lock is held, removes the sidecars, then deletes the renamed
-tree after the lock is released. A crash leaves at worst that private directory,
-which the next prune removes once its process is gone. Only bytes really removed
+**Removal** unlinks the sidecars and renames `<key>.git` to a private
+`.evicting-<key>-<pid>-<nonce>` directory while the lock is held, then deletes
+the renamed tree after the lock is released. A crash leaves at worst an intact
+repository without sidecars or that private directory, which the next prune
+removes once its process is gone. Only bytes really removed
 are subtracted from the total; a removal that fails part-way is reported as
 partial, and eviction stops as soon as the total is at or below the cap.
 
@@ -55,6 +56,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import sys
 import threading
 import time
@@ -79,6 +81,7 @@ from preloop.snapshot.references import (
     CacheReferences,
     snapshot_object_cache_references,
 )
+from preloop.snapshot.sweep import SweepReport, sweep_workspace_snapshots
 
 __all__ = [
     "MAX_BYTES_KNOB",
@@ -98,6 +101,7 @@ __all__ = [
     "prune_snapshot_object_cache_sync",
     "request_object_cache_prune",
     "start_object_cache_prune",
+    "startup_snapshot_maintenance",
 ]
 
 MAX_BYTES_KNOB = "PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES"
@@ -225,7 +229,9 @@ class SnapshotObjectCacheSweep:
     worker thread after the prune was cancelled) holds its own ownership through
     `SweepPermit.hold()`; the guard is free only when every owner has released.
     Thread-safe. `for_state_dir` gives the process-wide guard of a state
-    directory (by real path); separate instances are independent."""
+    directory (by real path); separate instances are independent. The guard is
+    per process: prunes in different processes may overlap, which the per-entry
+    locks keep safe."""
 
     _registry: ClassVar[dict[str, SnapshotObjectCacheSweep]] = {}
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
@@ -350,7 +356,7 @@ class _DetachableJob:
 # --- measuring ---------------------------------------------------------------------
 
 
-def _allocated(path: Path) -> int:
+def _allocated(path: str | os.PathLike[str]) -> int:
     """Allocated bytes of a file or tree; 0 when it does not exist."""
     try:
         return tree_bytes(path).allocated_bytes
@@ -358,20 +364,31 @@ def _allocated(path: Path) -> int:
         return 0
 
 
-def _mtime_ns(path: Path) -> int:
+def _name_suffix(path_of: Callable[[Path, str], Path]) -> str:
+    sample = layout.cache_key("sample", "sample")
+    return path_of(Path("/"), sample).name[len(sample) :]
+
+
+# Entry file names come from `layout`; measuring 1,000s of entries builds them
+# as strings (pathlib objects cost more than the lstat calls they name).
+_GIT_SUFFIX = _name_suffix(layout.cache_repository)
+_LAST_HEAD_SUFFIX = _name_suffix(layout.cache_last_head_path)
+_INDEX_SUFFIX = _name_suffix(layout.cache_index_path)
+
+
+def _lstat(path: str) -> os.stat_result | None:
     try:
-        return os.lstat(path).st_mtime_ns
+        return os.lstat(path)
     except FileNotFoundError:
+        return None
+
+
+def _usage_of(path: str, st: os.stat_result | None) -> int:
+    if st is None:
         return 0
-
-
-def _last_use_ns(state_dir: Path, key: str) -> int:
-    repo = layout.cache_repository(state_dir, key)
-    return max(
-        _mtime_ns(repo),
-        _mtime_ns(layout.cache_last_head_path(state_dir, key)),
-        _mtime_ns(layout.cache_index_path(state_dir, key)),
-    )
+    if stat.S_ISDIR(st.st_mode):
+        return _allocated(path)
+    return st.st_blocks * 512
 
 
 def _list_cache(state_dir: Path) -> tuple[dict[str, list[str]], list[str]]:
@@ -399,25 +416,29 @@ def _list_cache(state_dir: Path) -> tuple[dict[str, list[str]], list[str]]:
     return keys, leftovers
 
 
-def _measure(
-    state_dir: Path, key: str, kinds: list[str], hooks: PruneHooks
-) -> CacheEntryUsage | None:
+def _measure(cache: str, key: str, kinds: list[str], hooks: PruneHooks) -> CacheEntryUsage | None:
     """Sizes one entry; None if it is only pins (nothing to evict)."""
     if not any(k in ("git", "last-head", "index") for k in kinds):
         return None
     if hooks.before_size is not None:
         hooks.before_size(key)
+    base = os.path.join(cache, key)
+    paths = (base + _GIT_SUFFIX, base + _LAST_HEAD_SUFFIX, base + _INDEX_SUFFIX)
     try:
-        return CacheEntryUsage(
-            key=key,
-            repository_bytes=_allocated(layout.cache_repository(state_dir, key)),
-            last_head_bytes=_allocated(layout.cache_last_head_path(state_dir, key)),
-            index_bytes=_allocated(layout.cache_index_path(state_dir, key)),
-            last_use_ns=_last_use_ns(state_dir, key),
-            pins=tuple(sorted(k for k in kinds if k.startswith(f"{key}.pin-"))),
+        stats = [_lstat(p) for p in paths]
+        repo_bytes, last_head_bytes, index_bytes = (
+            _usage_of(p, st) for p, st in zip(paths, stats, strict=True)
         )
     except OSError as exc:
-        raise CacheReferenceError(exc.filename or key, exc.strerror or str(exc)) from None
+        raise CacheReferenceError(exc.filename or base, exc.strerror or str(exc)) from None
+    return CacheEntryUsage(
+        key=key,
+        repository_bytes=repo_bytes,
+        last_head_bytes=last_head_bytes,
+        index_bytes=index_bytes,
+        last_use_ns=max((st.st_mtime_ns for st in stats if st is not None), default=0),
+        pins=tuple(sorted(k for k in kinds if k.startswith(f"{key}.pin-"))),
+    )
 
 
 def measure_object_cache(
@@ -430,11 +451,21 @@ def measure_object_cache(
     use first. Raises `CacheReferenceError` when the cache cannot be listed or
     an entry cannot be sized."""
     keys, _ = _list_cache(state_dir)
+    return _measure_listed(state_dir, keys, hooks, should_stop)
+
+
+def _measure_listed(
+    state_dir: Path,
+    keys: dict[str, list[str]],
+    hooks: PruneHooks,
+    should_stop: Callable[[], bool],
+) -> list[CacheEntryUsage]:
+    cache = os.fspath(layout.cache_dir(state_dir))
     usages: list[CacheEntryUsage] = []
     for key in sorted(keys):
         if should_stop():
             raise _Stopped
-        usage = _measure(state_dir, key, keys[key], hooks)
+        usage = _measure(cache, key, keys[key], hooks)
         if usage is not None:
             usages.append(usage)
     usages.sort(key=lambda u: (u.last_use_ns, u.key))
@@ -495,10 +526,14 @@ def _unlink_counted(path: Path) -> tuple[int, str | None]:
     return st.st_blocks * 512, None
 
 
-def _delete_tree(trash: Path) -> tuple[int, str | None]:
+def _delete_tree(trash: Path, estimate: int) -> tuple[int, str | None]:
     """Deletes a renamed-aside repository: (bytes removed, error). On a failure
-    part-way, the bytes still present are measured and not counted."""
-    before = _allocated(trash)
+    part-way, the bytes still present are measured and not counted. `estimate`
+    (the size measured before the lock) stands in if the tree cannot be sized."""
+    try:
+        before = _allocated(trash)
+    except OSError:
+        before = estimate
     errors: list[str] = []
 
     def record(exc: BaseException, path: str) -> None:
@@ -569,7 +604,13 @@ def _check_pins(run: _Run, key: str, now: float) -> str | None:
 def _retire(run: _Run, usage: CacheEntryUsage) -> None:
     """Evicts one candidate if its lock is free and nothing uses it."""
     key = usage.key
-    lock = try_acquire_cache_lock(run.state_dir, key)
+    try:
+        lock = try_acquire_cache_lock(run.state_dir, key)
+    except OSError as exc:
+        # Without the lock nothing proves the entry idle: keep it.
+        detail = f"cannot open its lock file {exc.filename}: {exc.strerror or exc}"
+        run.skipped.append(SkippedEntry(key, SkipReason.BUSY, detail))
+        return
     if lock is None:
         run.skipped.append(SkippedEntry(key, SkipReason.BUSY, "its cache lock is held"))
         return
@@ -594,6 +635,17 @@ def _retire(run: _Run, usage: CacheEntryUsage) -> None:
             run.evicted.append(EvictedEntry(key, usage.total_bytes, usage.total_bytes))
             run.total -= usage.total_bytes
             return
+        # Sidecars first: if we die before the repository is moved aside, what
+        # remains is an intact repository without sidecars, which the next
+        # capture simply refreshes (a cold index, a fetch check).
+        for sidecar in (
+            layout.cache_index_path(run.state_dir, key),
+            layout.cache_last_head_path(run.state_dir, key),
+        ):
+            n, err = _unlink_counted(sidecar)
+            freed += n
+            if err:
+                errors.append(err)
         repo = layout.cache_repository(run.state_dir, key)
         candidate = layout.cache_dir(run.state_dir) / (
             f"{TRASH_PREFIX}{key}-{os.getpid()}-{secrets.token_hex(4)}"
@@ -610,22 +662,11 @@ def _retire(run: _Run, usage: CacheEntryUsage) -> None:
         if trash is None:
             with _active_trash_lock:
                 _active_trash.discard(str(candidate))
-        if not errors:
-            # Sidecars go only with their repository: a left-behind .last-head
-            # without .git is harmless, a .git whose sidecars vanished is not.
-            for sidecar in (
-                layout.cache_index_path(run.state_dir, key),
-                layout.cache_last_head_path(run.state_dir, key),
-            ):
-                n, err = _unlink_counted(sidecar)
-                freed += n
-                if err:
-                    errors.append(err)
     if trash is not None:
         try:
             if run.hooks.before_remove is not None:
                 run.hooks.before_remove(key, trash)
-            n, err = _delete_tree(trash)
+            n, err = _delete_tree(trash, usage.repository_bytes)
         finally:
             with _active_trash_lock:
                 _active_trash.discard(str(trash))
@@ -659,10 +700,10 @@ def _prune_pass(
     usages: list[CacheEntryUsage] = []
     before = 0
     try:
-        _, trash_names = _list_cache(state_dir)
+        keys, trash_names = _list_cache(state_dir)
         if trash_names and not dry_run:
             leftovers = _remove_leftovers(state_dir, trash_names)
-        usages = measure_object_cache(state_dir, hooks=hooks, should_stop=should_stop)
+        usages = _measure_listed(state_dir, keys, hooks, should_stop)
         before = run.total = sum(u.total_bytes for u in usages)
         if run.total <= max_bytes:
             return report(
@@ -839,6 +880,24 @@ def start_object_cache_prune(
     return True
 
 
+async def startup_snapshot_maintenance(
+    state_dir: Path,
+    task_group: anyio.abc.TaskGroup,
+    max_bytes: int | None = None,
+    sweep: SnapshotObjectCacheSweep | None = None,
+    *,
+    on_done: Callable[[PruneReport], None] | None = None,
+) -> tuple[SweepReport, bool]:
+    """Startup: `sweep_workspace_snapshots` first (in a worker thread), because
+    removing the leftovers of dead captures drops their references and lets the
+    prune reclaim what only they used; then the object-cache prune is started in
+    `task_group` (`start_object_cache_prune`). Returns the sweep report and
+    whether the prune was started."""
+    report = await anyio.to_thread.run_sync(sweep_workspace_snapshots, Path(state_dir))
+    started = start_object_cache_prune(task_group, state_dir, max_bytes, sweep, on_done=on_done)
+    return report, started
+
+
 def request_object_cache_prune(
     state_dir: Path,
     max_bytes: int | None = None,
@@ -864,7 +923,9 @@ def request_object_cache_prune(
         finally:
             permit.release()
 
-    thread = threading.Thread(target=body, name=f"object-cache prune {state_dir}")
+    # A daemon thread does not hold up the exit of a short-lived process: the
+    # prune is crash safe (see the module docstring), so dying mid-way is fine.
+    thread = threading.Thread(target=body, name=f"object-cache prune {state_dir}", daemon=True)
     try:
         thread.start()
     except BaseException:

@@ -28,17 +28,17 @@ its cache entry.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import anyio
 
-from preloop.process import CommandFailed
+from preloop.process import CommandFailed, CommandResult
 from preloop.snapshot import layout
 from preloop.snapshot.cache import ensure_object_cache
 from preloop.snapshot.capture import (
@@ -53,10 +53,28 @@ from preloop.snapshot.capture import (
 from preloop.snapshot.errors import SnapshotCaptureTimeout, SnapshotError
 from preloop.snapshot.gitcmd import git, git_env
 from preloop.snapshot.hooks import AfterCapture
+from preloop.snapshot.index import (
+    EMPTY_TREE,
+    HASH_BYTES,
+    MAX_FIXUP_PATHS,
+    MEMO_NAME,
+    IndexBase,
+    TreeChange,
+    changed_entries,
+    copy_if_exists,
+    read_trailer,
+    remove_if_exists,
+)
 from preloop.snapshot.permits import NamespacePermits, namespace_from_url
-from preloop.snapshot.work import CaptureFaults
+from preloop.snapshot.work import BlockingWork, CaptureFaults
 
-__all__ = ["SNAPSHOT_IDENTITY", "capture_workspace", "commit_env", "inspect_repository"]
+__all__ = [
+    "SNAPSHOT_IDENTITY",
+    "Repository",
+    "capture_workspace",
+    "commit_env",
+    "inspect_repository",
+]
 
 # Fixed identity and date: the same tree on the same parents is the same commit.
 SNAPSHOT_IDENTITY = {
@@ -66,11 +84,6 @@ SNAPSHOT_IDENTITY = {
     "GIT_COMMITTER_NAME": "preloop",
     "GIT_COMMITTER_EMAIL": "preloop@snapshot.invalid",
     "GIT_COMMITTER_DATE": "@0 +0000",
-}
-
-_EMPTY_TREE = {
-    "sha1": "4b825dc642cb6eb9a060e54bf8d69288fbee4904",
-    "sha256": "6ef19b41225c5369f1c104d45d8d85efa9b057b53b14b4b9b939dd74decc5321",
 }
 
 _EMBEDDED = "warning: adding embedded git repository: "
@@ -91,66 +104,72 @@ class Repository:
     objects: Path
     object_format: str
     head: str | None
+    head_tree: str | None
+    origin_url: str | None
 
 
 async def inspect_repository(workspace: Path) -> Repository:
-    """Finds the repository of `workspace` (a work tree or a directory in one)."""
+    """Finds the repository of `workspace` (a work tree or a directory in one).
+    The three questions are asked concurrently: they are independent."""
     if not workspace.is_dir():
         raise SnapshotError(f"workspace {workspace} is not a directory: pass a git work tree")
     env = git_env()
-    result = await git(
-        [
-            "rev-parse",
-            "--path-format=absolute",
-            "--is-inside-work-tree",
-            "--show-toplevel",
-            "--absolute-git-dir",
-            "--git-common-dir",
-            "--git-path",
-            "objects",
-            "--show-object-format",
-        ],
-        env=env,
-        cwd=workspace,
-        check=False,
-    )
-    lines = result.stdout_text().splitlines()
-    if result.returncode != 0 or len(lines) != 6 or lines[0] != "true":
+    results: dict[str, CommandResult] = {}
+
+    async def ask(name: str, args: list[str]) -> None:
+        results[name] = await git(args, env=env, cwd=workspace, check=False)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                ask,
+                "where",
+                [
+                    "rev-parse",
+                    "--path-format=absolute",
+                    "--is-inside-work-tree",
+                    "--show-toplevel",
+                    "--absolute-git-dir",
+                    "--git-common-dir",
+                    "--git-path",
+                    "objects",
+                    "--show-object-format",
+                    "HEAD^{commit}",
+                    "HEAD^{tree}",
+                ],
+            )
+            tg.start_soon(ask, "origin", ["config", "--get", "remote.origin.url"])
+    except ExceptionGroup as group:  # one failed (git missing?): report it alone
+        raise group.exceptions[0] from None
+    where, origin = results["where"], results["origin"]
+    lines = where.stdout_text().splitlines()
+    # The flags print before HEAD is resolved: an unborn HEAD leaves them intact.
+    unborn = where.returncode != 0 and "unknown revision" in where.stderr_text()
+    if len(lines) < 6 or lines[0] != "true" or (where.returncode != 0 and not unborn):
         raise SnapshotError(
             f"workspace {workspace} is not inside a git work tree "
-            f"({result.stderr_text().strip() or 'bare repository'}): "
+            f"({where.stderr_text().strip() or 'bare repository'}): "
             "run `git init` there or pass the path of a checkout"
         )
-    head = await git(
-        ["rev-parse", "--quiet", "--verify", "HEAD^{commit}"], env=env, cwd=workspace, check=False
-    )
+    head_commit: str | None = None
+    head_tree: str | None = None
+    if not unborn:
+        if len(lines) != 8:
+            raise SnapshotError(
+                f"cannot resolve HEAD of {lines[1]}: {where.stderr_text().strip()}; "
+                "run `git fsck` in the repository"
+            )
+        head_commit, head_tree = lines[6], lines[7]
     return Repository(
         toplevel=Path(lines[1]),
         git_dir=Path(lines[2]),
         common_dir=Path(lines[3]),
         objects=Path(lines[4]),
         object_format=lines[5],
-        head=head.stdout_text().strip() if head.returncode == 0 else None,
+        head=head_commit,
+        head_tree=head_tree,
+        origin_url=origin.stdout_text().strip() if origin.returncode == 0 else None,
     )
-
-
-async def default_namespace(repo: Repository) -> str:
-    """The owner in `remote.origin.url`, or `default`."""
-    result = await git(
-        ["config", "--get", "remote.origin.url"],
-        env=git_env({"GIT_DIR": str(repo.git_dir)}),
-        check=False,
-    )
-    return namespace_from_url(result.stdout_text().strip() if result.returncode == 0 else None)
-
-
-def _copy_if_exists(src: Path, dst: Path) -> bool:
-    """Copies `src` (keeping its mtime, which racy-git checks compare against)."""
-    try:
-        shutil.copy2(src, dst)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def _move_into_place(src: Path, dst: Path) -> None:
@@ -170,12 +189,95 @@ async def _workspace_index_tree(
     """The tree of the workspace's index (written from a copy of it), the
     empty tree without an index, or None when it has unmerged entries."""
     copy = cap.staging / "workspace-index"
-    if not await cap.work.run("copy-index", _copy_if_exists, repo.git_dir / "index", copy):
-        return _EMPTY_TREE[repo.object_format]
+    if not await cap.work.run("copy-index", copy_if_exists, repo.git_dir / "index", copy):
+        return EMPTY_TREE[repo.object_format]
     result = await git(["write-tree"], env={**env, "GIT_INDEX_FILE": str(copy)}, check=False)
     if result.returncode != 0:
         return None
     return result.stdout_text().strip()
+
+
+def _existing(toplevel: Path, paths: list[str]) -> list[str]:
+    return [p for p in paths if os.path.lexists(toplevel / p)]
+
+
+async def _fix_up(
+    cap: CaptureState, repo: Repository, env: dict[str, str], memo: IndexBase
+) -> None:
+    """Brings the persisted index's tracked set back to the workspace index's
+    (see `preloop.snapshot.index`), writing the index only when needed.
+
+    - Paths the last capture added (untracked then) may stay: `git add -A`
+      updates or removes them as it would untracked files, unless they are
+      ignored now; those (found with `check-ignore --no-index`) are removed.
+    - Paths the last capture dropped (deleted then) are restored only if they
+      exist again: if they are still missing, `git add -A` would drop them anyway.
+    """
+    info: list[str] = []
+    if memo.added:
+        ignored = await git(
+            ["check-ignore", "--no-index", "-z", "--stdin"],
+            env=env,
+            cwd=repo.toplevel,
+            stdin="".join(f"{p}\0" for p in memo.added).encode("utf-8", "surrogateescape"),
+            check=False,
+        )
+        if ignored.returncode not in (0, 1):
+            raise SnapshotError(
+                f"git check-ignore failed in {repo.toplevel}: {ignored.stderr_text().strip()}"
+            )
+        zero = "0" * (2 * HASH_BYTES[repo.object_format])
+        for path in ignored.stdout.decode("utf-8", "surrogateescape").split("\0"):
+            if path:
+                info.append(f"0 {zero}\t{path}\0")
+    if memo.dropped:
+        back = set(
+            await cap.work.run(
+                "stat-dropped", _existing, repo.toplevel, [p for _, _, p in memo.dropped]
+            )
+        )
+        info += [f"{mode} {oid}\t{path}\0" for mode, oid, path in memo.dropped if path in back]
+    if info:
+        await git(
+            ["update-index", "-z", "--index-info"],
+            env=env,
+            stdin="".join(info).encode("utf-8", "surrogateescape"),
+        )
+
+
+async def _prepare_index(
+    cap: CaptureState,
+    repo: Repository,
+    env: dict[str, str],
+    persisted: Path,
+    memo_path: Path,
+    ws_checksum: str | None,
+) -> str | None:
+    """Fills the capture's index (see `preloop.snapshot.index`); returns the
+    workspace index's tree when it was computed, else None."""
+    index = Path(env["GIT_INDEX_FILE"])
+    fmt = repo.object_format
+    if await cap.work.run("copy-index", copy_if_exists, persisted, index):
+        memo = await cap.work.run("read-memo", IndexBase.load, memo_path)
+        checksum = await cap.work.run("read-index", read_trailer, index, fmt)
+        ws_tree: str | None = None
+        if memo is not None and checksum is not None and memo.index_checksum == checksum:
+            if ws_checksum is not None and memo.ws_index_checksum == ws_checksum:
+                ws_tree = memo.ws_tree
+            else:
+                ws_tree = await _workspace_index_tree(cap, repo, env)
+            if ws_tree is not None and ws_tree == memo.ws_tree:
+                await _fix_up(cap, repo, env, memo)
+                return ws_tree
+        if ws_tree is None:
+            ws_tree = await _workspace_index_tree(cap, repo, env)
+        if ws_tree is not None:
+            reset = await git(["read-tree", "--reset", ws_tree], env=env, check=False)
+            if reset.returncode == 0:
+                return ws_tree
+    await cap.work.run("remove-index", remove_if_exists, index)
+    await cap.work.run("copy-index", copy_if_exists, repo.git_dir / "index", index)
+    return None
 
 
 async def _drop_unregistered_repositories(
@@ -193,23 +295,26 @@ async def _drop_unregistered_repositories(
     return paths
 
 
+def _not_loose(objects: Path, oids: set[str]) -> set[str]:
+    return {o for o in oids if not os.path.exists(objects / o[:2] / o[2:])}
+
+
 async def copy_missing_objects(
-    cache_repository: Path, source_git_dir: Path, commit: str, exclude: list[str]
+    cache_repository: Path, source_git_dir: Path, oids: set[str], what: str, work: BlockingWork
 ) -> int:
-    """Copies objects reachable from `commit` (and not from `exclude`) that the
-    cache lacks from the source repository; returns how many."""
+    """Copies those of `oids` that the cache lacks from the source repository
+    (one pack); returns how many. `what` names the snapshot in errors."""
+    # Objects git just wrote are loose in the cache: only the others need asking.
+    oids = await work.run("stat-objects", _not_loose, cache_repository / "objects", oids)
+    if not oids:
+        return 0
     cache_env = git_env({"GIT_DIR": str(cache_repository)})
-    listing = await git(
-        [
-            "rev-list",
-            "--objects",
-            "--missing=print",
-            commit,
-            *(["--not", *exclude] if exclude else []),
-        ],
+    check = await git(
+        ["cat-file", "--batch-check=%(objectname)"],
         env=cache_env,
+        stdin="".join(f"{oid}\n" for oid in sorted(oids)).encode(),
     )
-    missing = [ln[1:] for ln in listing.stdout_text().splitlines() if ln.startswith("?")]
+    missing = [ln.split()[0] for ln in check.stdout_text().splitlines() if ln.endswith(" missing")]
     if not missing:
         return 0
     try:
@@ -220,12 +325,27 @@ async def copy_missing_objects(
         )
     except CommandFailed as exc:
         raise SnapshotError(
-            f"snapshot commit {commit} needs {len(missing)} object(s) that neither the cache "
+            f"{what} needs {len(missing)} object(s) that neither the cache "
             f"{cache_repository} nor the repository {source_git_dir} has ({exc}); "
             "run `git fsck` in the repository"
         ) from None
-    await git(["index-pack", "--stdin", "--quiet"], env=cache_env, stdin=pack.stdout)
+    await git(["index-pack", "--stdin"], env=cache_env, stdin=pack.stdout)
     return len(missing)
+
+
+def _persist(
+    index: Path, persisted: Path, memo: IndexBase | None, memo_path: Path, fmt: str
+) -> None:
+    _move_into_place(index, persisted)
+    if memo is None:
+        remove_if_exists(memo_path)
+        return
+    checksum = read_trailer(persisted, fmt)
+    if checksum is None:
+        remove_if_exists(memo_path)
+        return
+    memo.index_checksum = checksum
+    memo.save(memo_path)
 
 
 async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
@@ -266,18 +386,10 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
         }
     )
     persisted = layout.cache_index_path(state_dir, key)
-    warm = await cap.work.run("copy-index", _copy_if_exists, persisted, index)
-    if warm:
-        base_tree = await _workspace_index_tree(cap, repo, env)
-        if base_tree is None:
-            warm = False
-        else:
-            reset = await git(["read-tree", "--reset", base_tree], env=env, check=False)
-            warm = reset.returncode == 0
-    if not warm:
-        with contextlib.suppress(FileNotFoundError):
-            index.unlink()
-        await cap.work.run("copy-index", _copy_if_exists, repo.git_dir / "index", index)
+    memo_path = entry.repository / MEMO_NAME
+    fmt = repo.object_format
+    ws_checksum = await cap.work.run("read-index", read_trailer, repo.git_dir / "index", fmt)
+    ws_tree = await _prepare_index(cap, repo, env, persisted, memo_path, ws_checksum)
     added = await git(["add", "--all"], env=env, cwd=repo.toplevel)
     await _drop_unregistered_repositories(added.stderr_text(), env, repo.toplevel)
     tree = (await git(["write-tree"], env=env)).stdout_text().strip()
@@ -285,8 +397,50 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
     commit_args = ["commit-tree", "--no-gpg-sign", tree, "-m", "preloop snapshot"]
     for parent in parents:
         commit_args += ["-p", parent]
-    commit = (await git(commit_args, env=commit_env(env))).stdout_text().strip()
-    await copy_missing_objects(entry.repository, repo.git_dir, commit, list(parents))
+    # Objects git found in the workspace's store were not written to the cache:
+    # copy those the new tree needs (HEAD's are in the cache already). The
+    # tree diff and the commit are independent: run them together.
+    head_tree = repo.head_tree or EMPTY_TREE[fmt]
+    done: dict[str, object] = {}
+
+    async def make_commit() -> None:
+        done["commit"] = (await git(commit_args, env=commit_env(env))).stdout_text().strip()
+
+    async def diff() -> None:
+        done["changes"] = await changed_entries(env, head_tree, tree, trees=True)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(make_commit)
+            tg.start_soon(diff)
+    except ExceptionGroup as group:
+        raise group.exceptions[0] from None
+    commit = str(done["commit"])
+    changes = cast(list[TreeChange], done["changes"])
+    new_objects = {
+        c.new_oid for c in changes if c.status in ("A", "M", "T") and c.new_mode != "160000"
+    }
+    new_objects.add(commit)
+    await copy_missing_objects(
+        entry.repository, repo.git_dir, new_objects, f"snapshot of run {cap.run_id}", cap.work
+    )
+    memo: IndexBase | None = None
+    if ws_tree is not None:
+        if ws_tree == head_tree:
+            base_changes = [c for c in changes if c.status in ("A", "D")]
+        else:
+            base_changes = await changed_entries(
+                env, ws_tree, tree, trees=False, only_added_dropped=True
+            )
+        base_changes = [c for c in base_changes if not c.is_tree]
+        if len(base_changes) <= MAX_FIXUP_PATHS:
+            memo = IndexBase(
+                index_checksum="",
+                ws_index_checksum=ws_checksum,
+                ws_tree=ws_tree,
+                added=[c.path for c in base_changes if c.status == "A"],
+                dropped=[(c.old_mode, c.old_oid, c.path) for c in base_changes if c.status == "D"],
+            )
 
     await cap.work.run("write-ref", write_snapshot_ref, cap.staging_repository, commit)
     await cap.work.run("publish", publish, cap)
@@ -300,7 +454,7 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
             f"published snapshot {cap.run_repository} of run {cap.run_id} does not resolve to "
             f"tree {tree}: the cache entry {entry.repository} is damaged; remove it and retry"
         )
-    await cap.work.run("persist-index", _move_into_place, index, persisted)
+    await cap.work.run("persist-index", _persist, index, persisted, memo, memo_path, fmt)
     return Snapshot(
         run_id=cap.run_id,
         kind="workspace",
@@ -337,7 +491,7 @@ async def capture_workspace(
         with anyio.fail_after(limits.timeout):
             repo = await inspect_repository(workspace)
             if namespace is None:
-                namespace = await default_namespace(repo)
+                namespace = namespace_from_url(repo.origin_url)
     except TimeoutError:
         raise SnapshotCaptureTimeout(run_id, limits.timeout, []) from None
     return await run_capture(

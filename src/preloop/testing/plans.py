@@ -83,15 +83,18 @@ class PlanBuilder:
 
 def profile_plan(profile: str, legs: int = 200) -> Plan:
     """The seed's load profiles: `capped` (legs with max-parallel 20 + an
-    always-run merge), `group` (legs in one job-level concurrency group),
-    `merge` (legs + an always-run merge)."""
+    always-run merge), `group` (legs in one job-level concurrency group, at
+    most 100 holding a slot so none exceeds `queue: max`), `merge` (legs + an
+    always-run merge)."""
     b = PlanBuilder()
     b.job("setup")
     if profile == "capped":
         b.matrix("leg", legs, needs=["setup"], max_parallel=20)
     elif profile == "group":
+        # `queue: max` keeps at most 100 waiters (GitHub's limit): capping the
+        # matrix at 100 keeps every leg queued in the group, none replaced.
         conc = ConcurrencySpec("load-group", queue_max=True)
-        b.matrix("leg", legs, needs=["setup"], concurrency=conc)
+        b.matrix("leg", legs, needs=["setup"], concurrency=conc, max_parallel=min(legs, 100))
     elif profile == "merge":
         b.matrix("leg", legs, needs=["setup"])
     else:

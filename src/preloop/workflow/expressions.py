@@ -35,7 +35,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Context, Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
 from preloop.errors import PreloopError
 
@@ -443,10 +443,12 @@ _NUMBER, _STRING, _IDENT, _TRUE, _FALSE, _NULL, _EOF = range(16, 23)
 
 _BOUNDARY = frozenset("([)],.!><=&|") | frozenset(_JS_SPACE)
 _IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_BOUNDARY_CLASS = re.escape("([)],.!><=&|" + _JS_SPACE)
+_WORD = re.compile(f"[^{_BOUNDARY_CLASS}]*")
+_NUMBER_WORD = re.compile(f"(?:[^{_BOUNDARY_CLASS}]|\\.)*")
 
 
-@dataclass(frozen=True, slots=True)
-class _Token:
+class _Token(NamedTuple):
     kind: int
     lexeme: str
     start: int  # offset in the expression
@@ -464,93 +466,84 @@ def _error(reason: str, expr: str, offset: int) -> ExpressionError:
     return ExpressionError(reason, expr, line, col)
 
 
+_SINGLE = {"(": _L_PAREN, ")": _R_PAREN, "[": _L_BRACKET, "]": _R_BRACKET, ",": _COMMA, "*": _STAR}
+_WITH_EQ = {"!": (_BANG, _NE), "<": (_LT, _LE), ">": (_GT, _GE)}
+_DOUBLED = {"=": _EQ, "&": _AND, "|": _OR}
+_KEYWORDS: dict[str, tuple[int, Any]] = {
+    "true": (_TRUE, True),
+    "false": (_FALSE, False),
+    "null": (_NULL, None),
+    "NaN": (_NUMBER, math.nan),
+    "Infinity": (_NUMBER, math.inf),
+}
+_SPACE_RUN = re.compile(r"[ \r\t\n]+")
+# A string literal: `''` is an escaped quote; possessive, so an unterminated
+# literal never matches a shorter prefix (GitHub's lexer reads greedily).
+_STRING_RE = re.compile(r"'(?:[^']|'')*+'")
+_AFTER_DOT_IS_PROPERTY = frozenset([_IDENT, _R_BRACKET, _R_PAREN, _STAR])
+
+
 def _tokenize(expr: str) -> list[_Token]:
+    """GitHub's lexer (the rules of `@actions/expressions`' Lexer)."""
     if len(expr) > MAX_EXPRESSION_LENGTH:
         raise _error(f"Exceeded max expression length {MAX_EXPRESSION_LENGTH}", expr, 0)
     tokens: list[_Token] = []
+    append = tokens.append
     n = len(expr)
     i = 0
-
-    def prev() -> int:
-        return tokens[-1].kind if tokens else _EOF
-
-    def read_word(start: int, allow_dot: bool) -> int:
-        j = start
-        while j < n and (expr[j] not in _BOUNDARY or (allow_dot and expr[j] == ".")):
-            j += 1
-        return j
-
-    def number(start: int) -> int:
-        end = read_word(start + 1, True)
-        lexeme = expr[start:end]
-        value = string_to_number(lexeme)
-        if math.isnan(value):
-            raise _error(f"Unexpected symbol: '{lexeme}'", expr, start)
-        tokens.append(_Token(_NUMBER, lexeme, start, _literal_number(value)))
-        return end
-
-    singles = {
-        "(": _L_PAREN,
-        ")": _R_PAREN,
-        "[": _L_BRACKET,
-        "]": _R_BRACKET,
-        ",": _COMMA,
-        "*": _STAR,
-    }
+    prev = _EOF
     while i < n:
         c = expr[i]
         start = i
         if c in " \r\t\n":
+            m = _SPACE_RUN.match(expr, i)
+            i = m.end() if m else i + 1
+            continue
+        kind = _SINGLE.get(c)
+        if kind is not None:
+            append(_Token(kind, c, start))
             i += 1
-        elif c in singles:
-            tokens.append(_Token(singles[c], c, start))
-            i += 1
-        elif c == ".":
-            if prev() in (_IDENT, _R_BRACKET, _R_PAREN, _STAR):
-                tokens.append(_Token(_DOT, c, start))
-                i += 1
+        elif c in _WITH_EQ:
+            if i + 1 < n and expr[i + 1] == "=":
+                append(_Token(_WITH_EQ[c][1], c + "=", start))
+                i += 2
             else:
-                i = number(start)
-        elif c in "-+" or "0" <= c <= "9":
-            i = number(start)
-        elif c in "!<>" and i + 1 < n and expr[i + 1] == "=":
-            tokens.append(_Token({"!": _NE, "<": _LE, ">": _GE}[c], c + "=", start))
-            i += 2
-        elif c in "!<>":
-            tokens.append(_Token({"!": _BANG, "<": _LT, ">": _GT}[c], c, start))
-            i += 1
-        elif c in "=&|" and i + 1 < n and expr[i + 1] == c:
-            tokens.append(_Token({"=": _EQ, "&": _AND, "|": _OR}[c], c + c, start))
-            i += 2
+                append(_Token(_WITH_EQ[c][0], c, start))
+                i += 1
         elif c == "'":
-            j = i + 1
-            while j < n and (expr[j] != "'" or (j + 1 < n and expr[j + 1] == "'")):
-                j += 2 if expr[j] == "'" else 1
-            if j >= n:
+            sm = _STRING_RE.match(expr, i)
+            if sm is None:
                 raise _error(f"Unexpected symbol: '{expr[start:]}'", expr, start)
-            text = expr[i + 1 : j].replace("''", "'")
-            tokens.append(_Token(_STRING, expr[start : j + 1], start, text))
-            i = j + 1
-        else:
-            end = read_word(i + 1, False)
+            i = sm.end()
+            append(_Token(_STRING, sm.group(), start, expr[start + 1 : i - 1].replace("''", "'")))
+        elif c == "." and prev in _AFTER_DOT_IS_PROPERTY:
+            append(_Token(_DOT, c, start))
+            i += 1
+        elif c in "-+." or "0" <= c <= "9":
+            wm = _NUMBER_WORD.match(expr, i + 1)
+            end = wm.end() if wm else i + 1
             lexeme = expr[start:end]
-            kind: int = _IDENT
-            value: Any = None
-            if prev() != _DOT:
-                if lexeme == "true":
-                    kind, value = _TRUE, True
-                elif lexeme == "false":
-                    kind, value = _FALSE, False
-                elif lexeme == "null":
-                    kind = _NULL
-                elif lexeme == "NaN":
-                    kind, value = _NUMBER, math.nan
-                elif lexeme == "Infinity":
-                    kind, value = _NUMBER, math.inf
+            value = string_to_number(lexeme)
+            if math.isnan(value):
+                raise _error(f"Unexpected symbol: '{lexeme}'", expr, start)
+            append(_Token(_NUMBER, lexeme, start, _literal_number(value)))
+            i = end
+        elif c in _DOUBLED and i + 1 < n and expr[i + 1] == c:
+            append(_Token(_DOUBLED[c], c + c, start))
+            i += 2
+        else:
+            wm = _WORD.match(expr, i + 1)
+            end = wm.end() if wm else i + 1
+            lexeme = expr[start:end]
             if not _IDENT_RE.fullmatch(lexeme):
                 raise _error(f"Unexpected symbol: '{lexeme}'", expr, start)
-            tokens.append(_Token(kind, lexeme, start, value))
+            keyword = _KEYWORDS.get(lexeme) if prev != _DOT else None
+            if keyword is not None:
+                append(_Token(keyword[0], lexeme, start, keyword[1]))
+            else:
+                append(_Token(_IDENT, lexeme, start))
             i = end
+        prev = tokens[-1].kind
     tokens.append(_Token(_EOF, "", n))
     return tokens
 
@@ -639,6 +632,7 @@ class _Parser:
     def __init__(self, expr: str) -> None:
         self.expr = expr
         self.tokens = _tokenize(expr)
+        self.kinds = [t.kind for t in self.tokens]
         self.pos = 0
         self.depth = 0
         self.contexts: set[str] = set()
@@ -649,16 +643,16 @@ class _Parser:
         return self.tokens[self.pos]
 
     def at_end(self) -> bool:
-        return self.tokens[self.pos].kind == _EOF
+        return self.kinds[self.pos] == _EOF
 
     def check(self, kind: int) -> bool:
-        return not self.at_end() and self.tokens[self.pos].kind == kind
+        # The EOF token is never asked for, so no separate end check is needed.
+        return self.kinds[self.pos] == kind
 
     def match(self, *kinds: int) -> bool:
-        for k in kinds:
-            if self.check(k):
-                self.pos += 1
-                return True
+        if self.kinds[self.pos] in kinds:
+            self.pos += 1
+            return True
         return False
 
     def previous(self) -> _Token:

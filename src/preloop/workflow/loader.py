@@ -8,10 +8,11 @@ Every problem is collected (nothing stops at the first) and reported as
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,8 +132,38 @@ STEP_KEYS = frozenset(
         "background",
     ]
 )
+_CONTAINER_KEYS = frozenset(["image", "options", "env", "ports", "volumes", "credentials"])
+_DISPATCH_TYPES = ("boolean", "choice", "number", "environment", "string")
+_CALLER_ONLY = CALLER_KEYS - JOB_KEYS
+_JOB_ONLY = JOB_KEYS - CALLER_KEYS
 RUN_ONLY = ("shell", "working-directory")
 USES_ONLY = ("with",)
+_REF_FILTERS = frozenset(
+    ["branches", "branches-ignore", "tags", "tags-ignore", "paths", "paths-ignore"]
+)
+_TYPES_ONLY = frozenset(["types"])
+_PR_FILTERS = (_REF_FILTERS - {"tags", "tags-ignore"}) | _TYPES_ONLY
+_EVENT_FILTERS = {
+    "push": _REF_FILTERS,
+    "pull_request": _PR_FILTERS,
+    "pull_request_target": _PR_FILTERS,
+    "workflow_dispatch": frozenset(["inputs"]),
+    "workflow_run": frozenset(["workflows", "types", "branches", "branches-ignore"]),
+}
+# Which contexts (and special functions) each kind of value may use: GitHub's
+# workflow schema ("Context availability" in the docs).
+_PLAN = frozenset(["github", "inputs", "vars"])
+_WF_ENV = _PLAN | {"secrets"}
+_WF_OUTPUT = _PLAN | {"jobs"}
+_STRATEGY = _PLAN | {"needs"}
+_JOB_IF = _STRATEGY
+_LEG = _STRATEGY | {"strategy", "matrix"}
+_JOB_ENV = _LEG | {"secrets"}
+_JOB_DEFAULTS = _LEG | {"env"}
+_RUNNER = _LEG | {"secrets", "steps", "job", "runner", "env"}
+_STEP_IF = _RUNNER - {"secrets"}
+_STATUS = frozenset(["success", "failure", "always", "cancelled"])
+_SPECIAL_FUNCTIONS = _STATUS | {"hashfiles"}
 _JOB_ID = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
 
 
@@ -147,9 +178,9 @@ class WorkflowError(PreloopError):
 
 def _order(
     diags: list[Diagnostic], primary: str | None
-) -> Callable[[Diagnostic], tuple[int, str, int, int]]:
+) -> Callable[[Diagnostic], tuple[int, str, int, int, int]]:
     first_path = primary if primary is not None else (diags[0].path if diags else "")
-    return lambda d: (d.path != first_path, d.path, d.line, d.column)
+    return lambda d: (d.path != first_path, d.path, d.phase, d.line, d.column)
 
 
 def workflow_files(root: str | os.PathLike[str]) -> list[Path]:
@@ -224,10 +255,28 @@ class _Reader:
         self.depth = depth
         self.errors: list[Diagnostic] = []
         self.source = ""
+        self.allowed: frozenset[str] = ex.CONTEXT_NAMES
+        self.functions: frozenset[str] = _SPECIAL_FUNCTIONS
+
+    @contextlib.contextmanager
+    def using(
+        self, contexts: frozenset[str], functions: frozenset[str] = frozenset()
+    ) -> Iterator[None]:
+        """Values read inside may use only these contexts and special functions."""
+        saved = self.allowed, self.functions
+        self.allowed, self.functions = contexts, functions
+        try:
+            yield
+        finally:
+            self.allowed, self.functions = saved
 
     # -- helpers ------------------------------------------------------------
     def err(self, node: YNode | YScalar, message: str) -> None:
         self.errors.append(Diagnostic(self.path, node.line, node.column, message))
+
+    def err2(self, node: YNode | YScalar, message: str) -> None:
+        """An error about how parts relate (second pass, see Diagnostic.phase)."""
+        self.errors.append(Diagnostic(self.path, node.line, node.column, message, phase=1))
 
     def mapping(self, node: YNode, what: str) -> YMap | None:
         if isinstance(node, YMap):
@@ -271,17 +320,37 @@ class _Reader:
                 self.check_expression(node, seg, k)
                 k += 1
 
-    def check_expression(self, node: YNode, expr: str, k: int = -1) -> None:
+    def check_expression(self, node: YNode, expr: str, k: int = -1, phase: int = 0) -> None:
         try:
             parsed = ex.parse(expr)
         except ex.ExpressionError as exc:
-            self.err_at(node, k, f"invalid expression `{expr}`: {exc.reason} (column {exc.column})")
+            self.err_at(
+                node, k, f"invalid expression `{expr}`: {exc.reason} (column {exc.column})", phase
+            )
             return
         unknown = sorted(parsed.contexts - ex.CONTEXT_NAMES)
         if unknown:
-            self.err_at(node, k, f"unrecognized named-value '{unknown[0]}' in expression `{expr}`")
+            self.err_at(
+                node, k, f"unrecognized named-value '{unknown[0]}' in expression `{expr}`", phase
+            )
+            return
+        unavailable = sorted(parsed.contexts - self.allowed)
+        if unavailable:
+            self.err_at(
+                node,
+                k,
+                f"context '{unavailable[0]}' is not available here (only "
+                f"{', '.join(sorted(self.allowed))}) in expression `{expr}`",
+                phase,
+            )
+            return
+        functions = sorted((parsed.functions & _SPECIAL_FUNCTIONS) - self.functions)
+        if functions:
+            self.err_at(
+                node, k, f"function {functions[0]}() is not available here: `{expr}`", phase
+            )
 
-    def err_at(self, node: YNode, k: int, message: str) -> None:
+    def err_at(self, node: YNode, k: int, message: str, phase: int = 0) -> None:
         """An error about the k-th `${{` of a scalar, placed where that `${{`
         is in the file (GitHub's convention); k < 0 means the scalar itself."""
         if isinstance(node, YScalar) and k >= 0 and 0 <= node.start < node.end:
@@ -295,9 +364,9 @@ class _Reader:
                 index = node.start + at
                 line = self.source.count("\n", 0, index) + 1
                 col = index - (self.source.rfind("\n", 0, index) + 1) + 1
-                self.errors.append(Diagnostic(self.path, line, col, message))
+                self.errors.append(Diagnostic(self.path, line, col, message, phase))
                 return
-        self.err(node, message)
+        self.errors.append(Diagnostic(self.path, node.line, node.column, message, phase))
 
     def bool_or_expr(self, node: YNode | None, what: str, default: bool) -> bool | str:
         if node is None:
@@ -381,13 +450,15 @@ class _Reader:
             self.err(m, "the workflow has no `on:` (which events trigger it)")
         else:
             on, call, dispatch = self.on(on_node)
-        name = self.string(m.get("name"), "`name`") or Path(self.path).name
-        run_name = self.string(m.get("run-name"), "`run-name`")
-        env = self.env(m.get("env"), "`env`")
-        defaults = self.defaults(m.get("defaults"))
-        conc = self.concurrency(m.get("concurrency"))
-        m_p = m.get("permissions")
-        permissions = plain(m_p) if m_p is not None else None
+        with self.using(frozenset()):
+            name = self.string(m.get("name"), "`name`") or Path(self.path).name
+        with self.using(_PLAN):
+            run_name = self.string(m.get("run-name"), "`run-name`")
+            defaults = self.defaults(m.get("defaults"))
+            conc = self.concurrency(m.get("concurrency"))
+        with self.using(_WF_ENV):
+            env = self.env(m.get("env"), "`env`")
+        permissions = self.permissions(m.get("permissions"))
         jobs_node = m.get("jobs")
         jobs: tuple[Job, ...] = ()
         if jobs_node is None:
@@ -436,12 +507,60 @@ class _Reader:
             if event == "workflow_dispatch" and isinstance(value, YMap):
                 inputs = value.get("inputs")
                 if isinstance(inputs, YMap):
+                    self.dispatch_inputs(inputs)
                     dispatch = frozen_map({str(ik.value): plain(iv) for ik, iv in inputs.items})
+            if event == "schedule" and value is not None:
+                self.schedule(value)
+                events[event] = plain(value)
+                continue
             if value is not None and not isinstance(value, YMap | YSeq):
                 self.err(value, f"the filters of event '{event}' must be a mapping")
                 continue
+            if isinstance(value, YMap) and event != "workflow_call":
+                self.keys(value, _EVENT_FILTERS.get(event, _TYPES_ONLY), f"event '{event}'")
             events[event] = plain(value) if value is not None else None
         return events, call, dispatch
+
+    def dispatch_inputs(self, inputs: YMap) -> None:
+        allowed = frozenset(["description", "type", "required", "default", "options"])
+        for k, v in inputs.items:
+            if isinstance(v, YScalar) and v.value is None:
+                continue
+            dm = self.mapping(v, f"input '{k.value}'")
+            if dm is None:
+                continue
+            self.keys(dm, allowed, f"input '{k.value}'")
+            t = dm.get("type")
+            if t is not None and not (isinstance(t, YScalar) and t.value in _DISPATCH_TYPES):
+                self.err(t, f"input '{k.value}' type must be one of {', '.join(_DISPATCH_TYPES)}")
+
+    def schedule(self, node: YNode) -> None:
+        if not isinstance(node, YSeq):
+            self.err(node, f"`schedule` must be a list of {{cron: ...}}, not {_kind(node)}")
+            return
+        for entry in node.items:
+            em = self.mapping(entry, "a `schedule` entry")
+            if em is None:
+                continue
+            self.keys(em, frozenset(["cron"]), "a `schedule` entry")
+            if em.get("cron") is None:
+                self.err(em, "a `schedule` entry needs `cron`")
+            else:
+                self.string(em.get("cron"), "`cron`", allow_empty=False)
+
+    def permissions(self, node: YNode | None) -> Any:
+        if node is None:
+            return None
+        if isinstance(node, YScalar):
+            if node.value not in ("read-all", "write-all"):
+                self.err(node, "`permissions` must be read-all, write-all or a mapping")
+            return node.value
+        m = self.mapping(node, "`permissions`")
+        if m is not None:
+            for k, v in m.items:
+                if not (isinstance(v, YScalar) and v.value in ("read", "write", "none")):
+                    self.err(v, f"permission '{k.value}' must be read, write or none")
+        return plain(node)
 
     def workflow_call(self, node: YNode | None) -> WorkflowCall:
         if node is None:
@@ -472,6 +591,9 @@ class _Reader:
                     continue
                 self.keys(dm, allowed[section], f"`on.workflow_call.{section}.{k.value}`")
                 d = {str(dk.value): plain(dv) for dk, dv in dm.items}
+                if section == "inputs" and (default := dm.get("default")) is not None:
+                    with self.using(_PLAN):
+                        self.check_all_templates(default)
                 if section == "inputs":
                     t = d.get("type")
                     if t not in ("boolean", "number", "string"):
@@ -484,7 +606,8 @@ class _Reader:
                     if value is None:
                         self.err(dm, f"output '{k.value}' has no `value`")
                     else:
-                        self.string(value, f"output '{k.value}' value")
+                        with self.using(_WF_OUTPUT):
+                            self.string(value, f"output '{k.value}' value")
                 out[str(k.value)] = d
         return WorkflowCall(
             inputs=frozen_map(sections["inputs"]),
@@ -568,11 +691,11 @@ class _Reader:
         ids = {j.id for j in jobs}
         if jobs and all(j.needs for j in jobs):
             # GitHub's rule, reported where GitHub reports it.
-            self.err(m, "the workflow must contain at least one job with no dependencies")
+            self.err2(m, "the workflow must contain at least one job with no dependencies")
         for job in jobs:
             for n in need_nodes.get(job.id, []):
                 if n.value not in ids:
-                    self.err(n, f"job '{job.id}' needs unknown job '{n.value}'")
+                    self.err2(n, f"job '{job.id}' needs unknown job '{n.value}'")
         # Cycles: depth-first search over the known edges.
         graph = {j.id: [n for n in j.needs if n in ids] for j in jobs}
         color: dict[str, int] = {}
@@ -602,7 +725,7 @@ class _Reader:
                             for src, dst in itertools.pairwise(cycle):
                                 for n in need_nodes.get(src, []):
                                     if n.value == dst:
-                                        self.err(n, text)
+                                        self.err2(n, text)
                 else:
                     color[node] = 2
                     path.pop()
@@ -616,7 +739,16 @@ class _Reader:
         m = self.mapping(node, f"job '{job_id}'")
         if m is None:
             return None
+        # Runner job or reusable-workflow caller? GitHub decides by the first
+        # key that only one of them has; `uses` decides when none does.
         is_caller = m.get("uses") is not None
+        for k, _ in m.items:
+            if k.value in _CALLER_ONLY:
+                is_caller = True
+                break
+            if k.value in _JOB_ONLY:
+                is_caller = False
+                break
         if is_caller:
             for k, _ in m.items:
                 if k.value not in CALLER_KEYS:
@@ -629,7 +761,15 @@ class _Reader:
                     else:
                         self.err(k, f"unknown key '{k.value}' in job '{job_id}'")
         else:
-            self.keys(m, JOB_KEYS, f"job '{job_id}'")
+            for k, _ in m.items:
+                if k.value in _CALLER_ONLY:
+                    self.err(
+                        k,
+                        f"job '{job_id}' runs steps on a runner and may not have "
+                        f"'{k.value}' (a reusable-workflow call is a job of its own)",
+                    )
+                elif k.value not in JOB_KEYS:
+                    self.err(k, f"unknown key '{k.value}' in job '{job_id}'")
         needs: list[str] = []
         needs_node = m.get("needs")
         if needs_node is not None:
@@ -642,10 +782,13 @@ class _Reader:
                     need_nodes.setdefault(job_id, []).append(n)
                 else:
                     self.err(n, f"`needs` must name jobs (strings), not {_kind(n)}")
-        if_ = self.condition(m.get("if"))
-        name = self.string(m.get("name"), "`name`")
-        strategy = self.strategy(m.get("strategy"), job_id)
-        conc = self.concurrency(m.get("concurrency"))
+        with self.using(_JOB_IF, _STATUS):
+            if_ = self.condition(m.get("if"))
+        with self.using(_LEG):
+            name = self.string(m.get("name"), "`name`")
+            conc = self.concurrency(m.get("concurrency"))
+        with self.using(_STRATEGY):
+            strategy = self.strategy(m.get("strategy"), job_id)
         common: dict[str, Any] = dict(
             id=job_id,
             name=name,
@@ -653,50 +796,65 @@ class _Reader:
             if_=if_,
             strategy=strategy,
             concurrency=conc,
-            permissions=plain(m_p) if (m_p := m.get("permissions")) is not None else None,
+            permissions=self.permissions(m.get("permissions")),
             line=key.line,
             column=key.column,
         )
         if is_caller:
             return self.caller(m, common)
-        runs_on = self.runs_on(m.get("runs-on"), m)
+        with self.using(_LEG):
+            runs_on = self.runs_on(m.get("runs-on"), m)
+            coe = self.bool_or_expr(m.get("continue-on-error"), "`continue-on-error`", False)
+            timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
+            for extra in ("container", "services", "environment"):
+                if (extra_node := m.get(extra)) is not None:
+                    self.check_all_templates(extra_node)
+        with self.using(_JOB_ENV):
+            env = self.env(m.get("env"), "`env`")
+        with self.using(_JOB_DEFAULTS):
+            defaults = self.defaults(m.get("defaults"))
         steps_node = m.get("steps")
         steps: tuple[Step, ...] = ()
         if steps_node is None:
-            self.err(m, f"job '{job_id}' has no `steps`")
+            self.err2(m, f"job '{job_id}' has no `steps`")
         else:
             steps = self.steps(steps_node)
         outputs: dict[str, str] = {}
         out_node = m.get("outputs")
         if out_node is not None and (om := self.mapping(out_node, "`outputs`")) is not None:
             for k, v in om.items:
-                s = self.string(v, f"output '{k.value}'")
+                with self.using(_RUNNER):
+                    s = self.string(v, f"output '{k.value}'")
                 if s is not None:
                     outputs[str(k.value)] = s
-        timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
         services = m.get("services")
         if services is not None:
             self.mapping(services, "`services`")
-        for extra in ("container", "services", "environment"):
-            if (extra_node := m.get(extra)) is not None:
-                self.check_all_templates(extra_node)
         return Job(
             **common,
             runs_on=runs_on,
-            continue_on_error=self.bool_or_expr(
-                m.get("continue-on-error"), "`continue-on-error`", False
-            ),
+            continue_on_error=coe,
             timeout_minutes=timeout if timeout is not None else 360.0,
             outputs=frozen_map(outputs),
-            env=self.env(m.get("env"), "`env`"),
-            defaults_run=self.defaults(m.get("defaults")),
+            env=env,
+            defaults_run=defaults,
             steps=steps,
-            container=plain(c) if (c := m.get("container")) is not None else None,
+            container=self.container(m.get("container")),
             services=frozen_map(plain(services))
             if isinstance(services, YMap)
             else frozen_map(None),
             environment=plain(e) if (e := m.get("environment")) is not None else None,
         )
+
+    def container(self, node: YNode | None) -> Any:
+        if node is None:
+            return None
+        if isinstance(node, YSeq):
+            self.err(node, f"`container` must be an image name or a mapping, not {_kind(node)}")
+            return None
+        if isinstance(node, YMap):
+            self.keys(node, _CONTAINER_KEYS, "`container`")
+        return plain(node)
 
     def condition(self, node: YNode | None) -> str | None:
         if node is None:
@@ -716,7 +874,9 @@ class _Reader:
             if len(segs) == 1 and segs[0][0]:
                 return segs[0][1]
             return text
-        self.check_expression(node, text)
+        # A bare condition is checked in GitHub's second pass (when `if:` is
+        # converted), unlike a `${{ }}` template.
+        self.check_expression(node, text, phase=1)
         return text
 
     def runs_on(self, node: YNode | None, job: YMap) -> Any:
@@ -822,7 +982,7 @@ class _Reader:
                     ex_node = m.get("exclude")
                     if isinstance(ex_node, YSeq):
                         where = ex_node.items[exc.where[1]]
-                self.err(where, f"job '{job_id}': {exc}")
+                self.err2(where, f"job '{job_id}': {exc}")
         return matrix
 
     def steps(self, node: YNode) -> tuple[Step, ...]:
@@ -837,12 +997,16 @@ class _Reader:
                 continue
             if step.id is not None:
                 if step.id in ids:
-                    self.err(n, f"step id '{step.id}' is used twice in this job")
+                    self.err2(n, f"step id '{step.id}' is used twice in this job")
                 ids.add(step.id)
             steps.append(step)
         return tuple(steps)
 
     def step(self, node: YNode) -> Step | None:
+        with self.using(_RUNNER, frozenset({"hashfiles"})):
+            return self.read_step(node)
+
+    def read_step(self, node: YNode) -> Step | None:
         m = self.mapping(node, "a step")
         if m is None:
             return None
@@ -870,6 +1034,9 @@ class _Reader:
                     with_[str(k.value)] = v.value
                 else:
                     self.err(v, f"`with` value '{k.value}' must be a string, not {_kind(v)}")
+        uses_node = m.get("uses")
+        if isinstance(uses_node, YScalar) and isinstance(uses_node.value, str):
+            self.local_action(uses_node, uses_node.value)
         step_id = self.string(m.get("id"), "step `id`")
         if step_id is not None and not _JOB_ID.fullmatch(step_id):
             id_node = m.get("id")
@@ -880,10 +1047,12 @@ class _Reader:
                 "only letters, digits, '-' and '_'",
             )
         timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
+        with self.using(_STEP_IF, _SPECIAL_FUNCTIONS):
+            if_ = self.condition(m.get("if"))
         return Step(
             id=step_id,
             name=self.string(m.get("name"), "step `name`"),
-            if_=self.condition(m.get("if")),
+            if_=if_,
             run=self.string(m.get("run"), "`run`"),
             uses=self.string(m.get("uses"), "`uses`", allow_empty=False),
             with_=frozen_map(with_),
@@ -896,10 +1065,20 @@ class _Reader:
             timeout_minutes=timeout,
         )
 
+    def local_action(self, node: YScalar, uses: str) -> None:
+        """A local action (`uses: ./dir`) must have its action.yml."""
+        if not uses.startswith("./") or "${{" in uses:
+            return
+        target = self.state.repo / uses[2:]
+        if not any((target / name).is_file() for name in ("action.yml", "action.yaml")):
+            self.err2(node, f"local action '{uses}' has no action.yml ({target})")
+
     # -- reusable workflows -------------------------------------------------
     def caller(self, m: YMap, common: dict[str, Any]) -> Job | None:
         uses_node = m.get("uses")
-        assert uses_node is not None
+        if uses_node is None:
+            self.err(m, f"job '{common['id']}' calls a reusable workflow but has no `uses`")
+            return None
         uses = self.string(uses_node, "`uses`", allow_empty=False)
         with_node = m.get("with")
         with_: dict[str, Any] = {}
@@ -908,7 +1087,8 @@ class _Reader:
             for k, v in wm.items:
                 if isinstance(v, YScalar):
                     if isinstance(v.value, str):
-                        self.check_template(v, v.value)
+                        with self.using(_LEG):
+                            self.check_template(v, v.value)
                     with_[str(k.value)] = v.value
                     with_keys[str(k.value)] = k
                 else:
@@ -919,6 +1099,8 @@ class _Reader:
             if isinstance(s, YScalar) and s.value == "inherit":
                 secrets = "inherit"
             elif (sm := self.mapping(s, "`secrets`")) is not None:
+                with self.using(_LEG | {"secrets"}):
+                    self.check_all_templates(sm)
                 secrets = frozen_map({str(k.value): plain(v) for k, v in sm.items})
                 secret_keys = {str(k.value): k for k, _ in sm.items}
         callee = None
@@ -936,17 +1118,17 @@ class _Reader:
         secret_keys: dict[str, YScalar],
     ) -> Workflow | None:
         if not uses.startswith("./"):
-            self.err(
+            self.err2(
                 node,
                 f"reusable workflow '{uses}' is not local: preloop runs workflows from this "
                 "repository (`uses: ./.github/workflows/<file>.yml`)",
             )
             return None
         if "@" in uses:
-            self.err(node, f"a local reusable workflow takes no `@ref`: '{uses}'")
+            self.err2(node, f"a local reusable workflow takes no `@ref`: '{uses}'")
             return None
         if self.depth + 1 > MAX_REUSABLE_DEPTH:
-            self.err(
+            self.err2(
                 node,
                 f"reusable workflows nest at most {MAX_REUSABLE_DEPTH} levels deep "
                 f"(calling '{uses}' would be level {self.depth + 1})",
@@ -954,36 +1136,36 @@ class _Reader:
             return None
         target = (self.state.repo / uses[2:]).resolve()
         if not target.is_file():
-            self.err(node, f"reusable workflow '{uses}' does not exist ({target})")
+            self.err2(node, f"reusable workflow '{uses}' does not exist ({target})")
             return None
         if target in self.state.stack:
-            self.err(node, f"reusable workflow '{uses}' calls itself (directly or indirectly)")
+            self.err2(node, f"reusable workflow '{uses}' calls itself (directly or indirectly)")
             return None
         before = len(self.state.errors)
         callee = _load(self.state, target, self.depth + 1, uses[2:])
         if callee is None:
             if len(self.state.errors) == before and target not in self.state.cache:
-                self.err(node, f"reusable workflow '{uses}' could not be loaded")
+                self.err2(node, f"reusable workflow '{uses}' could not be loaded")
             return None
         if callee.workflow_call is None:
-            self.err(node, f"'{uses}' is not a reusable workflow: it has no `on: workflow_call`")
+            self.err2(node, f"'{uses}' is not a reusable workflow: it has no `on: workflow_call`")
             return None
         decl = callee.workflow_call
         for name, key in with_keys.items():
             if name not in decl.inputs:
-                self.err(
+                self.err2(
                     key, f"input '{name}' is not declared by '{uses}' (on.workflow_call.inputs)"
                 )
         for name, spec in decl.inputs.items():
             if spec.get("required") is True and name not in with_ and "default" not in spec:
-                self.err(node, f"'{uses}' requires input '{name}', which `with` does not provide")
+                self.err2(node, f"'{uses}' requires input '{name}', which `with` does not provide")
         if secrets != "inherit":
             for name, key in secret_keys.items():
                 if name not in decl.secrets:
-                    self.err(key, f"secret '{name}' is not declared by '{uses}'")
+                    self.err2(key, f"secret '{name}' is not declared by '{uses}'")
             for name, spec in decl.secrets.items():
                 if spec.get("required") is True and name not in secret_keys:
-                    self.err(
+                    self.err2(
                         node, f"'{uses}' requires secret '{name}', which `secrets` does not pass"
                     )
         return callee

@@ -63,6 +63,8 @@ Reusable callers
   (the caller's own needs). The caller's `spec["inputs"]` is its `inputs`
   context as far as known at plan time; inputs that use `needs` are listed
   in `spec["with_pending"]` and kept as written in `spec["with"]`.
+- A caller's `inner_job_ids` may name a deferred job; once expanded, its legs
+  (same `base_id`, same `caller`) stand in for it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -32,6 +32,10 @@ class Diagnostic:
     line: int
     column: int
     message: str
+    # 0: the file's own structure (YAML, keys, types, expressions); 1: what
+    # relates its parts (needs, cycles, matrices, called workflows). GitHub's
+    # parser checks in the same two passes; errors are listed in this order.
+    phase: int = 0
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}:{self.column}: {self.message}"
@@ -65,18 +69,19 @@ class YMap:
     line: int
     column: int
     kind = "mapping"
+    index: dict[Any, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.index:
+            self.index.update((k.value, i) for i, (k, _) in enumerate(self.items))
 
     def get(self, key: str) -> YNode | None:
-        for k, v in self.items:
-            if k.value == key:
-                return v
-        return None
+        i = self.index.get(key)
+        return None if i is None else self.items[i][1]
 
     def key_node(self, key: str) -> YScalar | None:
-        for k, _ in self.items:
-            if k.value == key:
-                return k
-        return None
+        i = self.index.get(key)
+        return None if i is None else self.items[i][0]
 
 
 YNode = YScalar | YSeq | YMap
@@ -103,8 +108,13 @@ _INF = re.compile(r"[-+]?\.(inf|Inf|INF)")
 _NAN = re.compile(r"\.(nan|NaN|NAN)")
 
 
+_MAYBE_TYPED = frozenset("~nNtTfF0123456789+-.")
+
+
 def resolve_plain(text: str) -> Any:
     """YAML 1.2 core-schema resolution of a plain scalar."""
+    if text and text[0] not in _MAYBE_TYPED:
+        return text  # a word: no typed form starts this way
     if _NULL.fullmatch(text):
         return None
     if _TRUE.fullmatch(text):
@@ -155,13 +165,14 @@ def _convert(node: yaml.Node, path: str, errors: list[Diagnostic], depth: int = 
         key = YScalar(
             k.value if isinstance(k, yaml.ScalarNode) else key.value, key.line, key.column
         )
+        value = _convert(v, path, errors, depth + 1)
         if key.value in seen:
             errors.append(
                 Diagnostic(path, key.line, key.column, f"'{key.value}' is already defined")
             )
-            continue
+            continue  # the first value stands (and is the one validated)
         seen.add(key.value)
-        items.append((key, _convert(v, path, errors, depth + 1)))
+        items.append((key, value))
     return YMap(tuple(items), line, col)
 
 

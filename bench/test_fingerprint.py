@@ -1,0 +1,199 @@
+"""Fingerprints and host slots, side by side with what a user would otherwise run.
+
+Targets (issue 3), warm page cache, one run:
+- content fingerprint >= 1.2 GB/s on the mixed tree (>= 3.5x `sha256sum` over the
+  tree via xargs), >= 170k files/s on the tiny tree; also vs
+  `git hash-object --stdin-paths` and Python `hashlib.sha256` file by file;
+- metadata fingerprint within 1.3x of `tree_bytes`;
+- uncontended acquire + release <= 20 µs;
+- 16 contenders x 200 short holds: throughput as a fraction of ideal 4-way.
+
+Figures (GB/s, files/s, fractions) are in each benchmark's extra_info and printed
+by `-s`; the ratio table comes from bench/conftest.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from preloop.fingerprint import HostSlots, fingerprint
+from preloop.fs import tree_bytes
+from preloop.testing.trees import MIXED_TREE, TINY_TREE, TreeSpec, cached_tree
+
+
+@pytest.fixture(autouse=True)
+def coordination(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="preloop-bench-coord-") as tmp:
+        directory = Path(tmp) / "coordination"
+        monkeypatch.setenv("PRELOOP_COORDINATION_DIR", str(directory))
+        yield directory
+
+
+def find_files(root: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["find", root, "-type", "f", "-print0"], stdout=subprocess.PIPE)
+
+
+def sha256sum_tree(root: str) -> int:
+    finder = find_files(root)
+    out = subprocess.run(
+        ["xargs", "-0", "sha256sum"], stdin=finder.stdout, capture_output=True, check=True
+    ).stdout
+    finder.wait()
+    return out.count(b"\n")
+
+
+def git_hash_object(root: str) -> int:
+    finder = subprocess.Popen(["find", root, "-type", "f"], stdout=subprocess.PIPE)
+    out = subprocess.run(
+        ["git", "hash-object", "--stdin-paths"],
+        stdin=finder.stdout,
+        capture_output=True,
+        check=True,
+        cwd=root,
+    ).stdout
+    finder.wait()
+    return out.count(b"\n")
+
+
+def hashlib_tree(root: str) -> int:
+    """What a Python user would write: walk, read, hashlib.sha256 per file."""
+    count = 0
+    stack = [root]
+    while stack:
+        with os.scandir(stack.pop()) as it:
+            for entry in it:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    with open(entry.path, "rb") as fh:
+                        hashlib.file_digest(fh, "sha256")
+                    count += 1
+    return count
+
+
+CONTENT: dict[str, Callable[[str], int]] = {
+    "preloop": lambda root: fingerprint(root).files,
+    "sha256sum (xargs)": sha256sum_tree,
+    "git hash-object": git_hash_object,
+    "hashlib": hashlib_tree,
+}
+
+
+@pytest.mark.parametrize("spec", [MIXED_TREE, TINY_TREE], ids=lambda s: s.name)
+@pytest.mark.parametrize("impl", list(CONTENT))
+def test_content(benchmark: Any, spec: TreeSpec, impl: str) -> None:
+    root = str(cached_tree(spec))
+    size = tree_bytes(root)
+    fn = CONTENT[impl]
+    benchmark.group = f"content fingerprint {spec.name} tree"
+    benchmark.extra_info["impl"] = impl
+    files = benchmark.pedantic(fn, args=(root,), rounds=3, iterations=1, warmup_rounds=1)
+    assert files == size.files
+    mean = benchmark.stats.stats.mean
+    benchmark.extra_info["GB/s"] = round(size.apparent_bytes / mean / 1e9, 3)
+    benchmark.extra_info["files/s"] = round(size.files / mean)
+    print(f"\n{benchmark.group} {impl}: {size.apparent_bytes / mean / 1e9:.2f} GB/s, "
+          f"{size.files / mean:,.0f} files/s")  # fmt: skip
+
+
+METADATA: dict[str, Callable[[str], int]] = {
+    "preloop": lambda root: fingerprint(root, mode="metadata").files,
+    "tree_bytes": lambda root: tree_bytes(root).files,
+}
+
+
+@pytest.mark.parametrize("spec", [MIXED_TREE, TINY_TREE], ids=lambda s: s.name)
+@pytest.mark.parametrize("impl", list(METADATA))
+def test_metadata(benchmark: Any, spec: TreeSpec, impl: str) -> None:
+    root = str(cached_tree(spec))
+    fn = METADATA[impl]
+    benchmark.group = f"metadata fingerprint {spec.name} tree"
+    benchmark.extra_info["impl"] = impl
+    files = benchmark.pedantic(fn, args=(root,), rounds=5, iterations=1, warmup_rounds=1)
+    assert files == tree_bytes(root).files
+
+
+def test_uncontended_acquire_release(benchmark: Any, coordination: Path) -> None:
+    slots = HostSlots(coordination)
+    slots.acquire().release()  # cold start outside the measurement
+
+    def once() -> None:
+        slots.acquire().release()
+
+    benchmark.group = "host slot acquire + release"
+    benchmark.extra_info["impl"] = "preloop"
+    benchmark.pedantic(once, rounds=2000, iterations=10, warmup_rounds=100)
+    mean_us = benchmark.stats.stats.mean * 1e6
+    benchmark.extra_info["µs"] = round(mean_us, 2)
+    print(f"\nuncontended acquire + release: {mean_us:.1f} µs")
+
+
+CONTENDERS, HOLDS, HOLD_SECONDS = 16, 200, 0.002
+
+CONTENDER = """
+import sys, time
+from preloop.fingerprint import HostSlots
+slots = HostSlots(sys.argv[1])
+hold = float(sys.argv[3])
+sys.stdout.write("r")
+sys.stdout.flush()
+assert sys.stdin.read(1) == ""  # start together when the gate closes
+for _ in range(int(sys.argv[2])):
+    with slots.acquire():
+        time.sleep(hold)  # the workload: a short hold that does not use a CPU
+"""
+
+
+def test_sixteen_contenders(benchmark: Any, coordination: Path) -> None:
+    HostSlots(coordination).acquire().release()
+
+    def run() -> float:
+        gate_r, gate_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        children = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    textwrap.dedent(CONTENDER),
+                    str(coordination),
+                    str(HOLDS),
+                    str(HOLD_SECONDS),
+                ],
+                stdin=gate_r,
+                stdout=ready_w,
+            )
+            for _ in range(CONTENDERS)
+        ]
+        os.close(gate_r)
+        os.close(ready_w)
+        ready = b""
+        while len(ready) < CONTENDERS:  # every contender imported and waiting at the gate
+            chunk = os.read(ready_r, CONTENDERS)
+            assert chunk
+            ready += chunk
+        os.close(ready_r)
+        start = time.perf_counter()
+        os.close(gate_w)
+        for child in children:
+            assert child.wait() == 0
+        return time.perf_counter() - start
+
+    benchmark.group = "16 contenders x 200 holds"
+    benchmark.extra_info["impl"] = "preloop"
+    elapsed = benchmark.pedantic(run, rounds=1, iterations=1)
+    ideal = CONTENDERS * HOLDS * HOLD_SECONDS / 4
+    benchmark.extra_info["fraction of ideal 4-way"] = round(ideal / elapsed, 3)
+    print(f"\n16 contenders x 200 holds of {HOLD_SECONDS * 1e3:.0f} ms: {elapsed:.2f} s, "
+          f"ideal 4-way {ideal:.2f} s, fraction {ideal / elapsed:.2f}")  # fmt: skip

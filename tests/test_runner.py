@@ -223,6 +223,7 @@ def test_variables_and_contexts(tmp_path: Path) -> None:
             {
                 "run": 'echo "$CI $GITHUB_ACTIONS $GITHUB_JOB $RUNNER_OS $GITHUB_EVENT_NAME"\n'
                 'echo "ws=$GITHUB_WORKSPACE temp=$RUNNER_TEMP"\n'
+                'echo "event=$(cat "$GITHUB_EVENT_PATH")"\n'
                 "echo 'm=${{ matrix.os }} n=${{ needs.setup.outputs.v }}'"
             }
         ],
@@ -236,6 +237,7 @@ def test_variables_and_contexts(tmp_path: Path) -> None:
     assert "true true build Linux push" in lines
     assert f"ws={tmp_path / 'ws'} temp={tmp_path / 'temp'}" in lines
     assert "m=linux n=42" in lines
+    assert "event={}" in lines
 
 
 def test_workflow_commands_mask_group_annotations(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ data) one after another and returns a `JobResult`:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -213,6 +214,8 @@ class _Execution:
         github.setdefault("action", "")
         github.setdefault("server_url", "https://github.com")
         self.github = github
+        event = github.get("event") if isinstance(github.get("event"), dict) else {}
+        (host.temp / "_github_event.json").write_text(json.dumps(event), encoding="utf-8")
         self.runner_ctx = {
             "os": "Linux",
             "arch": "X64",

@@ -20,7 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
+
+from preloop.engine import Engine, RunRequest
 
 JOBS = 50
 PRELOOP = [sys.executable, "-m", "preloop"]
@@ -90,6 +93,22 @@ def test_run_50_jobs_preloop(benchmark: Any, workload: tuple[Path, Path, Path]) 
     _walls["preloop"] = benchmark.stats.stats.mean
 
 
+def test_run_50_jobs_engine_in_process(benchmark: Any, workload: tuple[Path, Path, Path]) -> None:
+    """The same run through `preloop.engine` in this process: the per-job cost
+    without the interpreter start-up and imports of the `preloop` command."""
+    repo, _, state = workload
+    benchmark.group = f"run {JOBS} trivial jobs"
+    benchmark.extra_info["impl"] = "preloop engine (in-process)"
+
+    def run() -> None:
+        engine = Engine(RunRequest(workspace=repo, state_dir=state))
+        outcome = anyio.run(engine.run)
+        assert outcome.ok
+
+    benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
+    _walls["engine"] = benchmark.stats.stats.mean
+
+
 def test_run_50_jobs_shell(benchmark: Any, workload: tuple[Path, Path, Path]) -> None:
     repo, script, _ = workload
     benchmark.group = f"run {JOBS} trivial jobs"
@@ -100,10 +119,11 @@ def test_run_50_jobs_shell(benchmark: Any, workload: tuple[Path, Path, Path]) ->
 
     benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
     _walls["shell"] = benchmark.stats.stats.mean
-    if "preloop" in _walls:
-        per_job = (_walls["preloop"] - _walls["shell"]) / JOBS
-        benchmark.extra_info["preloop_overhead_per_job_ms"] = round(per_job * 1000, 1)
-        print(f"\npreloop overhead per job: {per_job * 1000:.1f} ms (target <= 50 ms)")
+    for impl in ("preloop", "engine"):
+        if impl in _walls:
+            per_job = (_walls[impl] - _walls["shell"]) / JOBS
+            benchmark.extra_info[f"{impl}_overhead_per_job_ms"] = round(per_job * 1000, 1)
+            print(f"\n{impl} overhead per job: {per_job * 1000:.1f} ms (target <= 50 ms)")
 
 
 def test_time_to_first_step_output(benchmark: Any, workload: tuple[Path, Path, Path]) -> None:

@@ -103,6 +103,9 @@ def test_run_plain_output_summary_and_exit_codes(tmp_path: Path) -> None:
     doc = json.loads(proc.stdout)
     assert doc["conclusion"] == "failure"
     assert [(j["id"], j["result"]) for j in doc["jobs"]] == [("bad", "failure")]
+    assert doc["jobs"][0]["annotations"] == [
+        "error: Run exit 7: process completed with exit code 7"
+    ]
     status = json.loads(preloop("status", "--json", cwd=repo, state=state, check_code=0).stdout)
     assert [r["conclusion"] for r in status] == ["failure", "success"]
     logs = preloop("logs", str(doc["run_id"]), "bad", cwd=repo, state=state, check_code=0)

@@ -278,6 +278,8 @@ class _Execution:
         self, env: Mapping[str, str], files: Mapping[str, Path], scope: _Scope
     ) -> dict[str, str]:
         base = dict(self.host.base_env if self.host.base_env is not None else os.environ)
+        # The store URL may carry database credentials: steps do not inherit it.
+        base.pop("PRELOOP_STORE_URL", None)
         gh = self.github
         out = {
             **base,
@@ -507,11 +509,16 @@ class _Execution:
                     else f"exit code {result.returncode}"
                 )
                 self.log(f"Error: process completed with {code}")
+                self.annotations.append(
+                    Annotation(
+                        "error", f"{name}: process completed with {code}", self.job_key, name
+                    )
+                )
         except CommandTimeout:
             outcome = "failure"
-            self.log(
-                f"Error: the step timed out after {(timeout or 0) / 60:g} minutes and was killed"
-            )
+            message = f"the step timed out after {(timeout or 0) / 60:g} minutes and was killed"
+            self.log(f"Error: {message}")
+            self.annotations.append(Annotation("error", f"{name}: {message}", self.job_key, name))
         self.annotations.extend(parser.effects.annotations)
         outputs = dict(parser.effects.outputs)
         outputs.update(parse_env_file(files["GITHUB_OUTPUT"], f"{name}: GITHUB_OUTPUT"))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import select
 from pathlib import Path
 
 import anyio
 import pytest
-from tests.run_support import git, make_repo, results, run_engine, workflow
+from tests.run_support import Harness, git, make_repo, results, run_engine, workflow
 
-from preloop.control import open_store
+from preloop.control import Lease, open_store
 from preloop.engine import Engine, RunRequest
 from preloop.runner.logs import job_ids_with_logs, log_path
 from preloop.workflow import PlanError, WorkflowError
@@ -408,3 +409,58 @@ def test_untriggered_event_is_refused_before_capture(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match="not triggered by 'push'"):
         anyio.run(engine.run)
     assert not (state / "snapshots").exists()
+
+
+def test_env_files_continue_on_error_and_hung_step_timeout(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              steps:
+                runs-on: ubuntu-latest
+                steps:
+                  - run: |
+                      mkdir -p tools && printf '#!/bin/sh\\necho tool-ran\\n' > tools/t1
+                      chmod +x tools/t1
+                      echo "LATER=set" >> "$GITHUB_ENV"
+                      echo "$PWD/tools" >> "$GITHUB_PATH"
+                      echo "same-step LATER=${LATER:-unset} $(command -v t1 || echo no-tool)"
+                  - run: echo "next-step LATER=$LATER" && t1
+                  - id: flaky
+                    continue-on-error: true
+                    run: exit 2
+                  - name: hang
+                    timeout-minutes: 0.02
+                    run: |
+                      sleep 1000 &
+                      echo "grandchild=$!"
+                      wait
+                  - if: failure()
+                    run: echo "flaky=${{ steps.flaky.outcome }}/${{ steps.flaky.conclusion }}"
+            """
+        ),
+    )
+    pidfds: list[int] = []
+    h = Harness()
+    events = h.events()
+    record = events.on_job_line
+    assert record is not None
+
+    def on_line(lease: Lease, text: str) -> None:
+        record(lease, text)
+        if text.startswith("grandchild="):
+            pidfds.append(os.pidfd_open(int(text.split("=")[1])))
+
+    events.on_job_line = on_line
+    request = RunRequest(workspace=repo, store_url=store_url, state_dir=tmp_path / "state")
+    outcome = anyio.run(Engine(request, events).run)
+    lines = h.lines["steps"]
+    assert "same-step LATER=unset no-tool" in lines
+    assert "next-step LATER=set" in lines and "tool-ran" in lines
+    assert "flaky=failure/success" in lines
+    assert results(outcome) == {"steps": "failure"}
+    assert len(pidfds) == 1
+    readable, _, _ = select.select(pidfds, [], [], 30)
+    assert readable == pidfds

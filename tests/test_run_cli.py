@@ -281,3 +281,34 @@ def test_runner_sigterm_cancels_its_job_and_exits_zero(
     doc = json.loads(out)
     assert [(j["id"], j["result"]) for j in doc["jobs"]] == [("hang", "cancelled")]
     assert doc["conclusion"] == "cancelled"
+
+
+def test_terminal_gets_live_progress_and_summary(tmp_path: Path) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            "on: push\njobs:\n  only:\n    runs-on: ubuntu-latest\n"
+            "    steps:\n      - run: echo from-the-step\n"
+        ),
+    )
+    primary, secondary = os.openpty()
+    env = _env(tmp_path / "state", COLUMNS="100", TERM="xterm")
+    proc = subprocess.Popen(
+        [*PRELOOP, "run"], cwd=repo, env=env, stdout=secondary, stderr=secondary
+    )
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            data = os.read(primary, 65536)
+        except OSError:  # EIO: the terminal's other side closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(primary)
+    assert proc.wait(timeout=120) == 0
+    text = b"".join(chunks).decode(errors="replace")
+    assert ("queued" in text and "running" in text) or "done" in text
+    assert "[only] from-the-step" in text
+    assert "success" in text and "preloop logs" in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import select
+import subprocess
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ import anyio
 import pytest
 
 from preloop.runner import JobControl, JobHost, JobResult, execute_job
+from preloop.runner.checkout import sweep_work_dir, work_dir
 from preloop.runner.commands import EnvFileError, Masker, parse_env_file
 
 
@@ -459,3 +461,16 @@ def test_env_file_unterminated_heredoc(tmp_path: Path) -> None:
         parse_env_file(f, "GITHUB_OUTPUT")
     f.write_text("a=1\nb<<END\nx\ny\nEND\nc=x=y\n")
     assert parse_env_file(f, "GITHUB_OUTPUT") == {"a": "1", "b": "x\ny", "c": "x=y"}
+
+
+def test_sweep_work_dir_removes_only_dead_processes_entries(tmp_path: Path) -> None:
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True)
+    root = work_dir(tmp_path)
+    (root / f"{dead.stdout.strip()}-3-build-abc" / "workspace").mkdir(parents=True)
+    (root / f"{os.getpid()}-template-def").mkdir()
+    (root / "not-a-pid").mkdir()
+    removed = sweep_work_dir(tmp_path)
+    assert [p.name for p in removed] == [f"{dead.stdout.strip()}-3-build-abc"]
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [f"{os.getpid()}-template-def", "not-a-pid"]
+    )

@@ -47,6 +47,7 @@ from preloop.runner.checkout import (
     CheckoutTemplates,
     SnapshotLocation,
     sweep_work_dir,
+    work_dir,
 )
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
 from preloop.workflow import Plan, load_workflow, plan, workflow_files
@@ -309,7 +310,7 @@ class Engine:
         store_url = self.store_url()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
-        await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir / "work")
+        await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir)
         run_key = f"run-{uuid.uuid4().hex[:16]}"
         snap = await capture_workspace(self.state_dir, root, run_key)
         store = await anyio.to_thread.run_sync(open_store, store_url)
@@ -399,7 +400,7 @@ class Engine:
         count = req.local_runners if req.local_runners is not None else (os.cpu_count() or 1)
         done = anyio.Event()
         events = self._job_events()
-        templates = CheckoutTemplates(self.state_dir / "work")
+        templates = CheckoutTemplates(work_dir(self.state_dir))
 
         async def local_runner(index: int) -> None:
             runner = Runner(

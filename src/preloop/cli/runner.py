@@ -84,7 +84,7 @@ def runner_command(
         secrets=parse_secrets(secret),
         sandbox=sandbox,
     )
-    sweep_work_dir(state / "work")
+    sweep_work_dir(state)
     with open_store(store) as db:
         runner = Runner(db, options)
         click.echo(f"runner {options.name}: waiting for jobs ({', '.join(runner.labels)})")

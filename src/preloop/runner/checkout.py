@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ __all__ = [
     "SnapshotLocation",
     "checkout_snapshot",
     "sweep_work_dir",
+    "work_dir",
 ]
 
 SNAPSHOT_CONTEXT_KEY = "preloop_snapshot"
@@ -116,8 +118,8 @@ class CheckoutTemplates:
     (the pid lets `sweep_work_dir` remove those of dead processes); at most
     a few are kept, the least recent removed when not being copied."""
 
-    def __init__(self, work_dir: Path) -> None:
-        self.work_dir = work_dir
+    def __init__(self, root: Path) -> None:
+        self.work_dir = root
         self._locks: dict[SnapshotLocation, anyio.Lock] = {}
         self._paths: dict[SnapshotLocation, Path] = {}
         self._copying: dict[SnapshotLocation, int] = {}
@@ -161,6 +163,13 @@ class CheckoutTemplates:
         self._locks.clear()
 
 
+def work_dir(state_dir: Path) -> Path:
+    """This host's job directories and checkout templates: `<state>/work/<host>`.
+    Per host, because the state directory may be shared by runners on several
+    machines and a pid means something only on its own host."""
+    return Path(state_dir) / "work" / (socket.gethostname() or "localhost")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -171,18 +180,19 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_work_dir(work_dir: Path) -> list[Path]:
-    """Removes job directories and templates of processes that died (a crashed
-    runner): entries are named `<pid>-...`."""
+def sweep_work_dir(state_dir: Path) -> list[Path]:
+    """Removes this host's job directories and templates whose process died (a
+    crashed runner): entries of `work_dir(state_dir)` are named `<pid>-...`."""
+    root = work_dir(state_dir)
     removed: list[Path] = []
     try:
-        names = os.listdir(work_dir)
+        names = os.listdir(root)
     except FileNotFoundError:
         return removed
     for name in names:
         head = name.split("-", 1)[0]
         if head.isdigit() and not _pid_alive(int(head)):
             with contextlib.suppress(OSError):
-                shutil.rmtree(work_dir / name)
-                removed.append(work_dir / name)
+                shutil.rmtree(root / name)
+                removed.append(root / name)
     return removed

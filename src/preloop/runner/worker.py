@@ -28,7 +28,7 @@ import anyio
 
 from preloop.control import Lease, Store, StoreError
 from preloop.errors import PreloopError
-from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation
+from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_dir
 from preloop.runner.commands import Annotation, Masker
 from preloop.runner.job import JobControl, JobHost, JobResult, execute_job
 from preloop.runner.logs import JobLog
@@ -127,7 +127,7 @@ class Runner:
         self.options = options
         self.events = events or JobEvents()
         # Shared by the runners of one process; the owner closes it.
-        self.templates = templates or CheckoutTemplates(options.state_dir / "work")
+        self.templates = templates or CheckoutTemplates(work_dir(options.state_dir))
         self.current: JobControl | None = None
         self.jobs_run = 0
 
@@ -167,8 +167,7 @@ class Runner:
         self.current = control
         where = f"run {lease.run_id} job {lease.job_id!r}"
         job_dir = (
-            opts.state_dir
-            / "work"
+            work_dir(opts.state_dir)
             / f"{os.getpid()}-{lease.run_id}-{quote(lease.job_id, safe='')}-{uuid.uuid4().hex[:8]}"
         )
         log = JobLog(opts.state_dir, lease.run_id, lease.job_id)

@@ -35,7 +35,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Context, Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
 from preloop.errors import PreloopError
 
@@ -443,10 +443,12 @@ _NUMBER, _STRING, _IDENT, _TRUE, _FALSE, _NULL, _EOF = range(16, 23)
 
 _BOUNDARY = frozenset("([)],.!><=&|") | frozenset(_JS_SPACE)
 _IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_BOUNDARY_CLASS = re.escape("([)],.!><=&|" + _JS_SPACE)
+_WORD = re.compile(f"[^{_BOUNDARY_CLASS}]*")
+_NUMBER_WORD = re.compile(f"(?:[^{_BOUNDARY_CLASS}]|\\.)*")
 
 
-@dataclass(frozen=True, slots=True)
-class _Token:
+class _Token(NamedTuple):
     kind: int
     lexeme: str
     start: int  # offset in the expression
@@ -475,10 +477,8 @@ def _tokenize(expr: str) -> list[_Token]:
         return tokens[-1].kind if tokens else _EOF
 
     def read_word(start: int, allow_dot: bool) -> int:
-        j = start
-        while j < n and (expr[j] not in _BOUNDARY or (allow_dot and expr[j] == ".")):
-            j += 1
-        return j
+        m = (_NUMBER_WORD if allow_dot else _WORD).match(expr, start)
+        return m.end() if m else start
 
     def number(start: int) -> int:
         end = read_word(start + 1, True)
@@ -639,6 +639,7 @@ class _Parser:
     def __init__(self, expr: str) -> None:
         self.expr = expr
         self.tokens = _tokenize(expr)
+        self.kinds = [t.kind for t in self.tokens]
         self.pos = 0
         self.depth = 0
         self.contexts: set[str] = set()
@@ -649,16 +650,16 @@ class _Parser:
         return self.tokens[self.pos]
 
     def at_end(self) -> bool:
-        return self.tokens[self.pos].kind == _EOF
+        return self.kinds[self.pos] == _EOF
 
     def check(self, kind: int) -> bool:
-        return not self.at_end() and self.tokens[self.pos].kind == kind
+        # The EOF token is never asked for, so no separate end check is needed.
+        return self.kinds[self.pos] == kind
 
     def match(self, *kinds: int) -> bool:
-        for k in kinds:
-            if self.check(k):
-                self.pos += 1
-                return True
+        if self.kinds[self.pos] in kinds:
+            self.pos += 1
+            return True
         return False
 
     def previous(self) -> _Token:

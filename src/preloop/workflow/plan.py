@@ -35,6 +35,34 @@ Kinds
   end. The scheduler evaluates it then and expands the job into legs with
   `expand_deferred(...)` from `preloop.workflow`; an empty expansion skips the
   job, an invalid one fails it with the reason.
+
+Deferred matrices in detail
+- `deferred_matrix` is the matrix as written: an expression (no `${{ }}`) when
+  the whole matrix is one `${{ ... }}`, otherwise the JSON of the matrix
+  mapping with `${{ }}` strings inside (it then starts with `{`, which no
+  expression does). `spec["deferred"]` carries what expansion needs.
+- `expand_deferred(job: PlannedJob, contexts: Mapping[str, Any]) ->
+  DeferredExpansion(jobs: tuple[PlannedJob, ...], cohort: Cohort | None)`.
+  `contexts` holds `needs` (direct needs: result, outputs) and optionally
+  `github`/`inputs`/`vars` (default: the plan's). The legs are exactly what
+  `plan` makes for a known matrix (`base#i`, names, runs-on, concurrency,
+  a caller's inner jobs); their `seq` lie in the block the plan reserved:
+  `[job.seq, job.seq + spec["deferred"]["seq_block"])` (no other job's seq
+  falls in it). Raises `PlanError` (a PreloopError) with the reason for an
+  invalid matrix.
+
+Concurrency
+- `ConcurrencySpec.group_expr` is always a single expression (a template such
+  as `deploy-${{ needs.a.outputs.env }}` becomes
+  `format('deploy-{0}', (needs.a.outputs.env))`), so `evaluate(group_expr,
+  contexts)` gives the group.
+
+Reusable callers
+- An inner job's `needs` name base ids inside the same caller
+  (`caller/inner`); an inner job without needs waits for its caller to start
+  (the caller's own needs). The caller's `spec["inputs"]` is its `inputs`
+  context as far as known at plan time; inputs that use `needs` are listed
+  in `spec["with_pending"]` and kept as written in `spec["with"]`.
 """
 
 from __future__ import annotations

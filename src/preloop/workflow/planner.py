@@ -1,0 +1,676 @@
+"""`plan(workflow, event) -> Plan` and `expand_deferred(job, contexts)`.
+
+Planning evaluates what is known before anything runs (`github`, `inputs`,
+`vars`, and per leg `matrix` / `strategy`): matrices, display names,
+`runs-on` labels, concurrency groups, `continue-on-error`, timeouts. What
+depends on `needs` is left for the scheduler: a concurrency group becomes
+`group_expr`, a matrix makes the job `deferred` (expanded later by
+`expand_deferred`), and the runner evaluates steps, `env` and outputs.
+
+`PlannedJob.spec` (what a runner needs), all plain JSON data:
+  workflow, job (the job key), steps (list of {id, name, if, run, uses, with,
+  shell, working-directory, env, continue-on-error, timeout-minutes}),
+  env (workflow env overlaid by job env, templates as written),
+  defaults ({shell, working-directory}: workflow defaults overlaid by job's),
+  inputs (the `inputs` context), outputs (name -> template),
+  continue-on-error / timeout-minutes (as written), container, services,
+  environment, permissions; a caller has `with` and `secrets` instead of steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from preloop.errors import PreloopError
+from preloop.workflow import expressions as ex
+from preloop.workflow.matrix import MAX_MATRIX_LEGS, MatrixError, expand_matrix, leg_suffix
+from preloop.workflow.matrix import matrix_from_data as _matrix_from_data
+from preloop.workflow.model import (
+    Concurrency,
+    Job,
+    Matrix,
+    Step,
+    Strategy,
+    Workflow,
+    WorkflowCall,
+    frozen_map,
+    thaw,
+    to_data,
+)
+from preloop.workflow.plan import Cohort, ConcurrencySpec, Plan, PlannedJob
+
+__all__ = ["DeferredExpansion", "PlanError", "expand_deferred", "plan", "template_expression"]
+
+# Contexts known while planning; anything else (needs, steps, jobs, ...) waits.
+_PLAN_CONTEXTS = frozenset({"github", "inputs", "vars"})
+_LEG_CONTEXTS = _PLAN_CONTEXTS | {"matrix", "strategy"}
+
+
+class PlanError(PreloopError):
+    """A workflow cannot be planned for this event (or a deferred matrix
+    cannot be expanded); the message names the workflow and job."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeferredExpansion:
+    """What a deferred job becomes: its legs (seq numbers inside the block the
+    plan reserved for it) and the legs' cohort (None for a non-matrix result)."""
+
+    jobs: tuple[PlannedJob, ...]
+    cohort: Cohort | None
+
+
+def template_expression(text: str) -> str:
+    """A template (`ci-${{ x }}`) as one expression (`format('ci-{0}', (x))`),
+    so that a caller can evaluate it with `evaluate` alone."""
+    segs = ex.template_segments(text)
+    if len(segs) == 1 and segs[0][0]:
+        return segs[0][1]
+    fmt: list[str] = []
+    args: list[str] = []
+    for is_expr, seg in segs:
+        if is_expr:
+            fmt.append("{" + str(len(args)) + "}")
+            args.append(f"({seg})")
+        else:
+            fmt.append(seg.replace("{", "{{").replace("}", "}}"))
+    literal = "'" + "".join(fmt).replace("'", "''") + "'"
+    return f"format({', '.join([literal, *args])})"
+
+
+def _template_contexts(value: Any) -> frozenset[str]:
+    """The contexts the `${{ }}` inside `value` (any plain data) name."""
+    out: set[str] = set()
+    if isinstance(value, str):
+        if "${{" in value:
+            for expr in ex.expressions_in(value):
+                out |= ex.parse(expr).contexts
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            out |= _template_contexts(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            out |= _template_contexts(v)
+    return frozenset(out)
+
+
+def _evaluable(value: Any, available: frozenset[str]) -> bool:
+    return _template_contexts(value) <= available
+
+
+def _eval_data(value: Any, ctx: Mapping[str, Any]) -> Any:
+    """Evaluates every template inside plain data (a lone `${{ }}` keeps its type)."""
+    if isinstance(value, str):
+        return ex.evaluate_template(value, ctx) if "${{" in value else value
+    if isinstance(value, Mapping):
+        return {k: _eval_data(v, ctx) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_eval_data(v, ctx) for v in value]
+    return value
+
+
+def _typed_input(value: Any, kind: Any) -> Any:
+    if kind == "boolean" and isinstance(value, str):
+        return value.strip().lower() == "true"
+    if kind == "number" and isinstance(value, str):
+        n = ex.string_to_number(value)
+        return int(n) if n.is_integer() else n
+    return value
+
+
+@dataclass(slots=True)
+class _Scope:
+    """Where jobs are being planned: the top-level workflow or one caller leg."""
+
+    workflow: Workflow
+    prefix: str  # "" or "<caller id>/"
+    caller: str | None
+    contexts: dict[str, Any]  # github, inputs, vars
+    available: frozenset[str]  # which of those are really known
+
+
+class _Planner:
+    def __init__(self, workflow_path: str, seq: int = 0) -> None:
+        self.path = workflow_path
+        self.seq = seq
+        self.jobs: list[PlannedJob] = []
+        self.cohorts: list[Cohort] = []
+
+    def fail(self, job: Job, scope: _Scope, message: str) -> PlanError:
+        where = f"{scope.workflow.path}:{job.line}:{job.column}" if job.line else self.path
+        return PlanError(f"{where}: job '{scope.prefix}{job.id}': {message}")
+
+    def next_seq(self, count: int = 1) -> int:
+        s = self.seq
+        self.seq += count
+        return s
+
+    # -- scopes -------------------------------------------------------------
+    def plan_scope(self, scope: _Scope) -> list[str]:
+        ids: list[str] = []
+        for job in scope.workflow.jobs:
+            ids.extend(self.plan_job(job, scope))
+        return ids
+
+    def plan_job(self, job: Job, scope: _Scope, matrix_value: Any = None) -> list[str]:
+        """Plans one job (all its legs); returns the ids of what it added
+        directly to this scope (legs or the job itself)."""
+        base = scope.prefix + job.id
+        strategy = job.strategy
+        matrix = strategy.matrix if strategy else None
+        combos: list[dict[str, Any]] | None = None
+        if matrix_value is not None:
+            try:
+                combos = expand_matrix(_matrix_from_data(matrix_value), allow_empty=True)
+            except MatrixError as exc:
+                raise self.fail(job, scope, str(exc)) from exc
+        elif matrix is not None and matrix.template is not None:
+            if not _evaluable(matrix.template, scope.available):
+                return [self.plan_deferred(job, scope, matrix)]
+            try:
+                value = _eval_data(matrix.template, scope.contexts)
+                combos = expand_matrix(_matrix_from_data(value))
+            except (ex.ExpressionError, MatrixError) as exc:
+                raise self.fail(job, scope, f"invalid matrix: {exc}") from exc
+        elif matrix is not None:
+            try:
+                combos = expand_matrix(matrix)
+            except MatrixError as exc:
+                raise self.fail(job, scope, str(exc)) from exc
+        if combos is None:
+            return [self.plan_leg(job, scope, base, base, None, None)]
+        assert strategy is not None
+        total = len(combos)
+        leg_ctx = {**scope.contexts, "matrix": {}, "strategy": {}}
+        fail_fast = self.eval_bool(strategy.fail_fast, leg_ctx, scope, True)
+        max_parallel = self.eval_max_parallel(job, strategy, scope)
+        self.cohorts.append(
+            Cohort(id=base, max_parallel=max_parallel, fail_fast=fail_fast, total=total)
+        )
+        ids = []
+        for i, combo in enumerate(combos):
+            strat = {
+                "fail-fast": fail_fast,
+                "job-index": i,
+                "job-total": total,
+                "max-parallel": max_parallel if max_parallel is not None else total,
+            }
+            ids.append(self.plan_leg(job, scope, base, f"{base}#{i}", combo, strat))
+        return ids
+
+    def eval_max_parallel(self, job: Job, strategy: Strategy, scope: _Scope) -> int | None:
+        mp = strategy.max_parallel
+        if isinstance(mp, str):
+            if not _evaluable(mp, scope.available):
+                raise self.fail(job, scope, "`max-parallel` may only use github, inputs and vars")
+            value = ex.evaluate_template(mp, scope.contexts)
+            n = ex.to_number(value)
+            if not (math.isfinite(n) and n.is_integer() and n > 0):
+                raise self.fail(job, scope, f"`max-parallel` is {value!r}, not a positive integer")
+            return int(n)
+        return mp
+
+    def eval_bool(self, v: bool | str, ctx: Mapping[str, Any], scope: _Scope, dflt: bool) -> bool:
+        if isinstance(v, bool):
+            return v
+        if _evaluable(v, scope.available | {"matrix", "strategy"}):
+            return ex.truthy(ex.evaluate_template(v, ctx))
+        return dflt
+
+    # -- one schedulable unit -------------------------------------------------
+    def plan_leg(
+        self,
+        job: Job,
+        scope: _Scope,
+        base: str,
+        job_id: str,
+        combo: dict[str, Any] | None,
+        strat: dict[str, Any] | None,
+    ) -> str:
+        ctx = dict(scope.contexts)
+        available = scope.available
+        if combo is not None:
+            ctx["matrix"] = combo
+            ctx["strategy"] = strat
+            available = available | {"matrix", "strategy"}
+        else:
+            ctx["matrix"] = {}
+            ctx["strategy"] = {}
+            available = available | {"matrix", "strategy"}
+
+        def known(v: Any) -> bool:
+            return _evaluable(v, available)
+
+        try:
+            name = self.display_name(job, scope, ctx, combo, known)
+            conc = self.concurrency(job.concurrency, ctx, known)
+        except ex.ExpressionError as exc:
+            raise self.fail(job, scope, str(exc)) from exc
+        needs = tuple(scope.prefix + n for n in job.needs)
+        seq = self.next_seq()
+        common: dict[str, Any] = dict(
+            id=job_id,
+            seq=seq,
+            base_id=base,
+            name=name,
+            needs=needs,
+            if_expr=job.if_,
+            cohort=base if combo is not None else None,
+            matrix=combo,
+            strategy=strat,
+            concurrency=conc,
+            caller=scope.caller,
+        )
+        if job.is_caller:
+            return self.plan_caller(job, scope, ctx, known, common)
+        try:
+            runs_on = self.runs_on(job.runs_on, ctx, known)
+            coe = self.eval_bool(job.continue_on_error, ctx, scope, False)
+            timeout = job.timeout_minutes
+            if isinstance(timeout, str):
+                timeout = (
+                    ex.to_number(ex.evaluate_template(timeout, ctx)) if known(timeout) else 360.0
+                )
+        except ex.ExpressionError as exc:
+            raise self.fail(job, scope, str(exc)) from exc
+        wf = scope.workflow
+        spec = {
+            "workflow": wf.path,
+            "job": job.id,
+            "name": name,
+            "steps": [_step_data(s) for s in job.steps],
+            "env": {**thaw(wf.env), **thaw(job.env)},
+            "defaults": {**thaw(wf.defaults_run), **thaw(job.defaults_run)},
+            "inputs": thaw(ctx.get("inputs") or {}),
+            "outputs": thaw(job.outputs),
+            "continue-on-error": job.continue_on_error,
+            "timeout-minutes": job.timeout_minutes,
+            "runs-on": thaw(job.runs_on),
+            "container": thaw(job.container),
+            "services": thaw(job.services),
+            "environment": thaw(job.environment),
+            "permissions": thaw(job.permissions),
+        }
+        self.jobs.append(
+            PlannedJob(
+                **common,
+                kind="job",
+                runs_on=runs_on,
+                continue_on_error=coe,
+                timeout_minutes=float(timeout),
+                outputs=dict(thaw(job.outputs)),
+                spec=spec,
+            )
+        )
+        return job_id
+
+    def display_name(
+        self,
+        job: Job,
+        scope: _Scope,
+        ctx: Mapping[str, Any],
+        combo: dict[str, Any] | None,
+        known: Any,
+    ) -> str:
+        own = job.name
+        if own is not None and "${{" in own:
+            # A name that uses expressions is the whole display name (GitHub
+            # appends the matrix values only to a plain name).
+            own = ex.interpolate(own, ctx) if known(own) else own
+        elif combo is not None and combo:
+            own = f"{own or job.id} {leg_suffix(combo)}"
+        own = own or job.id
+        if scope.caller is not None:
+            caller_name = scope.contexts.get("_caller_name", scope.caller)
+            return f"{caller_name} / {own}"
+        return own
+
+    def concurrency(
+        self, conc: Concurrency | None, ctx: Mapping[str, Any], known: Any
+    ) -> ConcurrencySpec | None:
+        if conc is None:
+            return None
+        cancel = conc.cancel_in_progress
+        if isinstance(cancel, str):
+            cancel = ex.truthy(ex.evaluate_template(cancel, ctx)) if known(cancel) else False
+        if "${{" not in conc.group:
+            return ConcurrencySpec(conc.group, None, cancel, conc.queue_max)
+        if known(conc.group):
+            return ConcurrencySpec(ex.interpolate(conc.group, ctx), None, cancel, conc.queue_max)
+        return ConcurrencySpec(None, template_expression(conc.group), cancel, conc.queue_max)
+
+    def runs_on(self, value: Any, ctx: Mapping[str, Any], known: Any) -> tuple[str, ...]:
+        if value is None:
+            return ()
+        if isinstance(value, Mapping):
+            value = value.get("labels") or []
+        if isinstance(value, str):
+            value = [value]
+        labels: list[str] = []
+        for v in value:
+            if isinstance(v, str) and "${{" in v:
+                if not known(v):
+                    labels.append(v)  # evaluated by the scheduler once needs are known
+                    continue
+                result = ex.evaluate_template(v, ctx)
+                items = result if isinstance(result, list) else [result]
+                labels.extend(ex.coerce_string(x) for x in items if ex.coerce_string(x))
+            elif v is not None:
+                labels.append(str(v))
+        return tuple(labels)
+
+    # -- reusable callers ----------------------------------------------------
+    def plan_caller(
+        self,
+        job: Job,
+        scope: _Scope,
+        ctx: dict[str, Any],
+        known: Any,
+        common: dict[str, Any],
+    ) -> str:
+        callee = job.callee
+        if callee is None or callee.workflow_call is None:
+            raise self.fail(job, scope, f"reusable workflow '{job.uses}' was not loaded")
+        decl: WorkflowCall = callee.workflow_call
+        inputs: dict[str, Any] = {}
+        inputs_known = True
+        pending: list[str] = []
+        for name, spec in decl.inputs.items():
+            if "default" in spec:
+                default = spec["default"]
+                if isinstance(default, str) and "${{" in default:
+                    default = (
+                        ex.evaluate_template(default, ctx)
+                        if _evaluable(default, _PLAN_CONTEXTS & scope.available)
+                        else default
+                    )
+                inputs[name] = _typed_input(default, spec.get("type"))
+        for name, value in job.with_.items():
+            if isinstance(value, str) and "${{" in value:
+                if known(value):
+                    value = ex.evaluate_template(value, ctx)
+                else:
+                    inputs_known = False
+                    pending.append(name)
+            inputs[name] = _typed_input(value, decl.inputs.get(name, {}).get("type"))
+        caller_id = common["id"]
+        inner_scope = _Scope(
+            workflow=callee,
+            prefix=caller_id + "/",
+            caller=caller_id,
+            contexts={
+                "github": scope.contexts.get("github", {}),
+                "vars": scope.contexts.get("vars", {}),
+                "inputs": inputs,
+                "_caller_name": common["name"],
+            },
+            available=_PLAN_CONTEXTS if inputs_known else _PLAN_CONTEXTS - {"inputs"},
+        )
+        placeholder = len(self.jobs)
+        self.jobs.append(PlannedJob(id=caller_id, seq=common["seq"], base_id="", name=""))
+        inner_ids = self.plan_scope(inner_scope)
+        outputs = {k: str(v.get("value", "")) for k, v in decl.outputs.items()}
+        spec = {
+            "workflow": scope.workflow.path,
+            "job": job.id,
+            "name": common["name"],
+            "uses": job.uses,
+            "callee": callee.path,
+            "with": thaw(job.with_),
+            "with_pending": pending,
+            "inputs": thaw(inputs),
+            "secrets": thaw(job.secrets),
+            "outputs": outputs,
+            "permissions": thaw(job.permissions),
+        }
+        self.jobs[placeholder] = PlannedJob(
+            **common,
+            kind="caller",
+            inner_job_ids=tuple(inner_ids),
+            outputs=outputs,
+            spec=spec,
+        )
+        return str(caller_id)
+
+    # -- deferred matrices ---------------------------------------------------
+    def plan_deferred(self, job: Job, scope: _Scope, matrix: Matrix) -> str:
+        base = scope.prefix + job.id
+        template = matrix.template
+        if isinstance(template, str):
+            deferred = template_expression(template)
+        else:
+            deferred = json.dumps(thaw(template), sort_keys=False, separators=(",", ":"))
+        block = MAX_MATRIX_LEGS * (1 + _inner_count(job))
+        seq = self.next_seq(block)
+        contexts = {k: v for k, v in scope.contexts.items() if k != "_caller_name"}
+        spec = {
+            "workflow": scope.workflow.path,
+            "job": job.id,
+            "deferred": {
+                "job": to_data(job),
+                "workflow": {
+                    "path": scope.workflow.path,
+                    "name": scope.workflow.name,
+                    "env": thaw(scope.workflow.env),
+                    "defaults_run": thaw(scope.workflow.defaults_run),
+                },
+                "prefix": scope.prefix,
+                "caller": scope.caller,
+                "caller_name": scope.contexts.get("_caller_name"),
+                "contexts": thaw(contexts),
+                "available": sorted(scope.available),
+                "seq_block": block,
+            },
+        }
+        name = job.name if job.name and "${{" not in job.name else job.id
+        if scope.caller is not None:
+            name = f"{scope.contexts.get('_caller_name', scope.caller)} / {name}"
+        self.jobs.append(
+            PlannedJob(
+                id=base,
+                seq=seq,
+                base_id=base,
+                name=name,
+                kind="deferred",
+                needs=tuple(scope.prefix + n for n in job.needs),
+                if_expr=job.if_,
+                caller=scope.caller,
+                deferred_matrix=deferred,
+                timeout_minutes=(
+                    float(job.timeout_minutes)
+                    if not isinstance(job.timeout_minutes, str)
+                    else 360.0
+                ),
+                spec=spec,
+            )
+        )
+        return base
+
+
+def _static_timeout(value: float | str) -> float:
+    return float(value) if not isinstance(value, str) else 360.0
+
+
+def _inner_count(job: Job) -> int:
+    if job.callee is None:
+        return 0
+    n = 0
+    for inner in job.callee.jobs:
+        legs = MAX_MATRIX_LEGS if inner.strategy and inner.strategy.matrix else 1
+        n += legs * (1 + _inner_count(inner))
+    return n
+
+
+def _step_data(step: Step) -> dict[str, Any]:
+    return {
+        "id": step.id,
+        "name": step.name,
+        "if": step.if_,
+        "run": step.run,
+        "uses": step.uses,
+        "with": thaw(step.with_),
+        "shell": step.shell,
+        "working-directory": step.working_directory,
+        "env": thaw(step.env),
+        "continue-on-error": step.continue_on_error,
+        "timeout-minutes": step.timeout_minutes,
+    }
+
+
+def plan(
+    workflow: Workflow,
+    event: str,
+    *,
+    inputs: Mapping[str, Any] | None = None,
+    github: Mapping[str, Any] | None = None,
+    vars: Mapping[str, Any] | None = None,
+) -> Plan:
+    """The Plan of `workflow` for `event` (see `preloop.workflow.plan`).
+
+    `inputs` are workflow_dispatch inputs (declared defaults fill the rest);
+    `github` adds to the `github` context (`event_name` is `event`); `vars`
+    is the `vars` context. Raises PlanError when the event does not trigger
+    the workflow or something known at plan time cannot be evaluated.
+    """
+    if not workflow.triggered_by(event):
+        events = ", ".join(sorted(workflow.on)) or "none"
+        raise PlanError(
+            f"{workflow.path}: the workflow is not triggered by '{event}' (its events: {events})"
+        )
+    given = dict(inputs or {})
+    declared = dict(workflow.workflow_dispatch_inputs) if event == "workflow_dispatch" else {}
+    if event == "workflow_call" and workflow.workflow_call is not None:
+        declared = dict(workflow.workflow_call.inputs)
+    all_inputs: dict[str, Any] = {}
+    for name, spec in declared.items():
+        if name in given:
+            all_inputs[name] = _typed_input(given[name], spec.get("type"))
+        elif "default" in spec:
+            all_inputs[name] = _typed_input(spec["default"], spec.get("type"))
+        elif spec.get("required") is True:
+            raise PlanError(f"{workflow.path}: input '{name}' is required; pass it with inputs")
+    for name, value in given.items():
+        all_inputs.setdefault(name, value)
+    gh = {"event_name": event, "workflow": workflow.name, **dict(github or {})}
+    contexts: dict[str, Any] = {"github": gh, "inputs": all_inputs, "vars": dict(vars or {})}
+    planner = _Planner(workflow.path)
+    scope = _Scope(workflow, "", None, contexts, _PLAN_CONTEXTS)
+    planner.plan_scope(scope)
+    conc = None
+    if workflow.concurrency is not None:
+        try:
+            conc = planner.concurrency(
+                workflow.concurrency, contexts, lambda v: _evaluable(v, _PLAN_CONTEXTS)
+            )
+        except ex.ExpressionError as exc:
+            raise PlanError(f"{workflow.path}: workflow concurrency: {exc}") from exc
+    return Plan(
+        workflow=workflow.path,
+        name=workflow.name,
+        event=event,
+        jobs=tuple(sorted(planner.jobs, key=lambda j: j.seq)),
+        cohorts=tuple(planner.cohorts),
+        concurrency=conc,
+        env=dict(thaw(workflow.env)),
+        inputs=all_inputs,
+    )
+
+
+def expand_deferred(job: PlannedJob, contexts: Mapping[str, Any]) -> DeferredExpansion:
+    """Expands a `deferred` job once its needs have ended.
+
+    `contexts` holds at least `needs` (the job's direct needs: result and
+    outputs); `github`, `inputs` and `vars` default to the plan's. The legs
+    are PlannedJobs exactly as `plan` would have made them had the matrix
+    been known (ids `base#i`, a cohort, inner jobs for a caller), with seq
+    numbers in `[job.seq, job.seq + spec.deferred.seq_block)`. An empty
+    expansion returns no jobs (the scheduler skips the job); an invalid
+    matrix raises PlanError with the reason.
+    """
+    if job.kind != "deferred" or "deferred" not in job.spec:
+        raise PlanError(f"job '{job.id}' is not a deferred matrix job")
+    d = job.spec["deferred"]
+    model = _job_from_data(d["job"])
+    wf_data = d["workflow"]
+    workflow = Workflow(
+        path=wf_data["path"],
+        name=wf_data["name"],
+        on=frozen_map({}),
+        jobs=(model,),
+        env=frozen_map(wf_data.get("env")),
+        defaults_run=frozen_map(wf_data.get("defaults_run")),
+    )
+    ctx: dict[str, Any] = {**d["contexts"], **{k: v for k, v in contexts.items()}}
+    if d.get("caller_name"):
+        ctx["_caller_name"] = d["caller_name"]
+    available = frozenset(d["available"]) | {"needs"} | (frozenset(contexts) & _PLAN_CONTEXTS)
+    scope = _Scope(workflow, d["prefix"], d["caller"], ctx, available)
+    planner = _Planner(workflow.path, seq=job.seq)
+    strategy = model.strategy
+    assert strategy is not None and strategy.matrix is not None
+    template = strategy.matrix.template
+    try:
+        value = _eval_data(template, ctx)
+    except ex.ExpressionError as exc:
+        raise PlanError(f"job '{job.id}': the matrix cannot be evaluated: {exc}") from exc
+    if isinstance(value, str):
+        raise PlanError(f"job '{job.id}': the matrix evaluated to a string, not an object")
+    planner.plan_job(model, scope, matrix_value=value)
+    legs = tuple(sorted(planner.jobs, key=lambda j: j.seq))
+    if planner.seq > job.seq + int(d["seq_block"]):
+        raise PlanError(f"job '{job.id}': the expansion does not fit the plan's seq block")
+    cohort = planner.cohorts[0] if planner.cohorts and legs else None
+    return DeferredExpansion(jobs=legs, cohort=cohort)
+
+
+# -- model from plain data (for deferred jobs) ---------------------------------
+
+
+def _job_from_data(data: Mapping[str, Any]) -> Job:
+    job = _from_data(Job, data)
+    assert isinstance(job, Job)
+    return job
+
+
+_NESTED: dict[tuple[type, str], type] = {
+    (Job, "strategy"): Strategy,
+    (Job, "concurrency"): Concurrency,
+    (Job, "callee"): Workflow,
+    (Strategy, "matrix"): Matrix,
+    (Workflow, "concurrency"): Concurrency,
+    (Workflow, "workflow_call"): WorkflowCall,
+}
+_SEQUENCES: dict[tuple[type, str], type] = {(Job, "steps"): Step, (Workflow, "jobs"): Job}
+
+
+def _from_data(cls: type, data: Mapping[str, Any]) -> Any:
+    """Rebuilds a model object from `to_data` output."""
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in data:
+            continue
+        v = data[f.name]
+        key = (cls, f.name)
+        if v is None:
+            kwargs[f.name] = None
+        elif key in _NESTED:
+            kwargs[f.name] = _from_data(_NESTED[key], v)
+        elif key in _SEQUENCES:
+            kwargs[f.name] = tuple(_from_data(_SEQUENCES[key], x) for x in v)
+        elif cls is Matrix and f.name == "vectors":
+            kwargs[f.name] = tuple((k, tuple(vals)) for k, vals in v)
+        elif cls is Matrix and f.name in ("include", "exclude"):
+            kwargs[f.name] = tuple(frozen_map(e) for e in v)
+        elif cls is Matrix and f.name == "template":
+            kwargs[f.name] = v
+        elif isinstance(v, Mapping):
+            kwargs[f.name] = frozen_map(v)
+        elif isinstance(v, list):
+            kwargs[f.name] = tuple(v)
+        else:
+            kwargs[f.name] = v
+    return cls(**kwargs)

@@ -1,0 +1,277 @@
+"""Differential test: our validation against GitHub's `@actions/workflow-parser`.
+
+Generated invalid workflows (a valid workflow plus one to three mutations:
+unknown keys, wrong types, bad steps, caller keys, needs errors, cycles,
+expression errors, YAML errors) and hand-written ones are parsed by both.
+Wherever GitHub's parser reports an error we must report one too, and our
+first error (in file order) must be at the line:col of its first. We are
+stricter in places (empty matrix vectors, max-parallel, excludes that match
+nothing, undeclared reusable-workflow inputs): those are errors GitHub
+reports only when the run starts, and the issue asks for them up front.
+node runs once for the whole batch (tests/js/workflow_oracle.mjs).
+
+Documented exceptions (the generator avoids them):
+- YAML syntax errors: the two YAML libraries word and place some syntax
+  errors differently (PyYAML reports where it noticed the problem, the `yaml`
+  package sometimes where the offending construct began). Tabs and unclosed
+  flow collections are compared; other syntax errors are only checked to be
+  errors on both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from preloop.workflow import WorkflowError, load_workflow
+
+ROOT = Path(__file__).resolve().parent.parent
+ORACLE = ROOT / "tests" / "js" / "workflow_oracle.mjs"
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("node") is None or not (ROOT / "node_modules" / "@actions").is_dir(),
+    reason="needs node and `npm ci` (the CI installs both)",
+)
+
+CALLEE = """on:
+  workflow_call:
+    inputs:
+      who: {type: string, required: false}
+jobs:
+  inner:
+    runs-on: linux
+    steps: [{run: echo}]
+"""
+
+
+def q(r: random.Random, s: str) -> str:
+    """A scalar, sometimes quoted (positions must agree either way)."""
+    k = r.randrange(4)
+    if k == 0:
+        return f'"{s}"'
+    if k == 1:
+        return f"'{s}'"
+    return s
+
+
+class Job:
+    """A job as (key, block) pairs plus a list of steps (each a list of lines)."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[str, str]] = []
+        self.steps: list[list[str]] | None = []
+        self.steps_value: str | None = None
+
+    def set(self, key: str, block: str, r: random.Random | None = None) -> None:
+        at = r.randrange(len(self.keys) + 1) if r else len(self.keys)
+        self.keys.insert(at, (key, block))
+
+    def drop(self, key: str) -> None:
+        self.keys = [(k, b) for k, b in self.keys if k != key]
+
+    def render(self) -> list[str]:
+        out = [f"{k}: {b}" if not b.startswith("\n") else f"{k}:{b}" for k, b in self.keys]
+        if self.steps_value is not None:
+            out.append(f"steps: {self.steps_value}")
+        elif self.steps is not None:
+            out.append("steps:")
+            for step in self.steps:
+                out.append("  - " + step[0])
+                out.extend("    " + line for line in step[1:])
+        return "\n".join(out).split("\n")
+
+
+class Doc:
+    def __init__(self, r: random.Random) -> None:
+        self.r = r
+        self.root: list[str] = [f"on: {r.choice(['push', '[push, pull_request]'])}"]
+        if r.random() < 0.3:
+            self.root.append("name: " + q(r, "CI"))
+        if r.random() < 0.3:
+            self.root.append("env:\n  A: " + q(r, "1"))
+        self.jobs: dict[str, Job] = {}
+        ids = r.sample(["build", "test", "lint", "deploy", "docs"], r.randrange(1, 4))
+        for i, job_id in enumerate(ids):
+            job = Job()
+            if i and r.random() < 0.5:
+                job.set("needs", ids[r.randrange(i)])
+            job.set("runs-on", q(r, r.choice(["ubuntu-latest", "self-hosted"])))
+            if r.random() < 0.3:
+                job.set("timeout-minutes", "10")
+            if r.random() < 0.3:
+                job.set("strategy", "\n  matrix:\n    os: [a, b]")
+            assert job.steps is not None
+            job.steps.append(["run: " + q(r, "echo hi")])
+            if r.random() < 0.5:
+                job.steps.append(["uses: actions/checkout@v4", "with:", "  fetch-depth: 0"])
+            self.jobs[job_id] = job
+
+    def render(self) -> str:
+        out = list(self.root)
+        out.append("jobs:")
+        for job_id, job in self.jobs.items():
+            out.append(f"  {job_id}:")
+            out.extend("    " + line for line in job.render())
+        return "\n".join(out) + "\n"
+
+    def job(self) -> Job:
+        return self.jobs[self.r.choice(list(self.jobs))]
+
+    def add_step(self, job: Job, lines: list[str]) -> None:
+        if job.steps is not None and job.steps_value is None:
+            job.steps.append(lines)
+
+    def mutate(self) -> None:
+        r = self.r
+        k = r.randrange(24)
+        job = self.job()
+        if k == 0:
+            self.root[0] = "on: " + r.choice(["pushh", "[push, nope]"])
+        elif k == 1:
+            self.root.insert(r.randrange(len(self.root) + 1), "bogus: 1")
+        elif k == 2:
+            job.set("colour", "red", r)
+        elif k == 3:
+            self.add_step(job, ["name: " + q(r, "nothing")])
+        elif k == 4:
+            self.add_step(job, ["run: echo", "uses: actions/checkout@v4"])
+        elif k == 5:
+            self.add_step(job, ["uses: x/y@v1", "run: echo"])
+        elif k == 6:
+            self.add_step(job, ["run: echo", "with: {a: b}"])
+        elif k == 7:
+            self.add_step(job, ["uses: x/y@v1", "shell: bash"])
+        elif k == 8:
+            job.drop("needs")
+            job.set("needs", r.choice(["nope", "[nope]", "{a: 1}"]), r)
+        elif k == 9 and len(self.jobs) >= 2:
+            a, b = r.sample(list(self.jobs), 2)
+            self.jobs[a].drop("needs")
+            self.jobs[b].drop("needs")
+            self.jobs[a].set("needs", b, r)
+            self.jobs[b].set("needs", a, r)
+        elif k == 10:
+            job.steps_value = q(r, "hello")
+        elif k == 11:
+            job.set("env", "[A]", r)
+        elif k == 12:
+            job.drop("timeout-minutes")
+            job.set("timeout-minutes", q(r, "soon"), r)
+        elif k == 13:
+            job.set("continue-on-error", q(r, "maybe"), r)
+        elif k == 14:
+            job.set("if", r.choice(["${{ 1 + }}", "${{ hashFiles('x') }}", "steps.a.outcome"]), r)
+        elif k == 15:
+            self.add_step(job, ["run: " + q(r, "echo ${{ foo.bar }}")])
+        elif k == 16:
+            self.add_step(job, ["run: echo ${{ github.ref"])
+        elif k == 17:
+            call = Job()
+            call.steps = None
+            call.set("uses", "./.github/workflows/callee.yml")
+            extra = r.choice([("runs-on", "x"), ("timeout-minutes", "3"), ("env", "{A: b}")])
+            call.set(*extra, r)
+            self.jobs["call"] = call
+        elif k == 18:
+            job.drop("runs-on")
+        elif k == 19:
+            job.set("concurrency", "\n  cancel-in-progress: true", r)
+        elif k == 20:
+            job.drop("strategy")
+            job.set("strategy", "\n  fail-fast: " + q(r, "nope") + "\n  matrix:\n    os: linux", r)
+        elif k == 21:
+            job.set("runs-on", "dup", r)
+        elif k == 22 and r.random() < 0.5:
+            job.drop("runs-on")
+            job.set("runs-on", r.choice(["${{ steps.a.outputs.b }}", "${{ env.X }}"]), r)
+        elif k == 22:
+            self.root.insert(1, "defaults:\n  run:\n    shelll: bash")
+        else:
+            self.root[0] = "on:\n  push:\n    branchez: main"
+
+
+def ours(repo: Path, text: str) -> list[tuple[int, int, str]]:
+    path = repo / ".github" / "workflows" / "w.yml"
+    path.write_text(text)
+    try:
+        load_workflow(path)
+    except WorkflowError as exc:
+        return [(d.line, d.column, d.message) for d in exc.diagnostics if d.path.endswith("w.yml")]
+    return []
+
+
+def theirs(texts: list[str]) -> list[list[dict[str, Any]]]:
+    files = [{"name": ".github/workflows/w.yml", "content": t} for t in texts]
+    proc = subprocess.run(
+        ["node", str(ORACLE)],
+        input=json.dumps(files),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    result: list[list[dict[str, Any]]] = json.loads(proc.stdout)
+    return result
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    (tmp_path / ".github" / "workflows").mkdir(parents=True)
+    (tmp_path / ".github" / "workflows" / "callee.yml").write_text(CALLEE)
+    return tmp_path
+
+
+# Hand-written invalid workflows, one per file (tabs and all).
+HAND_WRITTEN = [
+    p.read_text() for p in sorted((ROOT / "tests" / "data" / "invalid_workflows").glob("*.yml"))
+]
+
+
+def compare(repo: Path, texts: list[str]) -> tuple[int, list[str]]:
+    expected = theirs(texts)
+    problems = []
+    checked = 0
+    for text, their_errors in zip(texts, expected, strict=True):
+        if not their_errors:
+            continue
+        checked += 1
+        mine = ours(repo, text)
+        first = min((e["line"], e["column"]) for e in their_errors)
+        if not mine:
+            problems.append(f"we accept what GitHub rejects {their_errors}:\n{text}")
+        elif mine[0][:2] != first:
+            problems.append(f"first error {mine[0]} != GitHub's {their_errors}:\n{text}")
+    return checked, problems
+
+
+def test_generated_invalid_workflows_match_github_parser(repo: Path) -> None:
+    r = random.Random(6)
+    texts = []
+    for _ in range(200):
+        doc = Doc(r)
+        for _ in range(r.choice([1, 1, 2, 3])):
+            doc.mutate()
+        texts.append(doc.render())
+    checked, problems = compare(repo, texts)
+    assert not problems, "\n\n".join(problems[:5]) + f"\n({len(problems)} total)"
+    assert checked > 150  # the mutations really are errors GitHub reports
+
+
+def test_hand_written_invalid_workflows_match_github_parser(repo: Path) -> None:
+    checked, problems = compare(repo, HAND_WRITTEN)
+    assert not problems, "\n\n".join(problems)
+    assert checked == len(HAND_WRITTEN)
+
+
+def test_valid_workflows_are_valid_for_both(repo: Path) -> None:
+    r = random.Random(7)
+    texts = [Doc(r).render() for _ in range(40)]
+    for text, errs in zip(texts, theirs(texts), strict=True):
+        assert errs == [], text
+        assert ours(repo, text) == [], text

@@ -368,7 +368,7 @@ def _deferred_plan() -> Plan:
         caller="call",
         kind="deferred",
         needs=["call/prep"],
-        deferred_matrix="fromJSON(needs['call/prep'].outputs.matrix)",
+        deferred_matrix="fromJSON(needs.prep.outputs.matrix)",
     )
     b.job("call/after", caller="call", needs=["call/test"], if_expr="always()")
     b.job("final", needs=["call"], if_expr="always()")

@@ -11,6 +11,9 @@ Lock order (PostgreSQL; SQLite has one writer and cannot deadlock)
     before any job, unit, cohort or group row of that run;
  2. concurrency-group rows, each locked by the statement that changes it;
  3. cohort rows, units rows, job rows of the locked run.
+ On PostgreSQL the settle fast path is the `preloop_settle` function
+ (schema migration 2), which takes the run row first too, then the job, its
+ unit, and the next parked leg of its cohort.
  A path that must touch another run (a job-level waiter or a pending run in a
  shared concurrency group, a holder to cancel) takes that run's row with
  `FOR UPDATE SKIP LOCKED` only, never waiting: whoever holds that run row
@@ -18,7 +21,16 @@ Lock order (PostgreSQL; SQLite has one writer and cannot deadlock)
  commit a follow-up transaction (`_retry_groups`) re-examines it, and
  `expire_leases` (the reaper) re-examines every free group with waiters, so
  a skipped waiter is retried, never lost. Claims lock a single job row with
- `FOR UPDATE SKIP LOCKED` and nothing else; heartbeats update one job row.
+ `FOR UPDATE SKIP LOCKED` and nothing else; heartbeats update one job row;
+ a re-run locks the old run, then the new one no one else can see yet.
+ The one ordering not fixed up front: a cascade that reaches two concurrency
+ groups takes them in the order it reaches them. Should two such cascades
+ cross, PostgreSQL detects it and the transaction is retried whole (counted
+ in `counters.deadlock_retries`; the concurrency tests assert it stays 0).
+
+Operations: submit_run, claim_job, heartbeat, job_context, complete_job,
+settle_job, cancel_run, expire_leases, rerun, and the queries get_run,
+list_runs, get_job, list_jobs.
 
 Job statuses: blocked (needs not ended) -> parked (max-parallel cap) ->
 waiting (concurrency group) -> queued -> running -> completed; a caller is

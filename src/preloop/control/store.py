@@ -1079,6 +1079,12 @@ class _Cascade:
         `slot_handed`: its cohort slot already went to the next parked leg."""
         tx = self.tx
         run_id = int(job["run_id"])
+        if job["kind"] == "caller" and int(job["remaining_inner"]):
+            # A caller ended before it started (settled by the engine): its
+            # inner jobs will never start either.
+            self.skip_inner(
+                run_id, job["id"], "cancelled" if conclusion == "cancelled" else "skipped"
+            )
         coe = bool(job["continue_on_error"])
         effective = "success" if conclusion == "failure" and coe else conclusion
         if effective == "failure":

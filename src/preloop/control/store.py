@@ -44,7 +44,7 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -915,6 +915,12 @@ def _needs_view(tx: Tx, run_id: int, needs: list[str], caller: str | None = None
     }
 
 
+def _chunks(ids: list[str], size: int = 500) -> Iterator[list[str]]:
+    """`ids` in slices small enough for any driver's parameter limit."""
+    for i in range(0, len(ids), size):
+        yield ids[i : i + size]
+
+
 def _unit_result(u: Row) -> str:
     if u["n_failure"]:
         return "failure"
@@ -1007,8 +1013,7 @@ class _Cascade:
         after waiting on a workflow-level group)."""
         roots = self.tx.execute(
             f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND status = 'blocked' AND "
-            "remaining_needs = 0 "
-            "ORDER BY seq",
+            "remaining_needs = 0 ORDER BY seq",
             (run_id,),
         )
         self.ready(run_id, roots)
@@ -1139,15 +1144,26 @@ class _Cascade:
             )
             if caller is not None and int(caller["remaining_inner"]) == 0:
                 self.work.append(("fold", (caller,)))
-        ready = tx.execute(
-            "UPDATE jobs SET remaining_needs = remaining_needs - 1, "
-            "anc_fail = CASE WHEN ? = 1 THEN 1 ELSE anc_fail END, "
-            "anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END "
-            "WHERE run_id = ? AND status = 'blocked' AND id IN "
-            "(SELECT job_id FROM deps WHERE run_id = ? AND need = ?) "
-            f"RETURNING {_JOB}",
-            (int(fail), int(bad), run_id, run_id, base),
-        )
+        # Two statements with obvious plans (a deps range, then primary-key
+        # lookups): one join lets a planner without statistics on fresh rows
+        # pick a nested loop over every blocked job of the run.
+        dependents = [
+            r["job_id"]
+            for r in tx.execute(
+                "SELECT job_id FROM deps WHERE run_id = ? AND need = ?", (run_id, base)
+            )
+        ]
+        ready = []
+        for chunk in _chunks(dependents):
+            marks = ", ".join("?" for _ in chunk)
+            ready += tx.execute(
+                "UPDATE jobs SET remaining_needs = remaining_needs - 1, "
+                "anc_fail = CASE WHEN ? = 1 THEN 1 ELSE anc_fail END, "
+                "anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END "
+                f"WHERE run_id = ? AND id IN ({marks}) AND status = 'blocked' "
+                f"RETURNING {_JOB}",
+                (int(fail), int(bad), run_id, *chunk),
+            )
         ready = [j for j in ready if int(j["remaining_needs"]) == 0]
         ready.sort(key=lambda j: (j["seq"], j["id"]))
         self.ready(run_id, ready)
@@ -1187,8 +1203,7 @@ class _Cascade:
             self.work.append(("gate", (job,)))
 
     def _bulk_status(self, run_id: int, ids: list[str], status: str) -> None:
-        for i in range(0, len(ids), 500):
-            chunk = ids[i : i + 500]
+        for chunk in _chunks(ids):
             marks = ", ".join("?" for _ in chunk)
             self.tx.execute(
                 f"UPDATE jobs SET status = ? WHERE run_id = ? AND status = 'blocked' "
@@ -1519,11 +1534,15 @@ class _Cascade:
                     "UPDATE jobs SET inner_job_ids = ? WHERE run_id = ? AND id = ?",
                     (_dumps(spliced), run_id, full["caller"]),
                 )
-        fresh = tx.execute(
-            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND base_id = ? AND status = 'blocked' "
-            "ORDER BY seq",
-            (run_id, jid),
-        )
+        fresh: list[Row] = []
+        for chunk in _chunks(top):
+            marks = ", ".join("?" for _ in chunk)
+            fresh += tx.execute(
+                f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id IN ({marks}) "
+                "AND status = 'blocked'",
+                (run_id, *chunk),
+            )
+        fresh.sort(key=lambda j: (j["seq"], j["id"]))
         self.ready(run_id, fresh)
 
     # -- admission: cohort slot, then concurrency group

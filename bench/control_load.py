@@ -123,6 +123,7 @@ def test_profile_200_legs(benchmark: Any, store_url: str, profile: str) -> None:
     benchmark.pedantic(once, rounds=1, iterations=1)
     benchmark.extra_info.update(result, impl=f"preloop-{result['store']}")
     RESULTS.append(result)
+    print("\n" + json.dumps(result), flush=True)
     assert result["graph_loads_per_completion"] == 0
     assert result["deadlock_retries"] == 0
 
@@ -138,6 +139,7 @@ def test_per_completion_cost(benchmark: Any, store_url: str, legs: int) -> None:
     benchmark.pedantic(once, rounds=1, iterations=1)
     benchmark.extra_info.update(result, impl=f"preloop-{result['store']}")
     RESULTS.append(result)
+    print("\n" + json.dumps(result), flush=True)
     assert result["graph_loads_per_completion"] == 0
 
 

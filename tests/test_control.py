@@ -368,7 +368,7 @@ def _deferred_plan() -> Plan:
         caller="call",
         kind="deferred",
         needs=["call/prep"],
-        deferred_matrix="fromJSON(needs['call/prep'].outputs.matrix)",
+        deferred_matrix="fromJSON(needs.prep.outputs.matrix)",
     )
     b.job("call/after", caller="call", needs=["call/test"], if_expr="always()")
     b.job("final", needs=["call"], if_expr="always()")
@@ -635,3 +635,17 @@ def test_rerun_deferred_caller(store: Store) -> None:
     assert store.get_job(whole, "call/test").inner_job_ids == ("call/test#0", "call/test#1")
     assert store.get_job(whole, "call").inner_job_ids.count("call/test#0") == 1
     assert store.get_run(whole).status == "completed"
+
+
+def test_settling_a_caller_before_it_starts_ends_its_inner_jobs(store: Store) -> None:
+    b = PlanBuilder()
+    b.job("a")
+    b.job("call", kind="caller", needs=["a"])
+    b.job("call/x", caller="call")
+    b.job("after", needs=["call"], if_expr="always()")
+    run_id = store.submit_run(b.plan())
+    store.settle_job(run_id, "call", "cancelled", reason="stopped by the engine")
+    assert store.get_job(run_id, "call/x").conclusion == "cancelled"
+    drive(store, b.plan(), run_id)
+    assert store.get_job(run_id, "after").conclusion == "success"
+    assert store.get_run(run_id).status == "completed"

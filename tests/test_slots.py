@@ -314,6 +314,20 @@ def test_directory_comes_from_the_knob_never_tmpdir(
     assert sandbox_bind_args() == ["--ro-bind", str(tmp_path / "c"), str(tmp_path / "c")]
 
 
+def python_binds_under_tmp() -> list[str]:
+    """Read-only binds that keep this interpreter and package visible in a sandbox
+    whose /tmp is private (a checkout or venv may itself live under /tmp)."""
+    import preloop
+
+    paths = {sys.prefix, sys.base_prefix, str(Path(preloop.__file__).parent), *sys.path}
+    under_tmp = sorted(
+        {os.path.realpath(p) for p in paths if p} | {os.path.abspath(p) for p in paths if p},
+    )
+    under_tmp = [p for p in under_tmp if p.startswith("/tmp/") and os.path.exists(p)]
+    outermost = [p for p in under_tmp if not any(p.startswith(q + "/") for q in under_tmp)]
+    return [arg for p in outermost for arg in ("--ro-bind", p, p)]
+
+
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 def test_sandboxed_process_shares_the_cap_through_a_read_only_bind(tmp_path: Path) -> None:
     directory = prepare_host_coordination(tmp_path / "coordination")
@@ -324,6 +338,7 @@ def test_sandboxed_process_shares_the_cap_through_a_read_only_bind(tmp_path: Pat
             "bwrap",
             "--bind", "/", "/",
             "--tmpfs", "/tmp",
+            *python_binds_under_tmp(),
             *sandbox_bind_args(directory),
             "--die-with-parent",
             sys.executable, "-c",

@@ -12,11 +12,13 @@ or "success".
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Mapping
 from typing import Any
 
 from preloop.workflow.expressions import ExpressionError, evaluate, evaluate_if
+from preloop.workflow.matrix import MatrixError as WorkflowMatrixError
+from preloop.workflow.matrix import expand_matrix
+from preloop.workflow.model import Matrix
 
 __all__ = [
     "MatrixError",
@@ -25,8 +27,6 @@ __all__ = [
     "expand_matrix_value",
     "should_run",
 ]
-
-MAX_LEGS = 256
 
 
 class MatrixError(ValueError):
@@ -59,54 +59,32 @@ def evaluate_expr(expr: str, contexts: Mapping[str, Any]) -> Any:
 
 
 def expand_matrix_value(value: Any) -> list[dict[str, Any]]:
-    """The legs of an evaluated deferred matrix (GitHub's rules: the cartesian
-    product of the vectors, then `exclude`, then `include`).
-
-    `preloop.workflow` does not expose `expand_deferred` yet, so the scheduler
-    expands the evaluated value here. Raises MatrixError with the reason for a
-    value that is not a matrix.
-    """
-    if isinstance(value, str):
-        raise MatrixError(f"the matrix evaluated to the string {value!r}, not an object")
+    """The legs of an evaluated deferred matrix, for a plan built by hand with
+    only `deferred_matrix` (plans from `preloop.workflow.plan` go through
+    `expand_deferred`). Checks the value's shape, then expands it with
+    `preloop.workflow.expand_matrix` (GitHub's rules and 256-leg limit).
+    Raises MatrixError with the reason."""
     if not isinstance(value, dict):
-        raise MatrixError(f"the matrix evaluated to {type(value).__name__}, not an object")
+        kind = "the string " + repr(value) if isinstance(value, str) else type(value).__name__
+        raise MatrixError(f"the matrix evaluated to {kind}, not an object")
     include = value.get("include", [])
     exclude = value.get("exclude", [])
     if not isinstance(include, list) or not all(isinstance(i, dict) for i in include):
         raise MatrixError("matrix `include` must be a list of objects")
     if not isinstance(exclude, list) or not all(isinstance(e, dict) for e in exclude):
         raise MatrixError("matrix `exclude` must be a list of objects")
-    vectors = {k: v for k, v in value.items() if k not in ("include", "exclude")}
-    for key, vec in vectors.items():
+    vectors = []
+    for key, vec in value.items():
+        if key in ("include", "exclude"):
+            continue
         if not isinstance(vec, list):
             raise MatrixError(f"matrix vector `{key}` must be a list")
-        if not vec:
-            raise MatrixError(f"matrix vector `{key}` is empty")
-    legs: list[dict[str, Any]] = []
-    if vectors:
-        keys = list(vectors)
-        for combo in itertools.product(*(vectors[k] for k in keys)):
-            legs.append(dict(zip(keys, combo, strict=True)))
-    legs = [
-        leg
-        for leg in legs
-        if not any(all(leg.get(k) == v for k, v in ex.items()) for ex in exclude)
-    ]
-    pairs = [(leg, dict(leg)) for leg in legs]
-    extra: list[dict[str, Any]] = []
-    for inc in include:
-        matched = False
-        for leg, orig in pairs:
-            # An include extends every leg whose original values it does not overwrite.
-            if all(orig.get(k, v) == v for k, v in inc.items() if k in vectors):
-                leg.update(inc)
-                matched = True
-        if not matched:
-            extra.append(dict(inc))
-    legs += extra
-    if len(legs) > MAX_LEGS:
-        raise MatrixError(f"the matrix has {len(legs)} legs; GitHub's limit is {MAX_LEGS}")
-    return legs
+        vectors.append((key, tuple(vec)))
+    matrix = Matrix(vectors=tuple(vectors), include=tuple(include), exclude=tuple(exclude))
+    try:
+        return expand_matrix(matrix, allow_empty=True)
+    except WorkflowMatrixError as exc:
+        raise MatrixError(str(exc)) from None
 
 
 __all__ += ["ExpressionError"]

@@ -96,7 +96,9 @@ _V1: list[Statement] = [
     "'waiting'",
     "CREATE INDEX IF NOT EXISTS jobs_leases ON jobs (lease_expires) WHERE status = 'running'",
     "CREATE INDEX IF NOT EXISTS jobs_run_status ON jobs (run_id, status)",
-    "CREATE INDEX IF NOT EXISTS jobs_cohort ON jobs (run_id, cohort, status)",
+    # A run's jobs that may start (submit, a run resumed by its group).
+    "CREATE INDEX IF NOT EXISTS jobs_roots ON jobs (run_id, seq) "
+    "WHERE status = 'blocked' AND remaining_needs = 0",
     """CREATE TABLE IF NOT EXISTS deps (
         run_id BIGINT NOT NULL,
         need TEXT NOT NULL,

@@ -11,6 +11,9 @@ Lock order (PostgreSQL; SQLite has one writer and cannot deadlock)
     before any job, unit, cohort or group row of that run;
  2. concurrency-group rows, each locked by the statement that changes it;
  3. cohort rows, units rows, job rows of the locked run.
+ On PostgreSQL the settle fast path is the `preloop_settle` function
+ (schema migration 2), which takes the run row first too, then the job, its
+ unit, and the next parked leg of its cohort.
  A path that must touch another run (a job-level waiter or a pending run in a
  shared concurrency group, a holder to cancel) takes that run's row with
  `FOR UPDATE SKIP LOCKED` only, never waiting: whoever holds that run row
@@ -18,7 +21,16 @@ Lock order (PostgreSQL; SQLite has one writer and cannot deadlock)
  commit a follow-up transaction (`_retry_groups`) re-examines it, and
  `expire_leases` (the reaper) re-examines every free group with waiters, so
  a skipped waiter is retried, never lost. Claims lock a single job row with
- `FOR UPDATE SKIP LOCKED` and nothing else; heartbeats update one job row.
+ `FOR UPDATE SKIP LOCKED` and nothing else; heartbeats update one job row;
+ a re-run locks the old run, then the new one no one else can see yet.
+ The one ordering not fixed up front: a cascade that reaches two concurrency
+ groups takes them in the order it reaches them. Should two such cascades
+ cross, PostgreSQL detects it and the transaction is retried whole (counted
+ in `counters.deadlock_retries`; the concurrency tests assert it stays 0).
+
+Operations: submit_run, claim_job, heartbeat, job_context, complete_job,
+settle_job, cancel_run, expire_leases, rerun, and the queries get_run,
+list_runs, get_job, list_jobs.
 
 Job statuses: blocked (needs not ended) -> parked (max-parallel cap) ->
 waiting (concurrency group) -> queued -> running -> completed; a caller is
@@ -32,7 +44,7 @@ import json
 import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -49,7 +61,8 @@ from preloop.control.conditions import (
 from preloop.control.counters import Counters
 from preloop.control.db import Backend, LiteBackend, PgBackend, Row, StoreError, Tx
 from preloop.errors import PreloopError
-from preloop.workflow.plan import ConcurrencySpec, Plan, PlannedJob
+from preloop.workflow.plan import Cohort, ConcurrencySpec, Plan, PlannedJob
+from preloop.workflow.planner import PlanError, expand_deferred
 
 __all__ = [
     "TERMINAL",
@@ -397,14 +410,14 @@ class Store:
 
         def tx_fn(tx: Tx) -> dict[str, Any]:
             job = tx.one(
-                "SELECT needs, matrix, strategy FROM jobs WHERE run_id = ? AND id = ?",
+                "SELECT needs, matrix, strategy, caller FROM jobs WHERE run_id = ? AND id = ?",
                 (run_id, job_id),
             )
             run = tx.one("SELECT context FROM runs WHERE id = ?", (run_id,))
             if job is None or run is None:
                 raise UnknownRun(f"run {run_id} has no job {job_id!r}")
             ctx: dict[str, Any] = dict(json.loads(run["context"]))
-            ctx["needs"] = _needs_view(tx, run_id, json.loads(job["needs"]))
+            ctx["needs"] = _needs_view(tx, run_id, json.loads(job["needs"]), job["caller"])
             ctx["matrix"] = _loads(job["matrix"]) or {}
             ctx["strategy"] = _loads(job["strategy"]) or {}
             return ctx
@@ -826,14 +839,7 @@ def _insert_plan(tx: Tx, run_id: int, plan: Plan) -> None:
                 int(j.cohort in capped),
             )
         )
-    tx.executemany(
-        "INSERT INTO jobs (run_id, id, seq, base_id, name, kind, needs, if_expr, runs_on, cohort, "
-        "matrix, strategy, continue_on_error, timeout_minutes, conc_group, conc_group_expr, "
-        "conc_cancel, conc_queue_max, outputs_expr, caller, inner_job_ids, deferred_matrix, spec, "
-        "status, remaining_needs, remaining_inner, capped) VALUES "
-        "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'blocked', ?, ?, ?)",
-        job_rows,
-    )
+    tx.executemany(_INSERT_JOB, job_rows)
     tx.executemany("INSERT INTO deps (run_id, need, job_id) VALUES (?, ?, ?)", dep_rows)
     units = [(run_id, b, unit_caller[b], n) for b, n in unit_members.items()]
     units += [(run_id, _start_unit(c), None, 1) for c in inner_units]
@@ -844,6 +850,15 @@ def _insert_plan(tx: Tx, run_id: int, plan: Plan) -> None:
         "INSERT INTO cohorts (run_id, id, max_parallel, fail_fast, total) VALUES (?, ?, ?, ?, ?)",
         [(run_id, c.id, c.max_parallel, int(c.fail_fast), c.total) for c in plan.cohorts],
     )
+
+
+_INSERT_JOB = (
+    "INSERT INTO jobs (run_id, id, seq, base_id, name, kind, needs, if_expr, runs_on, cohort, "
+    "matrix, strategy, continue_on_error, timeout_minutes, conc_group, conc_group_expr, "
+    "conc_cancel, conc_queue_max, outputs_expr, caller, inner_job_ids, deferred_matrix, spec, "
+    "status, remaining_needs, remaining_inner, capped) VALUES "
+    "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'blocked', ?, ?, ?)"
+)
 
 
 def _job_row(
@@ -879,18 +894,31 @@ def _job_row(
     )
 
 
-def _needs_view(tx: Tx, run_id: int, needs: list[str]) -> dict[str, Any]:
-    """The job-scoped `needs` context: result and outputs of each direct need."""
+def _needs_view(tx: Tx, run_id: int, needs: list[str], caller: str | None = None) -> dict[str, Any]:
+    """The job-scoped `needs` context: result and outputs of each direct need,
+    keyed as the job's own workflow names them (inside a reusable workflow
+    `needs.build`, stored as `<caller>/build`)."""
     if not needs:
         return {}
+    prefix = f"{caller}/" if caller else ""
     marks = ", ".join("?" for _ in needs)
     rows = tx.execute(
         f"SELECT base_id, result, outputs FROM units WHERE run_id = ? AND base_id IN ({marks})",
         (run_id, *needs),
     )
     return {
-        r["base_id"]: {"result": r["result"], "outputs": json.loads(r["outputs"])} for r in rows
+        r["base_id"].removeprefix(prefix): {
+            "result": r["result"],
+            "outputs": json.loads(r["outputs"]),
+        }
+        for r in rows
     }
+
+
+def _chunks(ids: list[str], size: int = 500) -> Iterator[list[str]]:
+    """`ids` in slices small enough for any driver's parameter limit."""
+    for i in range(0, len(ids), size):
+        yield ids[i : i + size]
 
 
 def _unit_result(u: Row) -> str:
@@ -943,7 +971,9 @@ class _Cascade:
 
     def job_contexts(self, job: Row) -> dict[str, Any]:
         ctx = dict(self.context(int(job["run_id"])))
-        ctx["needs"] = _needs_view(self.tx, int(job["run_id"]), json.loads(job["needs"]))
+        ctx["needs"] = _needs_view(
+            self.tx, int(job["run_id"]), json.loads(job["needs"]), job["caller"]
+        )
         ctx["matrix"] = _loads(job["matrix"]) or {}
         ctx["strategy"] = _loads(job["strategy"]) or {}
         return ctx
@@ -983,8 +1013,7 @@ class _Cascade:
         after waiting on a workflow-level group)."""
         roots = self.tx.execute(
             f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND status = 'blocked' AND "
-            "remaining_needs = 0 "
-            "ORDER BY seq",
+            "remaining_needs = 0 ORDER BY seq",
             (run_id,),
         )
         self.ready(run_id, roots)
@@ -1055,6 +1084,12 @@ class _Cascade:
         `slot_handed`: its cohort slot already went to the next parked leg."""
         tx = self.tx
         run_id = int(job["run_id"])
+        if job["kind"] == "caller" and int(job["remaining_inner"]):
+            # A caller ended before it started (settled by the engine): its
+            # inner jobs will never start either.
+            self.skip_inner(
+                run_id, job["id"], "cancelled" if conclusion == "cancelled" else "skipped"
+            )
         coe = bool(job["continue_on_error"])
         effective = "success" if conclusion == "failure" and coe else conclusion
         if effective == "failure":
@@ -1109,15 +1144,26 @@ class _Cascade:
             )
             if caller is not None and int(caller["remaining_inner"]) == 0:
                 self.work.append(("fold", (caller,)))
-        ready = tx.execute(
-            "UPDATE jobs SET remaining_needs = remaining_needs - 1, "
-            "anc_fail = CASE WHEN ? = 1 THEN 1 ELSE anc_fail END, "
-            "anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END "
-            "WHERE run_id = ? AND status = 'blocked' AND id IN "
-            "(SELECT job_id FROM deps WHERE run_id = ? AND need = ?) "
-            f"RETURNING {_JOB}",
-            (int(fail), int(bad), run_id, run_id, base),
-        )
+        # Two statements with obvious plans (a deps range, then primary-key
+        # lookups): one join lets a planner without statistics on fresh rows
+        # pick a nested loop over every blocked job of the run.
+        dependents = [
+            r["job_id"]
+            for r in tx.execute(
+                "SELECT job_id FROM deps WHERE run_id = ? AND need = ?", (run_id, base)
+            )
+        ]
+        ready = []
+        for chunk in _chunks(dependents):
+            marks = ", ".join("?" for _ in chunk)
+            ready += tx.execute(
+                "UPDATE jobs SET remaining_needs = remaining_needs - 1, "
+                "anc_fail = CASE WHEN ? = 1 THEN 1 ELSE anc_fail END, "
+                "anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END "
+                f"WHERE run_id = ? AND id IN ({marks}) AND status = 'blocked' "
+                f"RETURNING {_JOB}",
+                (int(fail), int(bad), run_id, *chunk),
+            )
         ready = [j for j in ready if int(j["remaining_needs"]) == 0]
         ready.sort(key=lambda j: (j["seq"], j["id"]))
         self.ready(run_id, ready)
@@ -1157,8 +1203,7 @@ class _Cascade:
             self.work.append(("gate", (job,)))
 
     def _bulk_status(self, run_id: int, ids: list[str], status: str) -> None:
-        for i in range(0, len(ids), 500):
-            chunk = ids[i : i + 500]
+        for chunk in _chunks(ids):
             marks = ", ".join("?" for _ in chunk)
             self.tx.execute(
                 f"UPDATE jobs SET status = ? WHERE run_id = ? AND status = 'blocked' "
@@ -1312,70 +1357,166 @@ class _Cascade:
 
     def expand(self, job: Row) -> None:
         """A deferred matrix job whose needs ended: evaluate the matrix, insert
-        its legs (ids persisted on the job and its caller), admit them."""
+        its legs (ids persisted on the job and its caller), admit them.
+
+        A plan from `preloop.workflow.plan` carries what `expand_deferred`
+        needs (legs exactly as the planner makes them, reusable-caller legs
+        with their inner jobs); a plan built by hand with only
+        `deferred_matrix` is expanded by `expand_matrix_value`."""
         tx = self.tx
         run_id = int(job["run_id"])
         jid = job["id"]
+        full = tx.one("SELECT * FROM jobs WHERE run_id = ? AND id = ?", (run_id, jid))
+        assert full is not None
+        spec = json.loads(full["spec"])
+        contexts = self.job_contexts(job)
+        cohort: Cohort | None
         try:
-            value = evaluate_expr(job["deferred_matrix"] or "", self.job_contexts(job))
-            legs = expand_matrix_value(value)
-        except (ExpressionError, MatrixError) as exc:
+            if "deferred" in spec:
+                legs, cohort = self._expand_planned(full, spec, contexts)
+            else:
+                legs, cohort = self._expand_value(full, contexts)
+        except (ExpressionError, MatrixError, PlanError) as exc:
             self.conclude(job, "failure", {}, f"job {jid!r}: matrix: {exc}")
             return
         if not legs:
             self.conclude(job, "skipped", {}, f"job {jid!r}: the matrix expanded to no legs")
             return
-        full = tx.one("SELECT * FROM jobs WHERE run_id = ? AND id = ?", (run_id, jid))
-        assert full is not None
-        cohort = tx.one(
-            "UPDATE cohorts SET total = ? WHERE run_id = ? AND id = ? RETURNING max_parallel, "
-            "fail_fast",
-            (len(legs), run_id, jid),
+        self.insert_expansion(full, legs, cohort)
+
+    def _expand_planned(
+        self, full: Row, spec: dict[str, Any], contexts: dict[str, Any]
+    ) -> tuple[list[tuple[PlannedJob, int]], Cohort | None]:
+        planned = PlannedJob(
+            id=full["id"],
+            seq=int(full["seq"]) // SEQ_STRIDE,
+            base_id=full["base_id"],
+            name=full["name"],
+            kind="deferred",
+            needs=tuple(json.loads(full["needs"])),
+            if_expr=full["if_expr"],
+            caller=full["caller"],
+            deferred_matrix=full["deferred_matrix"],
+            timeout_minutes=float(full["timeout_minutes"]),
+            spec=spec,
         )
-        ids = [f"{jid}#{i}" for i in range(len(legs))]
-        strategy_base = _loads(full["strategy"]) or {}
-        rows = []
-        for i, (leg_id, matrix) in enumerate(zip(ids, legs, strict=True)):
+        expansion = expand_deferred(planned, contexts)
+        return [(j, j.seq * SEQ_STRIDE) for j in expansion.jobs], expansion.cohort
+
+    def _expand_value(
+        self, full: Row, contexts: dict[str, Any]
+    ) -> tuple[list[tuple[PlannedJob, int]], Cohort | None]:
+        jid = full["id"]
+        legs = expand_matrix_value(evaluate_expr(full["deferred_matrix"] or "", contexts))
+        c = self.tx.one(
+            "SELECT max_parallel, fail_fast FROM cohorts WHERE run_id = ? AND id = ?",
+            (int(full["run_id"]), jid),
+        )
+        cohort = Cohort(
+            jid,
+            c["max_parallel"] if c else None,
+            bool(c["fail_fast"]) if c else True,
+            len(legs),
+        )
+        base = _loads(full["strategy"]) or {}
+        out = []
+        for i, matrix in enumerate(legs):
             strategy = {
-                **strategy_base,
+                **base,
                 "job-index": i,
                 "job-total": len(legs),
-                "fail-fast": bool(cohort["fail_fast"]) if cohort else True,
-                "max-parallel": (cohort["max_parallel"] if cohort else None) or len(legs),
+                "fail-fast": cohort.fail_fast,
+                "max-parallel": cohort.max_parallel or len(legs),
             }
-            name = f"{full['name']} ({', '.join(str(v) for v in matrix.values())})"
-            rows.append(
-                (
-                    run_id, leg_id, int(full["seq"]) + i + 1, jid, name, "job", full["needs"],
-                    full["if_expr"], full["runs_on"], jid if cohort else None, _dumps(matrix),
-                    _dumps(strategy), full["continue_on_error"], full["timeout_minutes"],
-                    full["conc_group"], full["conc_group_expr"], full["conc_cancel"],
-                    full["conc_queue_max"], full["outputs_expr"], full["caller"], "[]", None,
-                    full["spec"], int(full["anc_fail"]), int(full["anc_bad"]),
-                    int(bool(cohort and cohort["max_parallel"] is not None)),
+            leg = PlannedJob(
+                id=f"{jid}#{i}",
+                seq=0,
+                base_id=jid,
+                name=f"{full['name']} ({', '.join(str(v) for v in matrix.values())})",
+                needs=tuple(json.loads(full["needs"])),
+                if_expr=full["if_expr"],
+                runs_on=tuple(json.loads(full["runs_on"])),
+                cohort=jid,
+                matrix=matrix,
+                strategy=strategy,
+                continue_on_error=bool(full["continue_on_error"]),
+                timeout_minutes=float(full["timeout_minutes"]),
+                concurrency=ConcurrencySpec(
+                    full["conc_group"],
+                    full["conc_group_expr"],
+                    bool(full["conc_cancel"]),
+                    bool(full["conc_queue_max"]),
                 )
-            )  # fmt: skip
+                if full["conc_group"] is not None or full["conc_group_expr"] is not None
+                else None,
+                outputs=json.loads(full["outputs_expr"]),
+                caller=full["caller"],
+                spec=json.loads(full["spec"]),
+            )
+            out.append((leg, int(full["seq"]) + i + 1))
+        return out, cohort
+
+    def insert_expansion(
+        self, full: Row, legs: list[tuple[PlannedJob, int]], cohort: Cohort | None
+    ) -> None:
+        """Inserts a deferred job's legs (and, for reusable-caller legs, their
+        inner jobs) with counters from the expansion alone: the deferred job's
+        needs have ended, so only needs inside the expansion are counted."""
+        tx = self.tx
+        run_id = int(full["run_id"])
+        jid = full["id"]
+        jobs = [j for j, _ in legs]
+        new_ids = {j.id for j in jobs}
+        top = [j.id for j in jobs if j.base_id == jid]
+        unit_members: dict[str, int] = {}
+        unit_caller: dict[str, str | None] = {}
+        inner_units: dict[str, set[str]] = {}
+        for j in jobs:
+            unit_members[j.base_id] = unit_members.get(j.base_id, 0) + 1
+            unit_caller[j.base_id] = j.caller
+            if j.caller in new_ids:
+                inner_units.setdefault(j.caller, set()).add(j.base_id)
+        capped = int(bool(cohort and cohort.max_parallel is not None))
+        rows, deps = [], []
+        for j, stored_seq in legs:
+            edges = [n for n in dict.fromkeys(j.needs) if n in unit_members and n != jid]
+            if j.caller in new_ids and not any(unit_caller.get(n) == j.caller for n in edges):
+                edges.append(_start_unit(j.caller))
+            deps += [(run_id, n, j.id) for n in edges]
+            row = list(_job_row(run_id, j, len(edges), len(inner_units.get(j.id, ()))))
+            row[2] = stored_seq
+            rows.append((*row, int(j.base_id == jid and bool(capped))))
+        tx.executemany(_INSERT_JOB, rows)
+        tx.executemany("INSERT INTO deps (run_id, need, job_id) VALUES (?, ?, ?)", deps)
+        units = [(run_id, b, unit_caller[b], n) for b, n in unit_members.items() if b != jid]
+        units += [(run_id, _start_unit(c), None, 1) for c in inner_units]
         tx.executemany(
-            "INSERT INTO jobs (run_id, id, seq, base_id, name, kind, needs, if_expr, runs_on, "
-            "cohort, "
-            "matrix, strategy, continue_on_error, timeout_minutes, conc_group, conc_group_expr, "
-            "conc_cancel, conc_queue_max, outputs_expr, caller, inner_job_ids, "
-            "deferred_matrix, spec, "
-            "anc_fail, anc_bad, capped, status, remaining_needs) VALUES "
-            "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-            "'blocked', 0)",
-            rows,
+            "INSERT INTO units (run_id, base_id, caller, remaining) VALUES (?, ?, ?, ?)", units
         )
+        if cohort is not None:
+            tx.execute(
+                "INSERT INTO cohorts (run_id, id, max_parallel, fail_fast, total) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id, id) DO UPDATE SET "
+                "max_parallel = excluded.max_parallel, fail_fast = excluded.fail_fast, "
+                "total = excluded.total",
+                (run_id, jid, cohort.max_parallel, int(cohort.fail_fast), len(top)),
+            )
+        if full["anc_fail"] or full["anc_bad"]:
+            tx.execute(
+                "UPDATE jobs SET anc_fail = ?, anc_bad = ? WHERE run_id = ? AND base_id = ? "
+                "AND status = 'blocked'",
+                (full["anc_fail"], full["anc_bad"], run_id, jid),
+            )
         tx.execute(
             "UPDATE jobs SET status = 'expanded', inner_job_ids = ?, completed_at = ? "
             "WHERE run_id = ? AND id = ?",
-            (_dumps(ids), time.time(), run_id, jid),
+            (_dumps(top), time.time(), run_id, jid),
         )
         tx.execute(
             "UPDATE units SET remaining = remaining + ? WHERE run_id = ? AND base_id = ?",
-            (len(legs) - 1, run_id, jid),
+            (len(top) - 1, run_id, jid),
         )
-        self.run_delta.setdefault(run_id, [0, 0])[0] += len(legs) - 1
+        self.run_delta.setdefault(run_id, [0, 0])[0] += len(jobs) - 1
         if full["caller"] is not None:
             # Splice the legs into the caller's persisted inner job ids.
             c = tx.one(
@@ -1386,20 +1527,23 @@ class _Cascade:
                 inner = [x for x in json.loads(c["inner_job_ids"]) if not x.startswith(jid + "#")]
                 spliced: list[str] = []
                 for x in inner:
-                    spliced.extend(ids if x == jid else [x])
+                    spliced.extend(top if x == jid else [x])
                 if jid not in inner:
-                    spliced.extend(ids)
+                    spliced.extend(top)
                 tx.execute(
                     "UPDATE jobs SET inner_job_ids = ? WHERE run_id = ? AND id = ?",
                     (_dumps(spliced), run_id, full["caller"]),
                 )
-        fresh = tx.execute(
-            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND base_id = ? AND status = 'blocked' "
-            "ORDER BY seq",
-            (run_id, jid),
-        )
-        for leg in reversed(fresh):
-            self.work.append(("admit", (leg,)))
+        fresh: list[Row] = []
+        for chunk in _chunks(top):
+            marks = ", ".join("?" for _ in chunk)
+            fresh += tx.execute(
+                f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id IN ({marks}) "
+                "AND status = 'blocked'",
+                (run_id, *chunk),
+            )
+        fresh.sort(key=lambda j: (j["seq"], j["id"]))
+        self.ready(run_id, fresh)
 
     # -- admission: cohort slot, then concurrency group
 

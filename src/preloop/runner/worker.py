@@ -88,10 +88,11 @@ async def store_call(store: Store, fn: Callable[[], T]) -> T:
 def runnable_spec(lease: Lease, contexts: dict[str, Any]) -> dict[str, Any]:
     """The step spec of a leased job.
 
-    Adapter: the store inserts a deferred matrix's legs with the deferred
-    job's spec (its `deferred` data, no `steps`), so the leg's spec is
-    rebuilt here with `expand_deferred`, the planner's own expansion, and the
-    leg with this lease's matrix is taken."""
+    A leg of a deferred matrix normally carries its own spec (the store
+    expands with `expand_deferred`). A leg inserted with the deferred job's
+    spec (its `deferred` data, no `steps`; older stores did this) is rebuilt
+    here with the same `expand_deferred` and the leg with this lease's id or
+    matrix is taken."""
     spec = lease.spec
     if "steps" in spec or "deferred" not in spec:
         return spec

@@ -133,6 +133,8 @@ class CheckoutTemplates:
                 template = self.work_dir / f"{os.getpid()}-template-{uuid.uuid4().hex[:12]}"
                 self.work_dir.mkdir(parents=True, exist_ok=True)
                 await checkout_snapshot(location, template, where)
+                # Reflogs are of no use in a job and cost a copy each.
+                shutil.rmtree(template / ".git" / "logs", ignore_errors=True)
                 self._paths[location] = template
                 self._small[location] = _count_entries(template, _INLINE_COPY_MAX) < (
                     _INLINE_COPY_MAX

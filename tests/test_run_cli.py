@@ -312,3 +312,43 @@ def test_terminal_gets_live_progress_and_summary(tmp_path: Path) -> None:
     assert ("queued" in text and "running" in text) or "done" in text
     assert "[only] from-the-step" in text
     assert "success" in text and "preloop logs" in text
+
+
+def test_killed_run_is_recovered_by_the_next_run(tmp_path: Path) -> None:
+    fifo = tmp_path / "pids.fifo"
+    os.mkfifo(fifo)
+    files = {
+        ".github/workflows/hang.yml": HANG.format(fifo=fifo),
+        ".github/workflows/quick.yml": (
+            "on: push\njobs:\n  quick:\n    runs-on: ubuntu-latest\n"
+            "    steps:\n      - run: echo quick\n"
+        ),
+    }
+    repo = make_repo(tmp_path / "repo", files)
+    state = tmp_path / "state"
+    first = subprocess.Popen(
+        [*PRELOOP, "run", "-f", ".github/workflows/hang.yml", "--json"],
+        cwd=repo,
+        env=_env(state),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        shell_pid, grandchild = (int(x) for x in read_fifo(fifo, [first]).split())
+        pidfds = [os.pidfd_open(shell_pid), os.pidfd_open(grandchild)]
+        first.kill()  # a crash: nothing of preloop's cleanup runs
+        first.wait()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert not _exited(pidfds[1], 0.0)  # the step outlived its `preloop run`
+    second = preloop("run", "-f", ".github/workflows/quick.yml", cwd=repo, state=state)
+    assert second.returncode == 0, second.stderr
+    assert "run 1 was left unfinished" in second.stderr
+    assert all(_exited(fd) for fd in pidfds)
+    status = json.loads(preloop("status", "1", "--json", cwd=repo, state=state).stdout)
+    assert status["status"] == "completed"
+    assert [(j["id"], j["result"]) for j in status["jobs"]] == [("hang", "cancelled")]
+    # Both run repositories are gone (the dead run's by the recovery).
+    assert [p.name for p in (state / "snapshots").iterdir() if not p.name.startswith(".")] == []

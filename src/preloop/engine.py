@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from preloop.runner.checkout import (
     sweep_work_dir,
     work_dir,
 )
+from preloop.runner.job import kill_tracked, tracking_prefix
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
 from preloop.workflow import Plan, load_workflow, plan, workflow_files
 
@@ -59,9 +61,11 @@ __all__ = [
     "RunOutcome",
     "RunRequest",
     "default_store_url",
+    "recover_abandoned_runs",
     "resolve_workflow",
 ]
 
+ENGINE_CONTEXT_KEY = "preloop_engine"  # github context: host and pid of the submitter
 _POLL = 0.25  # seconds between store polls while local runners are idle
 _REAP_EVERY = 5.0
 
@@ -88,6 +92,7 @@ class EngineEvents:
     on_job_start: Callable[[Lease], None] | None = None
     on_job_line: Callable[[Lease, str], None] | None = None
     on_job_end: Callable[[Lease, JobResult], None] | None = None
+    on_recovered: Callable[[int], None] | None = None  # a dead run's id, cancelled
 
 
 @dataclass(slots=True)
@@ -316,12 +321,16 @@ class Engine:
         store = await anyio.to_thread.run_sync(open_store, store_url)
         self.store = store
         try:
+            for old in await recover_abandoned_runs(store, self.state_dir):
+                if self.events.on_recovered is not None:
+                    self.events.on_recovered(old)
             location = SnapshotLocation(str(snap.repository), "snapshot", snap.commit)
             gh = {
                 "repository": root.name,
                 "sha": snap.commit,
                 "workspace": str(root),
                 SNAPSHOT_CONTEXT_KEY: location.to_dict(),
+                ENGINE_CONTEXT_KEY: {"host": socket.gethostname(), "pid": os.getpid()},
             }
             branch = await _git(root, "rev-parse", "--abbrev-ref", "HEAD")
             if branch and branch != "HEAD":
@@ -335,7 +344,7 @@ class Engine:
             if not self._interrupted:
                 await self._drive(store, run_id, _plan_labels(planned))
             if self._interrupted:
-                await self._settle_cancelled(store, run_id)
+                await settle_cancelled(store, run_id, "cancelled by Ctrl-C")
             info = await anyio.to_thread.run_sync(store.get_run, run_id)
             jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
             conclusion = info.conclusion or ("cancelled" if self._interrupted else "failure")
@@ -449,26 +458,73 @@ class Engine:
             self._runners_scope = None
             templates.close()
 
-    async def _settle_cancelled(self, store: Store, run_id: int) -> None:
-        """After Ctrl-C: cancels the run and ends every job that did not end."""
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(store.cancel_run, run_id)
-            for _ in range(100):
-                if await self._run_finished(store, run_id):
-                    return
-                jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
-                open_jobs = [
-                    j
-                    for j in jobs
-                    if j.status not in ("completed", "expanded", "folding") and j.kind != "caller"
-                ]
-                if not open_jobs:
-                    return
-                for j in open_jobs:
-                    settle = functools.partial(
-                        store.settle_job, run_id, j.id, "cancelled", reason="cancelled by Ctrl-C"
-                    )
-                    try:
-                        await anyio.to_thread.run_sync(settle)
-                    except PreloopError:
-                        continue
+
+async def settle_cancelled(store: Store, run_id: int, reason: str) -> None:
+    """Cancels run `run_id` and ends every job of it that did not end (no
+    runner of ours is left to run them)."""
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(store.cancel_run, run_id)
+        for _ in range(100):
+            info = await anyio.to_thread.run_sync(store.get_run, run_id)
+            if info.status == "completed":
+                return
+            jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
+            open_jobs = [
+                j
+                for j in jobs
+                if j.status not in ("completed", "expanded", "folding") and j.kind != "caller"
+            ]
+            if not open_jobs:
+                return
+            for j in open_jobs:
+                settle = functools.partial(
+                    store.settle_job, run_id, j.id, "cancelled", reason=reason
+                )
+                try:
+                    await anyio.to_thread.run_sync(settle)
+                except PreloopError:
+                    continue
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def recover_abandoned_runs(store: Store, state_dir: Path) -> list[int]:
+    """Runs whose `preloop run` died (its pid on this host is gone) without
+    ending them: their leftover step processes are killed, the runs cancelled
+    with every open job, and their run repositories in `state_dir` removed.
+    Called when `preloop run` starts, so a crash never leaves a run that the
+    next run's runners would pick up."""
+    host = socket.gethostname()
+    recovered: list[int] = []
+    runs = await anyio.to_thread.run_sync(store.list_runs)
+    for run in runs:
+        if run.status == "completed":
+            continue
+        jobs = await anyio.to_thread.run_sync(store.list_jobs, run.id)
+        if not jobs:
+            continue
+        ctx = await anyio.to_thread.run_sync(store.job_context, run.id, jobs[0].id)
+        owner = (ctx.get("github") or {}).get(ENGINE_CONTEXT_KEY)
+        if not isinstance(owner, dict) or owner.get("host") != host:
+            continue
+        if _pid_alive(int(owner.get("pid", 0))):
+            continue
+        kill = functools.partial(kill_tracked, tracking_prefix(str(run.id)), prefix=True)
+        await anyio.to_thread.run_sync(kill)
+        await settle_cancelled(store, run.id, "its `preloop run` process died")
+        snapshot = (ctx.get("github") or {}).get(SNAPSHOT_CONTEXT_KEY) or {}
+        repo = Path(str(snapshot.get("repository", "")))
+        if repo.is_absolute() and repo.parent == Path(state_dir).absolute() / "snapshots":
+            await anyio.to_thread.run_sync(
+                functools.partial(shutil.rmtree, repo, ignore_errors=True)
+            )
+        recovered.append(run.id)
+    return recovered

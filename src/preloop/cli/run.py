@@ -162,8 +162,16 @@ class _Progress:
         )
         return Group(head, table)
 
+    def recovered(self, run_id: int) -> None:
+        click.echo(
+            f"preloop: run {run_id} was left unfinished by a `preloop run` that died; "
+            "its processes were killed and the run cancelled",
+            err=True,
+        )
+
     def events(self) -> EngineEvents:
         return EngineEvents(
+            on_recovered=self.recovered,
             on_submitted=self.submitted,
             on_job_start=self.start,
             on_job_line=self.line,

@@ -63,6 +63,8 @@ __all__ = [
     "JobResult",
     "StepResult",
     "execute_job",
+    "kill_tracked",
+    "tracking_prefix",
 ]
 
 SUPPORTED_USES = (
@@ -132,11 +134,16 @@ class _StepFailure(PreloopError):
     """A step that could not run (bad shell, missing directory, unsupported uses)."""
 
 
-def kill_tracked(tracking_id: str) -> int:
+def tracking_prefix(run_id: str) -> str:
+    """The RUNNER_TRACKING_ID prefix of every step process of run `run_id`."""
+    return f"preloop_{run_id}_"
+
+
+def kill_tracked(tracking_id: str, *, prefix: bool = False) -> int:
     """SIGKILLs every process whose environment holds RUNNER_TRACKING_ID=`tracking_id`
-    (repeating until none is left, so children forked meanwhile go too).
-    Returns how many were killed."""
-    needle = f"RUNNER_TRACKING_ID={tracking_id}".encode() + b"\0"
+    (or one starting with it when `prefix`), repeating until none is left, so
+    children forked meanwhile go too. Returns how many were killed."""
+    needle = f"\0RUNNER_TRACKING_ID={tracking_id}".encode() + (b"" if prefix else b"\0")
     me = os.getpid()
     killed = 0
     for _ in range(10):
@@ -149,7 +156,7 @@ def kill_tracked(tracking_id: str) -> int:
                     environ = fh.read()
             except OSError:
                 continue  # gone, or another user's
-            if needle in environ:
+            if needle in b"\0" + environ:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(int(entry), signal.SIGKILL)
                     found += 1
@@ -200,7 +207,7 @@ class _Execution:
         # GitHub's runner marks every step process with RUNNER_TRACKING_ID and
         # kills what still carries it when the job ends (orphans, daemons
         # that left the step's process group).
-        self.tracking_id = f"preloop_{uuid.uuid4().hex}"
+        self.tracking_id = tracking_prefix(host.run_id) + uuid.uuid4().hex
         self.commands_dir = host.temp / "_runner_file_commands"
         self.commands_dir.mkdir(parents=True, exist_ok=True)
         for value in secrets.values():

@@ -230,6 +230,7 @@ class Runner:
             github = dict(contexts.get("github") or {})
             location = SnapshotLocation.from_context(github, where)
             github.pop("preloop_snapshot", None)
+            github.pop("preloop_engine", None)
             contexts["github"] = github
             spec = runnable_spec(lease, contexts)
             if "inputs" in spec:

@@ -6,7 +6,8 @@
    raises `WorkflowError` with `file:line:col` and nothing is captured or
    submitted) and plans it for the event (`--job` keeps that job and the
    jobs it needs);
-2. sweeps leftovers of dead captures, then captures the workspace
+2. sweeps leftovers of dead captures and job directories, recovers runs
+   whose `preloop run` died (`recover_abandoned_runs`), then captures the workspace
    (`preloop.snapshot.capture_workspace`: staged, unstaged and untracked
    files; the source repository is not changed); the object-cache prune runs
    after the capture through the post-capture hook of `preloop.snapshot.prune`;

@@ -6,13 +6,13 @@
    raises `WorkflowError` with `file:line:col` and nothing is captured or
    submitted) and plans it for the event (`--job` keeps that job and the
    jobs it needs);
-2. sweeps leftovers of dead captures and job directories, recovers runs
-   whose `preloop run` died (`recover_abandoned_runs`), then captures the workspace
-   (`preloop.snapshot.capture_workspace`: staged, unstaged and untracked
+2. sweeps leftovers of dead captures and job directories, then captures
+   the workspace (`preloop.snapshot.capture_workspace`: staged, unstaged and untracked
    files; the source repository is not changed); the object-cache prune runs
    after the capture through the post-capture hook of `preloop.snapshot.prune`;
-3. submits the plan to the store with the snapshot's location in the run's
-   `github` context (`preloop.runner.checkout`);
+3. recovers runs in the store whose `preloop run` died on this host
+   (`recover_abandoned_runs`), then submits the plan to the store with the
+   snapshot's location in the run's `github` context (`preloop.runner.checkout`);
 4. runs `local_runners` runners in this process until the run ends (other
    machines' `preloop runner` processes may take jobs of it too), reaping
    expired leases meanwhile;

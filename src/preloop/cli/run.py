@@ -118,11 +118,16 @@ class _Progress:
         if self.quiet:
             return
         out = f"[{lease.name}] {text}"
-        if self.live is not None:
-            self.live.console.print(out, markup=False, highlight=False)
-        else:
-            sys.stdout.write(out + "\n")
-            sys.stdout.flush()
+        try:
+            if self.live is not None:
+                self.live.console.print(out, markup=False, highlight=False)
+            else:
+                sys.stdout.write(out + "\n")
+                sys.stdout.flush()
+        except OSError:
+            # The reader went away (`preloop run | head`): the run goes on,
+            # its log stays complete under the state directory.
+            self.quiet = True
 
     def end(self, lease: Lease, result: JobResult) -> None:
         entry = self.jobs.setdefault(lease.job_id, {"name": lease.name, "start": None})

@@ -4,6 +4,7 @@ the `preloop snapshot` / `preloop sweep` commands."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -236,3 +237,18 @@ def test_cli_snapshot_and_sweep(tmp_path: Path) -> None:
     assert swept.returncode == 0, swept.stderr
     assert json.loads(swept.stdout)["removed"] == [str(orphan)]
     assert not orphan.exists()
+
+
+def test_cli_without_git_is_one_clear_line(tmp_path: Path) -> None:
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    ws = make_repo(tmp_path / "ws", {"f.txt": "f\n"})
+    r = subprocess.run(
+        [*PRELOOP, "snapshot", "--state-dir", str(tmp_path / "state"), str(ws)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PATH": str(empty)},
+    )
+    assert r.returncode == 1
+    assert r.stderr.endswith("git is not on PATH: install git\n")
+    assert len(r.stderr.splitlines()) == 1

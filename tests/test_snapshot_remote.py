@@ -61,8 +61,12 @@ def test_remote_capture_of_branch_tag_and_commit(tmp_path: Path, origin: Path) -
     assert os.listdir(layout.staging_dir(state)) == []
 
 
-def test_unreachable_remote_degrades_with_reason_and_no_credentials(tmp_path: Path) -> None:
+def test_unreachable_remote_degrades_with_reason_and_no_credentials(
+    tmp_path: Path, fake_git: FakeGit
+) -> None:
     state = tmp_path / "state"
+    calls = tmp_path / "git-calls.log"
+    fake_git.log_to(calls)
     url = "https://builder:s3cr3t-token@127.0.0.1:9/acme/app.git"
     result = anyio.run(lambda: capture_remote(state, url, "main", "r-down"))
     assert result.degraded and result.snapshot is None
@@ -70,6 +74,8 @@ def test_unreachable_remote_degrades_with_reason_and_no_credentials(tmp_path: Pa
     assert result.reason.startswith("no snapshot: jobs check out directly: ")
     assert "127.0.0.1" in result.reason and "main" in result.reason
     assert "s3cr3t" not in result.reason and "builder" not in result.reason
+    # Not even git's command line (visible in the process list) carries them.
+    assert "fetch" in calls.read_text() and "s3cr3t" not in calls.read_text()
     assert not layout.run_repository(state, "r-down").exists()
     assert os.listdir(layout.staging_dir(state)) == []
     # The failed first fetch left no cache entry and no temporary behind.

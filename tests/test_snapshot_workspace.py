@@ -346,3 +346,21 @@ def test_fixup_path_tracks_ignore_changes_and_reappearing_files(
     assert "read-tree" not in log.read_text()
     assert fourth.commit == third.commit
     fake.close()
+
+
+def test_sha256_repository(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    git("init", "-q", "--object-format=sha256", "-b", "main", cwd=ws)
+    git("config", "user.email", "dev@example.com", cwd=ws)
+    git("config", "user.name", "Dev", cwd=ws)
+    (ws / "f.txt").write_text("f\n")
+    git("add", "f.txt", cwd=ws)
+    git("commit", "-q", "-m", "base", cwd=ws)
+    (ws / "g.txt").write_text("g\n")
+    snap = capture(tmp_path / "state", ws, "sha256")
+    assert len(snap.commit) == 64
+    assert set(listing(snap)) == {"f.txt", "g.txt"}
+    git("fsck", "--strict", "--no-dangling", cwd=snap.repository)
+    again = capture(tmp_path / "state", ws, "sha256-warm")
+    assert again.commit == snap.commit

@@ -8,6 +8,11 @@
 - `NamespacePermits`: at most `PRELOOP_SNAPSHOT_CONCURRENCY_PER_NAMESPACE`
   concurrent captures per namespace.
 
+- `prune_snapshot_object_cache`, `SnapshotObjectCacheSweep`,
+  `startup_snapshot_maintenance`: the object cache's byte cap. Importing this
+  package registers the best-effort post-capture prune, so library users get
+  the cap without wiring anything.
+
 Paths: `preloop.snapshot.layout`; cache lock and pins: `preloop.snapshot.locks`;
 time limits: `preloop.snapshot.limits`; post-capture hooks: `preloop.snapshot.hooks`.
 """
@@ -29,6 +34,11 @@ from preloop.snapshot.limits import (
 from preloop.snapshot.locks import CachePin
 from preloop.snapshot.merge import capture_merge
 from preloop.snapshot.permits import NamespacePermits, default_permits
+from preloop.snapshot.prune import (
+    SnapshotObjectCacheSweep,
+    prune_snapshot_object_cache,
+    startup_snapshot_maintenance,
+)
 from preloop.snapshot.remote import RemoteCapture, capture_remote
 from preloop.snapshot.sweep import SweepReport, sweep_workspace_snapshots
 from preloop.snapshot.workspace import capture_workspace
@@ -48,13 +58,16 @@ __all__ = [
     "Snapshot",
     "SnapshotCaptureTimeout",
     "SnapshotError",
+    "SnapshotObjectCacheSweep",
     "SweepReport",
     "capture_merge",
     "capture_remote",
     "capture_workspace",
     "default_permits",
     "ensure_object_cache",
+    "prune_snapshot_object_cache",
     "register_after_capture",
+    "startup_snapshot_maintenance",
     "sweep_workspace_snapshots",
     "unregister_after_capture",
 ]

@@ -38,6 +38,9 @@ __all__ = [
 
 T = TypeVar("T")
 
+# The remote name a fetch uses; its URL is passed in the environment.
+_FETCH_REMOTE = "preloop-source"
+
 
 @dataclass(frozen=True, slots=True)
 class CacheEntry:
@@ -199,16 +202,23 @@ async def ensure_remote_cache(
             await git(["config", "gc.auto", "0"], env=_cache_repo_env(tmp))
         try:
             try:
+                # The URL reaches git through the environment, not argv, so
+                # credentials in it are not visible in the process list.
                 await git(
                     [
                         "fetch",
                         "--quiet",
                         "--no-tags",
                         "--no-write-fetch-head",
-                        url,
+                        _FETCH_REMOTE,
                         f"+{ref}:{fetched_ref}",
                     ],
-                    env=_cache_repo_env(target),
+                    env={
+                        **_cache_repo_env(target),
+                        "GIT_CONFIG_COUNT": "1",
+                        "GIT_CONFIG_KEY_0": f"remote.{_FETCH_REMOTE}.url",
+                        "GIT_CONFIG_VALUE_0": url,
+                    },
                     secrets=[url],
                 )
             except CommandFailed as exc:

@@ -11,6 +11,7 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 
+from preloop.errors import PreloopError
 from preloop.process import CommandFailed, CommandResult, run_command, run_command_with_stdin
 
 __all__ = ["git", "git_env", "redact"]
@@ -105,14 +106,19 @@ async def git(
     argv = ["git", *BASE_CONFIG, *(os.fspath(a) for a in args)]
     display = redact(shlex.join(["git", *(os.fspath(a) for a in args)]), secrets)
     environment = dict(env) if env is not None else git_env()
-    if stdin is None:
-        result = await run_command(
-            argv, cwd=cwd, env=environment, check=False, display=display, timeout=timeout
-        )
-    else:
-        result = await run_command_with_stdin(
-            argv, stdin, cwd=cwd, env=environment, check=False, display=display, timeout=timeout
-        )
+    try:
+        if stdin is None:
+            result = await run_command(
+                argv, cwd=cwd, env=environment, check=False, display=display, timeout=timeout
+            )
+        else:
+            result = await run_command_with_stdin(
+                argv, stdin, cwd=cwd, env=environment, check=False, display=display, timeout=timeout
+            )
+    except FileNotFoundError as exc:
+        if exc.filename == "git":
+            raise PreloopError(f"cannot run `{display}`: git is not on PATH: install git") from None
+        raise
     if check and result.returncode != 0:
         shown = dataclasses.replace(
             result, stderr=redact(result.stderr_text(), secrets).encode(), argv=()

@@ -5,6 +5,8 @@ itself here).
 A hook gets `(state_dir, cache_key)` and runs in a worker thread; it is best
 effort: an exception is logged and swallowed, never failing the capture. A
 capture function's own `after_capture=` argument runs after the registered hooks.
+The capture returns once its hooks returned, so a hook with long work (a cache
+prune) starts it in the background and returns at once.
 """
 
 from __future__ import annotations

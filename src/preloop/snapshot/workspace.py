@@ -11,19 +11,18 @@ the user, but every write is redirected:
   objects are only read (`GIT_ALTERNATE_OBJECT_DIRECTORIES`);
 - hooks, split index, auto-gc and signing are off; `GIT_OPTIONAL_LOCKS=0`.
 
-The index: the first capture seeds it from a copy of the workspace's index
-(whose stat data lets `git add -A` skip unchanged files). Later captures start
-from the persisted `<key>.index` sidecar, reset to the tree of the workspace's
-index (`read-tree --reset` keeps stat data of unchanged entries), so the tracked
-set is the workspace's while only files changed since the last capture are
-rehashed. Either way `git add -A` then adds untracked-not-ignored files, drops
-deleted ones and rehashes changed ones. Nested repositories that `git add -A`
-would record as new gitlinks (unregistered) are dropped; registered submodules
-stay gitlinks at their checked-out commit.
+The index (see `preloop.snapshot.index`): the first capture seeds it from a
+copy of the workspace's index; later ones start from the persisted
+`<key>.index` sidecar, fixed up or reset to the workspace index's tracked set,
+so only files changed since the last capture are rehashed. `git add -A` then
+adds untracked-not-ignored files, drops deleted ones and rehashes changed ones.
+Nested repositories that `git add -A` would record as new gitlinks
+(unregistered) are dropped; registered submodules stay gitlinks at their
+checked-out commit.
 
-Blobs that the workspace had staged but the cache lacks are copied into the
-cache (one pack) before publication, so a run repository only ever depends on
-its cache entry.
+Objects the new tree needs that only the workspace's object store has (staged
+blobs, for instance) are copied into the cache (one pack) before publication,
+so a run repository only ever depends on its cache entry.
 """
 
 from __future__ import annotations
@@ -348,6 +347,35 @@ def _persist(
     memo.save(memo_path)
 
 
+async def _next_memo(
+    env: dict[str, str],
+    ws_tree: str | None,
+    ws_checksum: str | None,
+    head_tree: str,
+    tree: str,
+    head_changes: list[TreeChange],
+) -> IndexBase | None:
+    """The memo letting the next capture fix up this capture's index: which
+    paths it added to (untracked files) or dropped from (deleted files) the
+    workspace index's tree. None when that tree is unknown or too much changed."""
+    if ws_tree is None:
+        return None
+    if ws_tree == head_tree:
+        changes = [c for c in head_changes if c.status in ("A", "D")]
+    else:
+        changes = await changed_entries(env, ws_tree, tree, trees=False, only_added_dropped=True)
+    changes = [c for c in changes if not c.is_tree]
+    if len(changes) > MAX_FIXUP_PATHS:
+        return None
+    return IndexBase(
+        index_checksum="",  # set once the index is persisted
+        ws_index_checksum=ws_checksum,
+        ws_tree=ws_tree,
+        added=[c.path for c in changes if c.status == "A"],
+        dropped=[(c.old_mode, c.old_oid, c.path) for c in changes if c.status == "D"],
+    )
+
+
 async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
     state_dir = cap.state_dir
     key = layout.cache_key_for_repository(repo.common_dir)
@@ -424,23 +452,7 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
     await copy_missing_objects(
         entry.repository, repo.git_dir, new_objects, f"snapshot of run {cap.run_id}", cap.work
     )
-    memo: IndexBase | None = None
-    if ws_tree is not None:
-        if ws_tree == head_tree:
-            base_changes = [c for c in changes if c.status in ("A", "D")]
-        else:
-            base_changes = await changed_entries(
-                env, ws_tree, tree, trees=False, only_added_dropped=True
-            )
-        base_changes = [c for c in base_changes if not c.is_tree]
-        if len(base_changes) <= MAX_FIXUP_PATHS:
-            memo = IndexBase(
-                index_checksum="",
-                ws_index_checksum=ws_checksum,
-                ws_tree=ws_tree,
-                added=[c.path for c in base_changes if c.status == "A"],
-                dropped=[(c.old_mode, c.old_oid, c.path) for c in base_changes if c.status == "D"],
-            )
+    memo = await _next_memo(env, ws_tree, ws_checksum, head_tree, tree, changes)
 
     await cap.work.run("write-ref", write_snapshot_ref, cap.staging_repository, commit)
     await cap.work.run("publish", publish, cap)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -18,9 +19,9 @@ from rich.text import Text
 
 from preloop import config
 from preloop.cli.app import cli, emit_json
-from preloop.control import Lease
+from preloop.control import JobInfo, Lease
 from preloop.engine import Engine, EngineEvents, RunOutcome, RunRequest
-from preloop.errors import UsageError
+from preloop.errors import PreloopError, UsageError
 from preloop.runner import JobResult
 from preloop.workflow import Plan
 
@@ -140,6 +141,19 @@ class _Progress:
                 highlight=False,
             )
 
+    def observe(self, jobs: list[JobInfo]) -> None:
+        """Job states read from the store (the live view's poll)."""
+        now = time.monotonic()
+        for job in jobs:
+            entry = self.jobs.get(job.id)
+            if entry is None or entry["state"] not in ("queued", "running"):
+                continue
+            if job.status == "running" and entry["state"] == "queued":
+                entry.update(name=job.name, state="running", start=now)
+            elif job.status == "completed" and job.conclusion:
+                start = entry.get("start")
+                entry.update(state=job.conclusion, elapsed=now - start if start else None)
+
     def render(self) -> Group:
         counts = {"queued": 0, "running": 0, "done": 0}
         table = Table.grid(padding=(0, 2))
@@ -198,7 +212,16 @@ async def _run(engine: Engine, progress: _Progress) -> RunOutcome | None:
 
             async def refresh() -> None:
                 assert progress.live is not None
+                polled = 0.0
                 while True:
+                    if time.monotonic() - polled > 1.0 and engine.run_id is not None:
+                        # Jobs other machines' runners run (and skips) show too.
+                        polled = time.monotonic()
+                        store, run_id = engine.store, engine.run_id
+                        if store is not None:
+                            with contextlib.suppress(PreloopError):
+                                jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
+                                progress.observe(jobs)
                     progress.live.update(progress.render())
                     await anyio.sleep(0.25)
 

@@ -145,8 +145,18 @@ class _Progress:
         """Job states read from the store (the live view's poll)."""
         now = time.monotonic()
         for job in jobs:
+            if job.status == "expanded" or job.kind == "caller":
+                # A deferred matrix became its legs; a caller folds its jobs.
+                self.jobs.pop(job.id, None)
+                if job.id in self.order:
+                    self.order.remove(job.id)
+                continue
             entry = self.jobs.get(job.id)
-            if entry is None or entry["state"] not in ("queued", "running"):
+            if entry is None:
+                entry = {"name": job.name, "state": "queued", "start": None}
+                self.jobs[job.id] = entry
+                self.order.append(job.id)
+            if entry["state"] not in ("queued", "running"):
                 continue
             if job.status == "running" and entry["state"] == "queued":
                 entry.update(name=job.name, state="running", start=now)

@@ -474,3 +474,12 @@ def test_sweep_work_dir_removes_only_dead_processes_entries(tmp_path: Path) -> N
     assert sorted(p.name for p in root.iterdir()) == sorted(
         [f"{os.getpid()}-template-def", "not-a-pid"]
     )
+
+
+def test_job_env_that_cannot_be_evaluated_fails_the_job(tmp_path: Path) -> None:
+    result, lines = run_job(
+        tmp_path, [{"run": "echo never"}], env={"X": "${{ fromJSON('not json') }}"}
+    )
+    assert result.conclusion == "failure" and result.steps == []
+    assert result.reason is not None and "env cannot be evaluated" in result.reason
+    assert "never" not in lines

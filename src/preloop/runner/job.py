@@ -651,7 +651,12 @@ async def execute_job(
     says what happened."""
     control = control or JobControl()
     masker = masker or Masker()
-    run = _Execution(spec, contexts, host, log, masker, dict(secrets or {}), control)
+    try:
+        run = _Execution(spec, contexts, host, log, masker, dict(secrets or {}), control)
+    except ex.ExpressionError as exc:
+        why = f"job {spec.get('job', '')!r}: env cannot be evaluated: {exc}"
+        log(masker.mask(f"✖ {why}"))
+        return JobResult("failure", {}, [], [Annotation("error", why)], "", why)
     scope = _Scope(steps_ctx={}, inputs=contexts.get("inputs") or {})
     reason: str | None = None
     steps = list(spec.get("steps") or [])

@@ -189,6 +189,12 @@ class Runner:
                 tg.start_soon(self._heartbeat, lease, control)
                 try:
                     result = await self._execute(lease, control, job_dir, line, masker, where)
+                except Exception as exc:
+                    # A bug or a spec this runner cannot read: the job fails
+                    # (it must not read as cancelled, nor stay running).
+                    _log.exception("%s failed in the runner", where)
+                    line(f"✖ preloop could not run the job: {exc!r}")
+                    result = _failure_result(f"{where}: preloop could not run the job: {exc!r}")
                 finally:
                     tg.cancel_scope.cancel()
         finally:

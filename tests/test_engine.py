@@ -11,9 +11,9 @@ import pytest
 from tests.run_support import Harness, git, make_repo, results, run_engine, workflow
 
 from preloop.control import Lease, open_store
-from preloop.engine import Engine, RunRequest
+from preloop.engine import Engine, RunRequest, _pin_to_engine
 from preloop.runner.logs import job_ids_with_logs, log_path
-from preloop.workflow import PlanError, WorkflowError
+from preloop.workflow import PlanError, WorkflowError, load_workflow, plan
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
 
@@ -464,3 +464,25 @@ def test_env_files_continue_on_error_and_hung_step_timeout(tmp_path: Path, store
     assert len(pidfds) == 1
     readable, _, _ = select.select(pidfds, [], [], 30)
     assert readable == pidfds
+
+
+def test_lite_runs_sharing_a_store_only_run_their_own_jobs(tmp_path: Path) -> None:
+    wf = workflow(
+        "on: push\njobs:\n  build:\n    runs-on: ubuntu-latest\n"
+        "    steps:\n      - run: echo build-of-$(basename $GITHUB_WORKSPACE)\n"
+    )
+    other = make_repo(tmp_path / "other", wf)
+    mine = make_repo(tmp_path / "mine", wf)
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    # A run of another `preloop run` (submitted, its engine still capturing).
+    foreign = _pin_to_engine(
+        plan(load_workflow(other / ".github/workflows/ci.yml", root=other), "push"),
+        "preloop-run-someone-else",
+    )
+    with open_store(url) as store:
+        foreign_id = store.submit_run(foreign, github={})
+    outcome, h = run_engine(mine, url, tmp_path / "state")
+    assert outcome.run_id != foreign_id and results(outcome) == {"build": "success"}
+    assert h.started == ["build"]
+    with open_store(url) as store:
+        assert store.get_job(foreign_id, "build").status == "queued"

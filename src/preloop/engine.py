@@ -25,6 +25,7 @@ did not end as cancelled, and returns.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -223,6 +224,16 @@ def _select_job(p: Plan, job: str) -> Plan:
     )
 
 
+def _pin_to_engine(p: Plan, label: str) -> Plan:
+    """Adds `label` to every job's runs-on (legs of deferred matrices, made by
+    the store later, do not get it)."""
+    jobs = tuple(
+        dataclasses.replace(j, runs_on=(*j.runs_on, label)) if j.kind == "job" else j
+        for j in p.jobs
+    )
+    return dataclasses.replace(p, jobs=jobs)
+
+
 def _plan_labels(p: Plan) -> list[str]:
     """Every label the plan's jobs ask for: local runners take all of them."""
     labels: set[str] = set(DEFAULT_LABELS)
@@ -338,6 +349,11 @@ class Engine:
                 gh.update(ref=f"refs/heads/{branch}", ref_name=branch)
             gh.update(event_name=req.event, workflow=planned.name)
             gh.setdefault("actor", os.environ.get("USER", "preloop"))
+            if store.dialect == "lite":
+                # No `preloop runner` serves a lite store: only this engine's
+                # runners run its jobs, so another `preloop run` sharing the
+                # store never runs (and shows) them.
+                planned = _pin_to_engine(planned, f"preloop-{run_key}")
             run_id = await anyio.to_thread.run_sync(lambda: store.submit_run(planned, github=gh))
             self.run_id = run_id
             if self.events.on_submitted is not None:
@@ -385,21 +401,30 @@ class Engine:
         )
 
     def _job_events(self) -> JobEvents:
+        # A job of another run (a shared PostgreSQL store) is run, logged and
+        # completed like ours, but not shown or summarised as part of our run.
         def start(lease: Lease) -> None:
+            if lease.run_id != self.run_id:
+                return
             self._starts[lease.job_id] = time.monotonic()
             if self.events.on_job_start is not None:
                 self.events.on_job_start(lease)
 
+        def line(lease: Lease, text: str) -> None:
+            if lease.run_id == self.run_id and self.events.on_job_line is not None:
+                self.events.on_job_line(lease, text)
+
         def end(lease: Lease, result: JobResult) -> None:
-            began = self._starts.pop(lease.job_id, None)
-            if began is not None:
-                self._durations[lease.job_id] = time.monotonic() - began
-            self._annotations[lease.job_id] = [a.render() for a in result.annotations]
-            if self.events.on_job_end is not None:
-                self.events.on_job_end(lease, result)
+            if lease.run_id == self.run_id:
+                began = self._starts.pop(lease.job_id, None)
+                if began is not None:
+                    self._durations[lease.job_id] = time.monotonic() - began
+                self._annotations[lease.job_id] = [a.render() for a in result.annotations]
+                if self.events.on_job_end is not None:
+                    self.events.on_job_end(lease, result)
             self._wake()
 
-        return JobEvents(on_start=start, on_line=self.events.on_job_line, on_end=end)
+        return JobEvents(on_start=start, on_line=line, on_end=end)
 
     async def _run_finished(self, store: Store, run_id: int) -> bool:
         info = await anyio.to_thread.run_sync(store.get_run, run_id)

@@ -226,11 +226,12 @@ def test_variables_and_contexts(tmp_path: Path) -> None:
                 "run": 'echo "$CI $GITHUB_ACTIONS $GITHUB_JOB $RUNNER_OS $GITHUB_EVENT_NAME"\n'
                 'echo "ws=$GITHUB_WORKSPACE temp=$RUNNER_TEMP"\n'
                 'echo "event=$(cat "$GITHUB_EVENT_PATH")"\n'
-                "echo 'm=${{ matrix.os }} n=${{ needs.setup.outputs.v }}'"
+                "echo 'm=${{ matrix.os }} n=${{ needs.setup.outputs.v }}'\n"
+                "echo 'gw=${{ github.workspace }}'"
             }
         ],
         contexts={
-            "github": {"event_name": "push"},
+            "github": {"event_name": "push", "workspace": "/the/source/repo"},
             "matrix": {"os": "linux"},
             "needs": {"setup": {"result": "success", "outputs": {"v": "42"}}},
         },
@@ -240,6 +241,7 @@ def test_variables_and_contexts(tmp_path: Path) -> None:
     assert f"ws={tmp_path / 'ws'} temp={tmp_path / 'temp'}" in lines
     assert "m=linux n=42" in lines
     assert "event={}" in lines
+    assert f"gw={tmp_path / 'ws'}" in lines
 
 
 def test_workflow_commands_mask_group_annotations(tmp_path: Path) -> None:

@@ -340,7 +340,6 @@ class Engine:
             gh = {
                 "repository": root.name,
                 "sha": snap.commit,
-                "workspace": str(root),
                 SNAPSHOT_CONTEXT_KEY: location.to_dict(),
                 ENGINE_CONTEXT_KEY: {"host": socket.gethostname(), "pid": os.getpid()},
             }

@@ -213,7 +213,7 @@ class _Execution:
         for value in secrets.values():
             masker.add(value)
         github = dict(contexts.get("github") or {})
-        github.setdefault("workspace", str(host.workspace))
+        github["workspace"] = str(host.workspace)  # the job's checkout, never the source
         github.setdefault("job", self.job_key)
         github.setdefault("run_id", host.run_id)
         github.setdefault("run_number", "1")

@@ -8,14 +8,13 @@ from typing import Any, NoReturn
 
 import click
 
-from preloop import __version__
 from preloop.errors import PreloopError
 
 __all__ = ["cli", "emit_json", "fail", "main"]
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, "-V", "--version", prog_name="preloop")
+@click.version_option(None, "-V", "--version", package_name="preloop", prog_name="preloop")
 def cli() -> None:
     """Run GitHub Actions workflows against a snapshot of your workspace.
 

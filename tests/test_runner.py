@@ -36,6 +36,7 @@ def run_job(
     files: dict[str, str] | None = None,
     on_line: Callable[[str], None] | None = None,
     control: JobControl | None = None,
+    extra_spec: dict[str, Any] | None = None,
 ) -> tuple[JobResult, list[str]]:
     ws = tmp_path / "ws"
     temp = tmp_path / "temp"
@@ -57,6 +58,7 @@ def run_job(
         "env": env or {},
         "outputs": outputs or {},
         "defaults": defaults or {},
+        **(extra_spec or {}),
     }
     result = anyio.run(
         lambda: execute_job(
@@ -485,3 +487,20 @@ def test_job_env_that_cannot_be_evaluated_fails_the_job(tmp_path: Path) -> None:
     assert result.conclusion == "failure" and result.steps == []
     assert result.reason is not None and "env cannot be evaluated" in result.reason
     assert "never" not in lines
+
+
+def test_container_and_services_are_reported_not_silently_ignored(tmp_path: Path) -> None:
+    result, lines = run_job(
+        tmp_path,
+        [{"run": "echo on-the-host"}],
+        extra_spec={
+            "container": {"image": "node:20"},
+            "services": {"redis": {"image": "redis"}, "db": {"image": "postgres"}},
+        },
+    )
+    assert result.conclusion == "success"
+    assert "on-the-host" in lines
+    warnings = [a.message for a in result.annotations if a.level == "warning"]
+    assert any("`container:`" in w and "'build'" in w for w in warnings)
+    assert any("`services:` (db, redis)" in w for w in warnings)
+    assert any(line.startswith("warning: job 'build' declares `services:`") for line in lines)

@@ -632,6 +632,28 @@ class _Execution:
         return outputs, ("failure" if failed else "success")
 
 
+def _warn_unsupported(spec: Mapping[str, Any], run: _Execution) -> None:
+    """`container:` and `services:` need a container engine, which preloop does
+    not drive: say so in the log and the summary instead of silently running
+    the steps on the host as if they had been honoured."""
+    job = str(spec.get("job", ""))
+    if spec.get("container"):
+        why = (
+            f"job {job!r} declares `container:`; preloop runs its steps on this host, "
+            "not in that image"
+        )
+        run.log(f"warning: {why}")
+        run.annotations.append(Annotation("warning", why, run.job_key))
+    services = sorted(dict(spec.get("services") or {}))
+    if services:
+        why = (
+            f"job {job!r} declares `services:` ({', '.join(services)}); preloop does not start "
+            "service containers: start them yourself before `preloop run`"
+        )
+        run.log(f"warning: {why}")
+        run.annotations.append(Annotation("warning", why, run.job_key))
+
+
 async def execute_job(
     spec: Mapping[str, Any],
     contexts: Mapping[str, Any],
@@ -657,6 +679,7 @@ async def execute_job(
         why = f"job {spec.get('job', '')!r}: env cannot be evaluated: {exc}"
         log(masker.mask(f"✖ {why}"))
         return JobResult("failure", {}, [], [Annotation("error", why)], "", why)
+    _warn_unsupported(spec, run)
     scope = _Scope(steps_ctx={}, inputs=contexts.get("inputs") or {})
     reason: str | None = None
     steps = list(spec.get("steps") or [])

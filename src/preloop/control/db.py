@@ -34,6 +34,9 @@ Row = dict[str, Any]
 T = TypeVar("T")
 Dialect = Literal["lite", "pg"]
 
+# The run columns a locked run row carries (what concludes the run).
+_RUN_COLS = "id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs, cancelled_jobs"
+
 # A transaction-scoped advisory lock key: "preloop" migrations.
 _MIGRATION_LOCK = 0x7072656C6F6F70
 
@@ -92,7 +95,7 @@ class Tx:
         write lock). Lock order: this comes before any job row. With
         `settle_delta` the lock is taken by the statement that adjusts
         `remaining_jobs` (the settle path's first write)."""
-        cols = "id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs"
+        cols = _RUN_COLS
         if settle_delta is not None:
             sql = (
                 f"UPDATE runs SET remaining_jobs = remaining_jobs + ? WHERE id = ? RETURNING {cols}"
@@ -119,10 +122,7 @@ class Tx:
         """The run row if it can be locked without waiting (pg `SKIP LOCKED`):
         used only when the caller already holds a different run's lock, so no
         transaction ever waits on run rows out of order."""
-        sql = (
-            "SELECT id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs "
-            "FROM runs WHERE id = ?"
-        )
+        sql = f"SELECT {_RUN_COLS} FROM runs WHERE id = ?"
         if not self._pg:
             return self.one(sql, (run_id,))
         return self.one(sql + " FOR UPDATE SKIP LOCKED", (run_id,))

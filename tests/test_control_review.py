@@ -1,0 +1,69 @@
+"""Scheduler regressions from review, one suite over both stores: a skipped
+caller under a punctuation-ignoring collation, how cancelled runs conclude,
+reusable callers behind max-parallel, concurrency groups and fail-fast, and
+cancellations racing other transactions on PostgreSQL."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+from preloop.control import Store, open_store
+from preloop.testing.plans import PlanBuilder, drive
+
+
+def conclusions(store: Store, run_id: int) -> dict[str, str | None]:
+    return {j.id: j.conclusion for j in store.list_jobs(run_id)}
+
+
+@pytest.fixture
+def punct_store(store_url: str) -> Iterator[Store]:
+    """The lite store, or a pg store in a database whose default collation
+    ignores punctuation (ICU `ka-shifted`, like glibc's en_US), dropped after."""
+    if not store_url.startswith("postgresql"):
+        with open_store(store_url) as s:
+            yield s
+        return
+    import psycopg
+
+    parts = urlsplit(store_url)
+    admin = urlunsplit(parts._replace(query=""))
+    name = f"preloop_icu_{secrets.token_hex(6)}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(
+            f"CREATE DATABASE {name} TEMPLATE template0 LOCALE_PROVIDER icu "
+            "ICU_LOCALE 'en-US-u-ka-shifted' LOCALE 'C.UTF-8'"
+        )
+    try:
+        with open_store(urlunsplit(parts._replace(path=f"/{name}", query=""))) as s:
+            yield s
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_skipped_caller_ends_inner_jobs_under_any_collation(punct_store: Store) -> None:
+    """Inner jobs are found by an id range (`call/` .. `call0`): it must hold
+    whatever the database's default collation."""
+    store = punct_store
+    b = PlanBuilder()
+    b.job("a")
+    b.job("call", kind="caller", needs=["a"])
+    b.job("call/x", caller="call")
+    b.job("call/y", caller="call", needs=["call/x"], if_expr="always()")
+    b.job("call.z", needs=["a"], if_expr="always()")  # a neighbour id, not inside
+    run_id = store.submit_run(b.plan())
+    store.counters.reset()
+    drive(store, b.plan(), run_id, lambda lease: "failure" if lease.job_id == "a" else "success")
+    assert store.counters.snapshot().graph_loads == 0
+    assert store.get_run(run_id).status == "completed"
+    assert conclusions(store, run_id) == {
+        "a": "failure",
+        "call": "skipped",
+        "call/x": "skipped",
+        "call/y": "skipped",
+        "call.z": "success",
+    }

@@ -13,6 +13,7 @@ import pytest
 
 from preloop.control import Store, open_store
 from preloop.testing.plans import PlanBuilder, drive
+from preloop.workflow.plan import ConcurrencySpec
 
 
 def conclusions(store: Store, run_id: int) -> dict[str, str | None]:
@@ -67,3 +68,34 @@ def test_skipped_caller_ends_inner_jobs_under_any_collation(punct_store: Store) 
         "call/y": "skipped",
         "call.z": "success",
     }
+
+
+def test_run_with_a_cancelled_job_and_no_failure_concludes_cancelled(store: Store) -> None:
+    """A runner reported `cancelled`; a concurrency group replaced a pending
+    job: neither run failed, both conclude cancelled (GitHub's rule)."""
+    b = PlanBuilder()
+    b.job("a")
+    b.job("b")
+    store.counters.reset()
+    reported = store.submit_run(b.plan())
+    drive(
+        store, b.plan(), reported, lambda lease: "cancelled" if lease.job_id == "a" else "success"
+    )
+    assert store.counters.snapshot().graph_loads == 0
+    assert conclusions(store, reported) == {"a": "cancelled", "b": "success"}
+    assert store.get_run(reported).conclusion == "cancelled"
+
+    store.counters.reset()
+    runs = []
+    for _ in range(3):
+        g = PlanBuilder()
+        g.job("a", concurrency=ConcurrencySpec("g"))
+        runs.append(store.submit_run(g.plan()))
+    replaced = store.get_run(runs[1])  # its only job was replaced by the third run's
+    assert (replaced.status, replaced.conclusion) == ("completed", "cancelled")
+    for run_id in (runs[0], runs[2]):
+        lease = store.claim_job("r", [])
+        assert lease is not None and lease.run_id == run_id
+        store.complete_job(lease, "success")
+        assert store.get_run(run_id).conclusion == "success"
+    assert store.counters.snapshot().graph_loads == 0

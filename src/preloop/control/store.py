@@ -940,7 +940,8 @@ class _Cascade:
         self.tx = tx
         self.store = store
         self.runs: dict[int, Row] = {}  # locked run rows (with parsed context)
-        self.run_delta: dict[int, list[int]] = {}  # run -> [remaining delta, failed delta]
+        # run -> [remaining delta, failed delta, cancelled delta]
+        self.run_delta: dict[int, list[int]] = {}
         self.retry_groups: set[str] = set()
         self.work: list[tuple[str, tuple[Any, ...]]] = []
         # Runs whose settle write already brought remaining_jobs to 0.
@@ -991,14 +992,15 @@ class _Cascade:
                 return
             deltas, self.run_delta = self.run_delta, {}
             for run_id in sorted(set(deltas) | set(self.pending_end)):
-                rem, failed = deltas.get(run_id, (0, 0))
+                rem, failed, cancelled = deltas.get(run_id, (0, 0, 0))
                 row: Row | None
-                if rem or failed:
+                if rem or failed or cancelled:
                     row = self.tx.one(
                         "UPDATE runs SET remaining_jobs = remaining_jobs + ?, failed_jobs = "
-                        "failed_jobs + ? WHERE id = ? RETURNING remaining_jobs, failed_jobs, "
-                        "status, cancel_requested, conc_group",
-                        (rem, failed, run_id),
+                        "failed_jobs + ?, cancelled_jobs = cancelled_jobs + ? WHERE id = ? "
+                        "RETURNING remaining_jobs, failed_jobs, cancelled_jobs, status, "
+                        "cancel_requested, conc_group",
+                        (rem, failed, cancelled, run_id),
                     )
                 else:
                     row = self.pending_end.get(run_id)
@@ -1019,17 +1021,21 @@ class _Cascade:
         self.ready(run_id, roots)
         if not roots:
             row = self.tx.one(
-                "SELECT remaining_jobs, failed_jobs, cancel_requested, conc_group FROM runs "
-                "WHERE id = ?",
+                "SELECT remaining_jobs, failed_jobs, cancelled_jobs, cancel_requested, conc_group "
+                "FROM runs WHERE id = ?",
                 (run_id,),
             )
             if row is not None and int(row["remaining_jobs"]) == 0:
                 self.end_run(run_id, row)
 
     def end_run(self, run_id: int, row: Row) -> None:
+        """Concludes a run whose jobs all ended: failure if one failed, else
+        cancelled if the run was cancelled or one of its jobs was (replaced
+        in a concurrency group, cancelled in progress, stopped by fail-fast,
+        reported cancelled), else success, as on GitHub."""
         if int(row["failed_jobs"]):
             conclusion = "failure"
-        elif int(row["cancel_requested"]):
+        elif int(row["cancel_requested"]) or int(row["cancelled_jobs"]):
             conclusion = "cancelled"
         else:
             conclusion = "success"
@@ -1067,7 +1073,7 @@ class _Cascade:
         )
         if changed is None:
             return  # already ended by another path of this cascade
-        self.run_delta.setdefault(run_id, [0, 0])[0] -= 1
+        self.run_delta.setdefault(run_id, [0, 0, 0])[0] -= 1
         self.after_conclude(job, conclusion, outputs)
 
     def after_conclude(
@@ -1093,7 +1099,9 @@ class _Cascade:
         coe = bool(job["continue_on_error"])
         effective = "success" if conclusion == "failure" and coe else conclusion
         if effective == "failure":
-            self.run_delta.setdefault(run_id, [0, 0])[1] += 1
+            self.run_delta.setdefault(run_id, [0, 0, 0])[1] += 1
+        elif effective == "cancelled":
+            self.run_delta.setdefault(run_id, [0, 0, 0])[2] += 1
         if job["holds_slot"] and not slot_handed:
             self.work.append(("release_slot", (run_id, job["cohort"])))
         if job["holds_group"]:
@@ -1298,7 +1306,10 @@ class _Cascade:
             "UPDATE units SET remaining = 0, result = ? WHERE run_id = ? AND base_id = ?",
             (conclusion, run_id, _start_unit(caller)),
         )
-        self.run_delta.setdefault(run_id, [0, 0])[0] -= len(rows)
+        delta = self.run_delta.setdefault(run_id, [0, 0, 0])
+        delta[0] -= len(rows)
+        if conclusion == "cancelled":
+            delta[2] += len(rows)
 
     def start_caller(self, job: Row) -> None:
         run_id = int(job["run_id"])
@@ -1516,7 +1527,7 @@ class _Cascade:
             "UPDATE units SET remaining = remaining + ? WHERE run_id = ? AND base_id = ?",
             (len(top) - 1, run_id, jid),
         )
-        self.run_delta.setdefault(run_id, [0, 0])[0] += len(jobs) - 1
+        self.run_delta.setdefault(run_id, [0, 0, 0])[0] += len(jobs) - 1
         if full["caller"] is not None:
             # Splice the legs into the caller's persisted inner job ids.
             c = tx.one(

@@ -99,3 +99,50 @@ def test_run_with_a_cancelled_job_and_no_failure_concludes_cancelled(store: Stor
         store.complete_job(lease, "success")
         assert store.get_run(run_id).conclusion == "success"
     assert store.counters.snapshot().graph_loads == 0
+
+
+def claim_all(store: Store) -> list[tuple[int, str]]:
+    out = []
+    while (lease := store.claim_job("r", [])) is not None:
+        out.append((lease.run_id, lease.job_id))
+        store.complete_job(lease, "success")
+    return out
+
+
+def test_max_parallel_holds_reusable_caller_legs(store: Store) -> None:
+    """A matrix of reusable callers at max-parallel 1: one caller leg runs its
+    inner jobs at a time; the slot passes on when the leg folds."""
+    b = PlanBuilder()
+    b.matrix("call", 3, max_parallel=1, kind="caller")
+    for i in range(3):
+        b.job(f"call#{i}/x", caller=f"call#{i}")
+        b.job(f"call#{i}/y", caller=f"call#{i}", needs=[f"call#{i}/x"])
+    store.counters.reset()
+    run_id = store.submit_run(b.plan())
+    order = []
+    while (lease := store.claim_job("r", [])) is not None:
+        assert store.claim_job("r", []) is None  # nothing else may run meanwhile
+        order.append(lease.job_id)
+        store.complete_job(lease, "success")
+    assert order == [f"call#{i}/{j}" for i in range(3) for j in "xy"]
+    assert store.get_run(run_id).conclusion == "success"
+    assert store.counters.snapshot().graph_loads == 0
+
+
+def test_concurrency_group_holds_reusable_callers(store: Store) -> None:
+    """Two runs' callers in one group: the second starts when the first folds."""
+    store.counters.reset()
+    runs = []
+    for _ in range(2):
+        b = PlanBuilder()
+        b.job("call", kind="caller", concurrency=ConcurrencySpec("deploy"))
+        b.job("call/x", caller="call")
+        runs.append(store.submit_run(b.plan()))
+    first = store.claim_job("r", [])
+    assert first is not None and (first.run_id, first.job_id) == (runs[0], "call/x")
+    assert store.claim_job("r", []) is None
+    store.complete_job(first, "success")
+    assert claim_all(store) == [(runs[1], "call/x")]
+    assert [store.get_run(r).conclusion for r in runs] == ["success", "success"]
+
+    assert store.counters.snapshot().graph_loads == 0

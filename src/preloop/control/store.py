@@ -921,6 +921,12 @@ def _chunks(ids: list[str], size: int = 500) -> Iterator[list[str]]:
         yield ids[i : i + size]
 
 
+def _plain(job: Row) -> bool:
+    """A job that queues as soon as it is admitted: no concurrency group to
+    go through, not a reusable caller (which starts instead)."""
+    return job["kind"] == "job" and job["conc_group"] is None and job["conc_group_expr"] is None
+
+
 def _unit_result(u: Row) -> str:
     if u["n_failure"]:
         return "failure"
@@ -1238,7 +1244,7 @@ class _Cascade:
             "UPDATE cohorts SET active = active + ? WHERE run_id = ? AND id = ?",
             (len(legs), run_id, cohort),
         )
-        plain = [j["id"] for j in legs if j["conc_group"] is None and j["conc_group_expr"] is None]
+        plain = [j["id"] for j in legs if _plain(j)]
         for i in range(0, len(plain), 500):
             chunk = plain[i : i + 500]
             marks = ", ".join("?" for _ in chunk)
@@ -1248,7 +1254,7 @@ class _Cascade:
                 (run_id, *chunk),
             )
         for job in legs:
-            if job["conc_group"] is not None or job["conc_group_expr"] is not None:
+            if not _plain(job):
                 self.through_group(job, holds_slot=True)
 
     def _do_gate(self, job: Row) -> None:
@@ -1273,12 +1279,11 @@ class _Cascade:
         if not go:
             self.skip(job, "cancelled" if status == "cancelled" else "skipped")
             return
-        kind = job["kind"]
-        if kind == "caller":
-            self.start_caller(job)
-        elif kind == "deferred":
+        if job["kind"] == "deferred":
             self.expand(job)
         else:
+            # A reusable caller is admitted like a job (its matrix's
+            # max-parallel, its `concurrency:`): it starts where a job queues.
             self.admit(job)
 
     def skip(self, job: Row, conclusion: str) -> None:
@@ -1311,23 +1316,29 @@ class _Cascade:
         if conclusion == "cancelled":
             delta[2] += len(rows)
 
-    def start_caller(self, job: Row) -> None:
-        run_id = int(job["run_id"])
+    def enqueue(self, job: Row, holds_slot: bool, group: str | None) -> None:
+        """An admitted job queues for a runner; an admitted reusable caller
+        starts (folding, holding its slot and group until it folds)."""
         row = self.tx.one(
-            "UPDATE jobs SET status = 'folding' WHERE run_id = ? AND id = ? AND status = "
-            "'blocked' "
+            "UPDATE jobs SET status = CASE WHEN kind = 'caller' THEN 'folding' ELSE 'queued' END, "
+            "holds_slot = ?, holds_group = ?, conc_group = COALESCE(?, conc_group) "
+            "WHERE run_id = ? AND id = ? AND status IN ('blocked', 'parked', 'waiting') "
             f"RETURNING {_JOB}",
-            (run_id, job["id"]),
+            (int(holds_slot), group, group, int(job["run_id"]), job["id"]),
         )
-        if row is None:
-            return
+        if row is not None and row["kind"] == "caller":
+            self.caller_started(row)
+
+    def caller_started(self, row: Row) -> None:
+        """A caller now folding: its inner root jobs may start."""
+        run_id = int(row["run_id"])
         if int(row["remaining_inner"]) == 0:
             self.work.append(("fold", (row,)))
             return
         unit = self.tx.one(
             "UPDATE units SET remaining = 0, n_success = 1 WHERE run_id = ? AND base_id = ? "
             "RETURNING *",
-            (run_id, _start_unit(job["id"])),
+            (run_id, _start_unit(row["id"])),
         )
         if unit is not None:
             self.work.append(("end_unit", (run_id, unit)))
@@ -1610,19 +1621,11 @@ class _Cascade:
                 self.conclude(job, "failure", {}, f"job {job['id']!r}: concurrency: {exc}")
                 return
         if group is None:
-            tx.execute(
-                "UPDATE jobs SET status = 'queued', holds_slot = ? WHERE run_id = ? AND id = ?",
-                (int(holds_slot), run_id, job["id"]),
-            )
+            self.enqueue(job, holds_slot, None)
             return
         got = tx.one(_ACQUIRE, (group, run_id, job["id"], group, group))
         if got is not None:
-            tx.execute(
-                "UPDATE jobs SET status = 'queued', holds_slot = ?, holds_group = ?, "
-                "conc_group = ? "
-                "WHERE run_id = ? AND id = ?",
-                (int(holds_slot), group, group, run_id, job["id"]),
-            )
+            self.enqueue(job, holds_slot, group)
             return
         seq = tx.next_wait_seq()
         tx.execute(
@@ -1748,16 +1751,16 @@ class _Cascade:
                 self.run(run_id)["status"] = "running"
                 self.start_run(run_id)
                 return
-            row = tx.one(
-                "UPDATE jobs SET status = 'queued', holds_group = ? WHERE run_id = ? AND id = ? "
-                "AND status = 'waiting' RETURNING id",
-                (group, run_id, w["id"]),
+            job = tx.one(
+                f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id = ? AND status = 'waiting'",
+                (run_id, w["id"]),
             )
-            if row is not None:
+            if job is not None:
                 tx.execute(
                     "UPDATE conc_groups SET holder_run = ?, holder_job = ? WHERE name = ?",
                     (run_id, w["id"], group),
                 )
+                self.enqueue(job, bool(job["holds_slot"]), group)
                 return
 
     # -- workflow-level concurrency

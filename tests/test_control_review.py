@@ -146,3 +146,57 @@ def test_concurrency_group_holds_reusable_callers(store: Store) -> None:
     assert [store.get_run(r).conclusion for r in runs] == ["success", "success"]
 
     assert store.counters.snapshot().graph_loads == 0
+
+
+def test_fail_fast_cancels_started_caller_legs(store: Store) -> None:
+    """fail-fast over a matrix of reusable callers: a failed leg stops the
+    sibling callers' running inner jobs, ends the rest, and they fold cancelled."""
+    b = PlanBuilder()
+    b.matrix("call", 2, fail_fast=True, kind="caller")
+    for i in range(2):
+        b.job(f"call#{i}/x", caller=f"call#{i}")
+        b.job(f"call#{i}/y", caller=f"call#{i}", needs=[f"call#{i}/x"])
+    b.job("after", needs=["call"], if_expr="always()")
+    store.counters.reset()
+    run_id = store.submit_run(b.plan())
+    failing, sibling = store.claim_job("r", []), store.claim_job("r", [])
+    assert failing is not None and sibling is not None and sibling.job_id == "call#1/x"
+    store.complete_job(failing, "failure")
+    assert store.heartbeat(sibling).cancel_requested
+    assert store.get_job(run_id, "call#1/y").conclusion == "cancelled"
+    store.complete_job(sibling, "success")
+    assert claim_all(store) == [(run_id, "after")]
+    assert store.counters.snapshot().graph_loads == 0
+    assert conclusions(store, run_id) == {
+        "call#0": "failure",
+        "call#0/x": "failure",
+        "call#0/y": "skipped",
+        "call#1": "cancelled",
+        "call#1/x": "cancelled",
+        "call#1/y": "cancelled",
+        "after": "success",
+    }
+
+
+def test_cancel_in_progress_cancels_a_started_caller(store: Store) -> None:
+    """A newer caller in a cancel-in-progress group cancels the started one:
+    its running inner job is told to stop, the rest end, it folds cancelled."""
+    store.counters.reset()
+    cancelling = ConcurrencySpec("release", cancel_in_progress=True)
+    runs = []
+    for _ in range(2):
+        b = PlanBuilder()
+        b.job("call", kind="caller", concurrency=cancelling)
+        b.job("call/x", caller="call")
+        b.job("call/y", caller="call", needs=["call/x"])
+        runs.append(store.submit_run(b.plan()))
+        if len(runs) == 1:
+            held = store.claim_job("r", [])
+            assert held is not None and held.run_id == runs[0]
+    assert store.heartbeat(held).cancel_requested
+    store.complete_job(held, "success")
+    assert store.get_job(runs[0], "call/y").conclusion == "cancelled"
+    assert store.get_job(runs[0], "call").conclusion == "cancelled"
+    assert claim_all(store) == [(runs[1], "call/x"), (runs[1], "call/y")]
+    assert [store.get_run(r).conclusion for r in runs] == ["cancelled", "success"]
+    assert store.counters.snapshot().graph_loads == 0

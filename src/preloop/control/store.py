@@ -921,6 +921,13 @@ def _chunks(ids: list[str], size: int = 500) -> Iterator[list[str]]:
         yield ids[i : i + size]
 
 
+def _inner_range(caller: str) -> tuple[str, str]:
+    """The id range of every job inside `caller` (nested callers' included):
+    `caller/` up to `caller0`, '0' sorting right after '/' in byte order (id
+    columns are C-collated, schema migration 4)."""
+    return caller + "/", caller + "0"
+
+
 def _plain(job: Row) -> bool:
     """A job that queues as soon as it is admitted: no concurrency group to
     go through, not a reusable caller (which starts instead)."""
@@ -1294,7 +1301,7 @@ class _Cascade:
     def skip_inner(self, run_id: int, caller: str, conclusion: str) -> None:
         """A caller that will not run: every job inside it (nested callers
         included, by id prefix) ends with the caller's conclusion at once."""
-        lo, hi = caller + "/", caller + "0"  # '0' sorts right after '/'
+        lo, hi = _inner_range(caller)
         rows = self.tx.execute(
             "UPDATE jobs SET status = 'completed', conclusion = ?, completed_at = ? "
             "WHERE run_id = ? AND id >= ? AND id < ? AND status = 'blocked' RETURNING id",
@@ -1363,7 +1370,7 @@ class _Cascade:
             "failure"
             if "failure" in results
             else "cancelled"
-            if "cancelled" in results
+            if "cancelled" in results or int(caller["cancel_requested"])
             else "success"
         )
         ctx = dict(self.context(run_id))
@@ -1698,6 +1705,8 @@ class _Cascade:
                 "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND id = ?",
                 (run_id, job["id"]),
             )
+        elif job["status"] == "folding":
+            self.cancel_caller(job, f"cancelled in progress by concurrency group {group!r}")
         elif job["status"] == "queued":
             self.conclude(
                 job, "cancelled", {}, f"cancelled in progress by concurrency group {group!r}"
@@ -1848,11 +1857,17 @@ class _Cascade:
         )
         if c is None or not c["fail_fast"]:
             return
+        reason = f"fail-fast: leg {failed_id!r} failed"
         self.tx.execute(
             "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND cohort = ? AND status = "
             "'running'",
             (run_id, cohort),
         )
+        for leg in self.tx.execute(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND cohort = ? AND status = 'folding'",
+            (run_id, cohort),
+        ):
+            self.cancel_caller(leg, reason)
         legs = self.tx.execute(
             f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND cohort = ? "
             "AND status IN ('queued', 'parked', 'waiting') ORDER BY seq DESC",
@@ -1861,4 +1876,27 @@ class _Cascade:
         # Concluded here, not queued: a slot freed by one of them must not
         # admit a sibling that is about to be cancelled.
         for leg in legs:
-            self._do_conclude(leg, "cancelled", {}, f"fail-fast: leg {failed_id!r} failed")
+            self._do_conclude(leg, "cancelled", {}, reason)
+
+    def cancel_caller(self, caller: Row, reason: str) -> None:
+        """A started reusable caller is cancelled (fail-fast, cancel-in-progress):
+        its running inner jobs (nested callers' too, by id prefix) are told to
+        stop, the rest end cancelled now, and it folds cancelled unless an
+        inner job failed."""
+        tx = self.tx
+        run_id = int(caller["run_id"])
+        lo, hi = _inner_range(caller["id"])
+        tx.execute(
+            "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND ((id >= ? AND id < ? "
+            "AND status IN ('running', 'folding')) OR id = ?)",
+            (run_id, lo, hi, caller["id"]),
+        )
+        rest = tx.execute(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id >= ? AND id < ? "
+            "AND status IN ('blocked', 'parked', 'waiting', 'queued') ORDER BY seq DESC",
+            (run_id, lo, hi),
+        )
+        # Concluded here, not queued (see _do_fail_fast); deepest first, so a
+        # nested caller that never started finds its inner jobs ended.
+        for job in rest:
+            self._do_conclude(job, "cancelled", {}, reason)

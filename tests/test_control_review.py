@@ -6,12 +6,17 @@ cancellations racing other transactions on PostgreSQL."""
 from __future__ import annotations
 
 import secrets
+import sqlite3
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
 from preloop.control import Store, open_store
+from preloop.control.store import Heartbeat, Lease
 from preloop.testing.plans import PlanBuilder, drive
 from preloop.workflow.plan import ConcurrencySpec
 
@@ -200,3 +205,70 @@ def test_cancel_in_progress_cancels_a_started_caller(store: Store) -> None:
     assert claim_all(store) == [(runs[1], "call/x"), (runs[1], "call/y")]
     assert [store.get_run(r).conclusion for r in runs] == ["cancelled", "success"]
     assert store.counters.snapshot().graph_loads == 0
+
+
+def _claim_elsewhere(store: Store, run_id: int, job_id: str) -> tuple[Any, Lease]:
+    """Another node's claim of `job_id`, written on its own connection and not
+    yet committed (lite: committed, as SQLite has one writer)."""
+    token = "elsewhere"
+    sql = (
+        "UPDATE jobs SET status = 'running', runner = 'other', lease_token = ?, "
+        "lease_expires = ?, started_at = ?, attempt = attempt + 1 "
+        "WHERE run_id = ? AND id = ? AND status = 'queued'"
+    )
+    now = time.time()
+    params = (token, now + 3600, now, run_id, job_id)
+    if store.dialect == "pg":
+        import psycopg
+
+        conn: Any = psycopg.connect(store.url)
+        conn.execute(sql.replace("?", "%s"), params)
+    else:
+        conn = sqlite3.connect(store.url[len("sqlite://") :], isolation_level=None)
+        conn.execute(sql, params)
+    lease = Lease(run_id, job_id, job_id, token, "other", now + 3600, 1, {}, None, None, 360.0)
+    return conn, lease
+
+
+def _wait_until_blocked_by(url: str, holder: Any) -> None:
+    """Returns once some other backend waits on a lock `holder` (a psycopg
+    connection) holds."""
+    import psycopg
+
+    pid = holder.info.backend_pid
+    with psycopg.connect(url, autocommit=True) as conn:
+        for _ in range(100_000):
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                (pid,),
+            ).fetchone()
+            if row is not None and row[0]:
+                return
+    raise AssertionError(f"nothing came to wait on the locks of backend {pid}")
+
+
+def test_cancel_racing_a_claim_asks_the_runner_to_stop(store: Store) -> None:
+    """cancel_run read a job as queued while a runner's claim was in flight:
+    once the claim commits, the job is running and must be told to stop."""
+    b = PlanBuilder()
+    b.job("a")
+    b.job("b", needs=["a"])
+    run_id = store.submit_run(b.plan())
+    conn, lease = _claim_elsewhere(store, run_id, "a")
+    try:
+        if store.dialect == "pg":
+            cancelled: list[bool] = []
+            t = threading.Thread(target=lambda: cancelled.append(store.cancel_run(run_id)))
+            t.start()
+            _wait_until_blocked_by(store.url, conn)  # cancel_run waits on the claimed row
+            conn.commit()
+            t.join()
+            assert cancelled == [True]
+        else:
+            assert store.cancel_run(run_id)
+    finally:
+        conn.close()
+    assert store.heartbeat(lease) == Heartbeat(held=True, cancel_requested=True)
+    assert store.complete_job(lease, "success").conclusion == "cancelled"
+    assert conclusions(store, run_id) == {"a": "cancelled", "b": "cancelled"}
+    assert store.get_run(run_id).conclusion == "cancelled"

@@ -1085,7 +1085,16 @@ class _Cascade:
             (conclusion, _dumps(outputs), reason, time.time(), run_id, job["id"], job["status"]),
         )
         if changed is None:
-            return  # already ended by another path of this cascade
+            # Ended by another path of this cascade, or (pg) a runner's claim
+            # committed after `job` was read: the job is running now, so a
+            # cancellation becomes a request to stop it instead of being lost.
+            if conclusion == "cancelled" and job["status"] == "queued":
+                self.tx.execute(
+                    "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND id = ? "
+                    "AND status = 'running'",
+                    (run_id, job["id"]),
+                )
+            return
         self.run_delta.setdefault(run_id, [0, 0, 0])[0] -= 1
         self.after_conclude(job, conclusion, outputs)
 

@@ -10,6 +10,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -272,3 +273,61 @@ def test_cancel_racing_a_claim_asks_the_runner_to_stop(store: Store) -> None:
     assert store.complete_job(lease, "success").conclusion == "cancelled"
     assert conclusions(store, run_id) == {"a": "cancelled", "b": "cancelled"}
     assert store.get_run(run_id).conclusion == "cancelled"
+
+
+@contextmanager
+def run_row_held(store: Store, run_id: int) -> Iterator[None]:
+    """Another transaction holds `run_id`'s row lock for the block (pg; lite
+    has one writer, so no other transaction can be in the middle of one)."""
+    if store.dialect != "pg":
+        yield
+        return
+    import psycopg
+
+    with psycopg.connect(store.url) as conn:
+        conn.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (run_id,))
+        yield
+        conn.rollback()
+
+
+def one_job_run(store: Store, conc: ConcurrencySpec) -> int:
+    b = PlanBuilder()
+    b.job("a", concurrency=conc)
+    return store.submit_run(b.plan())
+
+
+def test_replacing_a_waiter_whose_run_is_locked_is_not_lost(store: Store) -> None:
+    """A newer waiter replaces an older one whose run another transaction holds:
+    the replacement is carried out later, before the group promotes anyone."""
+    conc = ConcurrencySpec("g")
+    store.counters.reset()
+    first = one_job_run(store, conc)
+    holder = store.claim_job("r", [])
+    assert holder is not None and holder.run_id == first
+    older = one_job_run(store, conc)
+    with run_row_held(store, older):
+        newer = one_job_run(store, conc)
+    store.complete_job(holder, "success")  # the group frees: the replacement comes first
+    assert claim_all(store) == [(newer, "a")]
+    assert store.get_job(older, "a").conclusion == "cancelled"
+    assert store.get_run(older).conclusion == "cancelled"
+    assert store.counters.snapshot().graph_loads == 0
+    assert store.counters.snapshot().deadlock_retries == 0
+
+
+def test_cancel_in_progress_whose_holder_run_is_locked_is_not_lost(store: Store) -> None:
+    """cancel-in-progress while another transaction holds the holder's run:
+    the reaper carries the cancellation out once the lock is gone."""
+    conc = ConcurrencySpec("g", cancel_in_progress=True)
+    store.counters.reset()
+    first = one_job_run(store, conc)
+    holder = store.claim_job("r", [])
+    assert holder is not None and holder.run_id == first
+    with run_row_held(store, first):
+        newer = one_job_run(store, conc)
+    store.expire_leases()
+    assert store.heartbeat(holder) == Heartbeat(held=True, cancel_requested=True)
+    assert store.complete_job(holder, "success").conclusion == "cancelled"
+    assert claim_all(store) == [(newer, "a")]
+    assert [store.get_run(r).conclusion for r in (first, newer)] == ["cancelled", "success"]
+    assert store.counters.snapshot().graph_loads == 0

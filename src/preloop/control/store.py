@@ -17,10 +17,14 @@ Lock order (PostgreSQL; SQLite has one writer and cannot deadlock)
  A path that must touch another run (a job-level waiter or a pending run in a
  shared concurrency group, a holder to cancel) takes that run's row with
  `FOR UPDATE SKIP LOCKED` only, never waiting: whoever holds that run row
- commits without waiting on us, and we remember the group; right after our
- commit a follow-up transaction (`_retry_groups`) re-examines it, and
- `expire_leases` (the reaper) re-examines every free group with waiters, so
- a skipped waiter is retried, never lost. Claims lock a single job row with
+ commits without waiting on us, and we remember the group; a cancellation
+ the group owes that run (replacing an older waiter, cancel-in-progress) is
+ recorded in `conc_actions`. Right after our commit a follow-up transaction
+ (`_retry_groups`) carries out the group's recorded cancellations and
+ re-examines it; a group being released does the same before promoting; and
+ `expire_leases` (the reaper) re-examines every free group with waiters or
+ recorded cancellations, so a skipped waiter or cancellation is retried,
+ never lost. Claims lock a single job row with
  `FOR UPDATE SKIP LOCKED` and nothing else; heartbeats update one job row;
  a re-run locks the old run, then the new one no one else can see yet.
  The one ordering not fixed up front: a cascade that reaches two concurrency
@@ -574,8 +578,9 @@ class Store:
         return result
 
     def expire_leases(self, now: float | None = None) -> int:
-        """Fails every running job whose lease expired before `now` (cascading)
-        and retries free concurrency groups with waiters. Returns jobs failed."""
+        """Fails every running job whose lease expired before `now` (cascading),
+        retries free concurrency groups with waiters and carries out the
+        cancellations groups owe (`_Cascade.defer`). Returns jobs failed."""
         now = time.time() if now is None else now
 
         def find(tx: Tx) -> list[Row]:
@@ -623,7 +628,7 @@ class Store:
                     "EXISTS (SELECT 1 FROM jobs j WHERE j.conc_group = g.name AND j.status = "
                     "'waiting') "
                     "OR EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = g.name AND r.status "
-                    "= 'pending'))"
+                    "= 'pending')) UNION SELECT group_name FROM conc_actions"
                 )
             ],
         )
@@ -632,8 +637,9 @@ class Store:
         return failed
 
     def _retry_groups(self, groups: set[str]) -> None:
-        """Promotes waiters of groups a transaction could not reach without
-        waiting on another run's lock (see the module docstring)."""
+        """Carries out deferred cancellations and promotes waiters of groups a
+        transaction could not reach without waiting on another run's lock
+        (see the module docstring)."""
         for _ in range(3):
             if not groups:
                 return
@@ -642,6 +648,7 @@ class Store:
 
                 def tx_fn(tx: Tx, name: str = name, again: set[str] = again) -> None:
                     c = _Cascade(tx, self)
+                    c.run_deferred(name)
                     c.promote_group(name)
                     c.finish()
                     again.update(c.retry_groups)
@@ -1065,6 +1072,7 @@ class _Cascade:
                 (group, run_id),
             )
             if released is not None:
+                self.run_deferred(group)
                 self.promote_group(group)
 
     # -- concluding
@@ -1654,7 +1662,7 @@ class _Cascade:
             self.cancel_holder(group)
         self.promote_group(group)
 
-    def make_room(self, group: str, queue_max: bool, keep: tuple[int, Any]) -> None:
+    def make_room(self, group: str, queue_max: bool, keep: tuple[int, Any] | None) -> None:
         """One pending waiter per group (a newer one replaces the older), or up
         to QUEUE_MAX with `queue: max` (the oldest beyond it is cancelled)."""
         limit = QUEUE_MAX if queue_max else 1
@@ -1669,12 +1677,12 @@ class _Cascade:
         for w in excess:
             if (int(w["run_id"]), w["id"]) == keep:
                 continue
-            self.cancel_waiter(group, w)
+            self.cancel_waiter(group, w, queue_max)
 
-    def cancel_waiter(self, group: str, w: Row) -> None:
+    def cancel_waiter(self, group: str, w: Row, queue_max: bool) -> None:
         run_id = int(w["run_id"])
         if run_id not in self.runs and self.tx.try_lock_run(run_id) is None:
-            self.retry_groups.add(group)
+            self.defer(group, "make_room", queue_max=queue_max)
             return
         if w["is_run"]:
             self.cancel_pending_run(run_id)
@@ -1685,20 +1693,26 @@ class _Cascade:
         )
         if job is not None:
             self.run(run_id)
-            self.conclude(
+            # Concluded now, not queued: the promotion that may follow must
+            # not pick the replaced waiter.
+            self._do_conclude(
                 job, "cancelled", {}, f"replaced by a newer job in concurrency group {group!r}"
             )
 
-    def cancel_holder(self, group: str) -> None:
-        """`cancel-in-progress`: the group's holder (a job or a run) is cancelled."""
+    def cancel_holder(self, group: str, expect: tuple[int, str | None] | None = None) -> None:
+        """`cancel-in-progress`: the group's holder (a job or a run) is cancelled.
+        `expect`: a deferred request, for that holder only (one that has
+        ended since released the group: nothing is left to cancel)."""
         g = self.tx.one("SELECT holder_run, holder_job FROM conc_groups WHERE name = ?", (group,))
         if g is None or g["holder_run"] is None:
             return
         run_id = int(g["holder_run"])
+        if expect is not None and (run_id, g["holder_job"]) != expect:
+            return
         if run_id not in self.runs:
             locked = self.tx.try_lock_run(run_id)
             if locked is None:
-                self.retry_groups.add(group)
+                self.defer(group, "cancel_holder", holder=(run_id, g["holder_job"]))
                 return
             self.note_run(locked)
         if g["holder_job"] is None:
@@ -1721,6 +1735,49 @@ class _Cascade:
                 job, "cancelled", {}, f"cancelled in progress by concurrency group {group!r}"
             )
 
+    def defer(
+        self,
+        group: str,
+        action: str,
+        *,
+        queue_max: bool = False,
+        holder: tuple[int, str | None] | None = None,
+    ) -> None:
+        """Records a cancellation `group` owes (`make_room`: replace older
+        waiters; `cancel_holder`: cancel-in-progress) whose run row another
+        transaction holds; `run_deferred` carries it out, right after commit
+        (`Store._retry_groups`) or from the reaper, so it is never lost."""
+        self.tx.execute(
+            "INSERT INTO conc_actions (group_name, action, queue_max, holder_run, holder_job) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (
+                group,
+                action,
+                int(queue_max),
+                holder[0] if holder else None,
+                holder[1] if holder else None,
+            ),
+        )
+        self.retry_groups.add(group)
+
+    def run_deferred(self, group: str) -> None:
+        """Carries out the cancellations `group` owes (see `defer`); one that
+        still cannot lock its run is recorded again."""
+        rows = self.tx.execute(
+            "DELETE FROM conc_actions WHERE group_name = ? "
+            "RETURNING id, action, queue_max, holder_run, holder_job",
+            (group,),
+        )
+        rows.sort(key=lambda r: int(r["id"]))
+        room = [r for r in rows if r["action"] == "make_room"]
+        if room:  # one pass makes room for every request; the newest says how much
+            self.make_room(group, bool(room[-1]["queue_max"]), keep=None)
+        holders = {
+            (int(r["holder_run"]), r["holder_job"]) for r in rows if r["action"] == "cancel_holder"
+        }
+        for holder in sorted(holders, key=lambda h: (h[0], h[1] or "")):
+            self.cancel_holder(group, expect=holder)
+
     def _do_release_group(self, group: str, run_id: int, job_id: str) -> None:
         released = self.tx.one(
             "UPDATE conc_groups SET holder_run = NULL, holder_job = NULL "
@@ -1728,6 +1785,9 @@ class _Cascade:
             (group, run_id, job_id),
         )
         if released is not None:
+            # Cancellations the group still owes come first: a replaced
+            # waiter must not be the one promoted.
+            self.run_deferred(group)
             self.promote_group(group, locked=True)
 
     def promote_group(self, group: str, *, locked: bool = False) -> None:

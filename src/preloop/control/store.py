@@ -647,6 +647,12 @@ class Store:
             for name in sorted(groups):
 
                 def tx_fn(tx: Tx, name: str = name, again: set[str] = again) -> None:
+                    if tx.dialect == "pg":
+                        # The group row before its recorded cancellations, as
+                        # a release takes them: no two transactions cross.
+                        tx.execute(
+                            "SELECT name FROM conc_groups WHERE name = ? FOR UPDATE", (name,)
+                        )
                     c = _Cascade(tx, self)
                     c.run_deferred(name)
                     c.promote_group(name)
@@ -963,6 +969,7 @@ class _Cascade:
         # run -> [remaining delta, failed delta, cancelled delta]
         self.run_delta: dict[int, list[int]] = {}
         self.retry_groups: set[str] = set()
+        self.deferred: set[tuple[Any, ...]] = set()  # cancellations recorded (`defer`)
         self.work: list[tuple[str, tuple[Any, ...]]] = []
         # Runs whose settle write already brought remaining_jobs to 0.
         self.pending_end: dict[int, Row] = {}
@@ -1747,6 +1754,10 @@ class _Cascade:
         waiters; `cancel_holder`: cancel-in-progress) whose run row another
         transaction holds; `run_deferred` carries it out, right after commit
         (`Store._retry_groups`) or from the reaper, so it is never lost."""
+        key = (group, action, queue_max, holder)
+        if key in self.deferred:
+            return
+        self.deferred.add(key)
         self.tx.execute(
             "INSERT INTO conc_actions (group_name, action, queue_max, holder_run, holder_job) "
             "VALUES (?, ?, ?, ?, ?)",

@@ -183,7 +183,7 @@ class LiteBackend(Backend):
                 timeout=busy_timeout_ms / 1000,
             )
             self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-            self._conn.execute("PRAGMA journal_mode = WAL")
+            _enable_wal(self._conn, busy_timeout_ms / 1000)
             self._conn.execute("PRAGMA synchronous = NORMAL")
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(
@@ -325,6 +325,21 @@ class PgBackend(Backend):
         for conn in held:
             self._pool.putconn(conn)
         self._pool.close()
+
+
+def _enable_wal(conn: sqlite3.Connection, timeout: float) -> None:
+    """Switches a new database to WAL. Two stores opening one fresh file
+    together race for the switch, and SQLite answers the loser "database is
+    locked" without calling the busy handler: retry until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)  # back off: the other connection is mid-switch
 
 
 def _check_version(have: int, url: str) -> None:

@@ -37,9 +37,11 @@ settle_job, cancel_run, expire_leases, rerun, and the queries get_run,
 list_runs, get_job, list_jobs.
 
 Job statuses: blocked (needs not ended) -> parked (max-parallel cap) ->
-waiting (concurrency group) -> queued -> running -> completed; a caller is
-`folding` while its inner jobs run; a deferred job becomes `expanded` once
-its legs exist. Conclusions: success, failure, cancelled, skipped.
+waiting (concurrency group) -> queued -> running -> completed; a reusable
+caller is admitted the same way and then, instead of queueing, is `folding`
+while its inner jobs run (holding its slot and group until it folds); a
+deferred job becomes `expanded` once its legs exist. Conclusions: success,
+failure, cancelled, skipped.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ Row = dict[str, Any]
 T = TypeVar("T")
 Dialect = Literal["lite", "pg"]
 
+# The run columns a locked run row carries (what concludes the run).
+_RUN_COLS = "id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs, cancelled_jobs"
+
 # A transaction-scoped advisory lock key: "preloop" migrations.
 _MIGRATION_LOCK = 0x7072656C6F6F70
 
@@ -92,7 +95,7 @@ class Tx:
         write lock). Lock order: this comes before any job row. With
         `settle_delta` the lock is taken by the statement that adjusts
         `remaining_jobs` (the settle path's first write)."""
-        cols = "id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs"
+        cols = _RUN_COLS
         if settle_delta is not None:
             sql = (
                 f"UPDATE runs SET remaining_jobs = remaining_jobs + ? WHERE id = ? RETURNING {cols}"
@@ -119,10 +122,7 @@ class Tx:
         """The run row if it can be locked without waiting (pg `SKIP LOCKED`):
         used only when the caller already holds a different run's lock, so no
         transaction ever waits on run rows out of order."""
-        sql = (
-            "SELECT id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs "
-            "FROM runs WHERE id = ?"
-        )
+        sql = f"SELECT {_RUN_COLS} FROM runs WHERE id = ?"
         if not self._pg:
             return self.one(sql, (run_id,))
         return self.one(sql + " FOR UPDATE SKIP LOCKED", (run_id,))
@@ -183,7 +183,7 @@ class LiteBackend(Backend):
                 timeout=busy_timeout_ms / 1000,
             )
             self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
-            self._conn.execute("PRAGMA journal_mode = WAL")
+            _enable_wal(self._conn, busy_timeout_ms / 1000)
             self._conn.execute("PRAGMA synchronous = NORMAL")
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(
@@ -325,6 +325,21 @@ class PgBackend(Backend):
         for conn in held:
             self._pool.putconn(conn)
         self._pool.close()
+
+
+def _enable_wal(conn: sqlite3.Connection, timeout: float) -> None:
+    """Switches a new database to WAL. Two stores opening one fresh file
+    together race for the switch, and SQLite answers the loser "database is
+    locked" without calling the busy handler: retry until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)  # back off: the other connection is mid-switch
 
 
 def _check_version(have: int, url: str) -> None:

@@ -7,7 +7,8 @@ under a transaction-scoped advisory lock so two nodes starting together
 migrate once; SQLite applies them inside `BEGIN IMMEDIATE`.
 
 Counters kept in rows (so no path reads the whole run):
-- `runs.remaining_jobs` / `failed_jobs`: when the run concludes.
+- `runs.remaining_jobs` / `failed_jobs` / `cancelled_jobs`: when the run
+  concludes, and how.
 - `jobs.remaining_needs`: need units (base ids) of the job not yet ended.
 - `jobs.anc_fail` / `anc_bad`: some ancestor failed / did not succeed.
 - `units`: one row per base id (a plain job, every leg of a matrix, a caller
@@ -149,7 +150,7 @@ _V1: list[Statement] = [
 # unit and hands a freed cohort slot to the next parked leg without a
 # concurrency group. Everything else (a unit that ended, a group to release,
 # fail-fast) continues in Python in the same transaction.
-_SETTLE_FN = """CREATE OR REPLACE FUNCTION preloop_settle(
+_SETTLE_TEMPLATE = """CREATE OR REPLACE FUNCTION preloop_settle(
     p_run BIGINT, p_job TEXT, p_conclusion TEXT, p_outputs TEXT, p_reason TEXT,
     p_token TEXT, p_now DOUBLE PRECISION)
 RETURNS TABLE (run_row JSON, job_row JSON, unit_row JSON, admitted TEXT, wait_us BIGINT)
@@ -159,7 +160,7 @@ DECLARE
     t0 TIMESTAMPTZ := clock_timestamp(); waited BIGINT;
 BEGIN
     UPDATE runs SET remaining_jobs = remaining_jobs - 1 WHERE id = p_run
-        RETURNING id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs INTO r;
+        RETURNING @RUN_COLS@ INTO r;
     IF NOT FOUND THEN
         RETURN;
     END IF;
@@ -195,18 +196,72 @@ BEGIN
             WHERE (run_id, id) = (SELECT p.run_id, p.id FROM jobs p
                                   WHERE p.run_id = p_run AND p.cohort = j.cohort
                                     AND p.status = 'parked' ORDER BY p.seq LIMIT 1)
-              AND conc_group IS NULL AND conc_group_expr IS NULL
+              AND conc_group IS NULL AND conc_group_expr IS NULL@SLOT_GUARD@
             RETURNING id INTO nxt;
     END IF;
     RETURN QUERY SELECT row_to_json(r), row_to_json(j), row_to_json(u), nxt, waited;
 END
 $fn$"""
 
+
+def _settle_fn(run_cols: str, slot_guard: str) -> str:
+    return _SETTLE_TEMPLATE.replace("@RUN_COLS@", run_cols).replace("@SLOT_GUARD@", slot_guard)
+
+
+_SETTLE_FN = _settle_fn("id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs", "")
+
+# Migration 4.
+# - Ids are matched by range (`id >= 'call/' AND id < 'call0'`: every job
+#   inside a reusable caller), which holds only in byte order: a database
+#   whose default collation ignores punctuation (ICU, glibc en_US) would miss
+#   inner jobs. Every id column is C-collated (SQLite compares bytes already).
+# - `runs.cancelled_jobs`: a run with cancelled jobs and no failed one
+#   concludes cancelled, as on GitHub.
+# - `conc_actions`: a cancellation a concurrency group owes (replace an older
+#   waiter, cancel-in-progress) that could not lock the other run at once; it
+#   is carried out after commit and by the reaper, never dropped.
+# - The settle function returns `cancelled_jobs`, and hands a freed cohort
+#   slot only to a plain job (a reusable caller starts in Python).
+_C_COLUMNS = {
+    "jobs": ("id", "base_id", "cohort", "caller"),
+    "units": ("base_id", "caller"),
+    "deps": ("need", "job_id"),
+    "cohorts": ("id",),
+}
+_V4: list[Statement] = [
+    *(
+        {
+            "pg": f"ALTER TABLE {table} "
+            + ", ".join(f'ALTER COLUMN {col} TYPE TEXT COLLATE "C"' for col in cols),
+            "lite": None,
+        }
+        for table, cols in _C_COLUMNS.items()
+    ),
+    "ALTER TABLE runs ADD COLUMN cancelled_jobs INTEGER NOT NULL DEFAULT 0",
+    """CREATE TABLE IF NOT EXISTS conc_actions (
+        id {id} PRIMARY KEY,
+        group_name TEXT NOT NULL,
+        action TEXT NOT NULL,
+        queue_max INTEGER NOT NULL DEFAULT 0,
+        holder_run BIGINT,
+        holder_job TEXT
+    )""",
+    "CREATE INDEX IF NOT EXISTS conc_actions_group ON conc_actions (group_name, id)",
+    {
+        "pg": _settle_fn(
+            "id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs, cancelled_jobs",
+            " AND kind = 'job'",
+        ),
+        "lite": None,
+    },
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
     # A re-run points at the run it repeats.
     ["ALTER TABLE runs ADD COLUMN rerun_of BIGINT"],
+    _V4,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

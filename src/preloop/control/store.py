@@ -17,10 +17,14 @@ Lock order (PostgreSQL; SQLite has one writer and cannot deadlock)
  A path that must touch another run (a job-level waiter or a pending run in a
  shared concurrency group, a holder to cancel) takes that run's row with
  `FOR UPDATE SKIP LOCKED` only, never waiting: whoever holds that run row
- commits without waiting on us, and we remember the group; right after our
- commit a follow-up transaction (`_retry_groups`) re-examines it, and
- `expire_leases` (the reaper) re-examines every free group with waiters, so
- a skipped waiter is retried, never lost. Claims lock a single job row with
+ commits without waiting on us, and we remember the group; a cancellation
+ the group owes that run (replacing an older waiter, cancel-in-progress) is
+ recorded in `conc_actions`. Right after our commit a follow-up transaction
+ (`_retry_groups`) carries out the group's recorded cancellations and
+ re-examines it; a group being released does the same before promoting; and
+ `expire_leases` (the reaper) re-examines every free group with waiters or
+ recorded cancellations, so a skipped waiter or cancellation is retried,
+ never lost. Claims lock a single job row with
  `FOR UPDATE SKIP LOCKED` and nothing else; heartbeats update one job row;
  a re-run locks the old run, then the new one no one else can see yet.
  The one ordering not fixed up front: a cascade that reaches two concurrency
@@ -33,9 +37,11 @@ settle_job, cancel_run, expire_leases, rerun, and the queries get_run,
 list_runs, get_job, list_jobs.
 
 Job statuses: blocked (needs not ended) -> parked (max-parallel cap) ->
-waiting (concurrency group) -> queued -> running -> completed; a caller is
-`folding` while its inner jobs run; a deferred job becomes `expanded` once
-its legs exist. Conclusions: success, failure, cancelled, skipped.
+waiting (concurrency group) -> queued -> running -> completed; a reusable
+caller is admitted the same way and then, instead of queueing, is `folding`
+while its inner jobs run (holding its slot and group until it folds); a
+deferred job becomes `expanded` once its legs exist. Conclusions: success,
+failure, cancelled, skipped.
 """
 
 from __future__ import annotations
@@ -574,8 +580,9 @@ class Store:
         return result
 
     def expire_leases(self, now: float | None = None) -> int:
-        """Fails every running job whose lease expired before `now` (cascading)
-        and retries free concurrency groups with waiters. Returns jobs failed."""
+        """Fails every running job whose lease expired before `now` (cascading),
+        retries free concurrency groups with waiters and carries out the
+        cancellations groups owe (`_Cascade.defer`). Returns jobs failed."""
         now = time.time() if now is None else now
 
         def find(tx: Tx) -> list[Row]:
@@ -623,7 +630,7 @@ class Store:
                     "EXISTS (SELECT 1 FROM jobs j WHERE j.conc_group = g.name AND j.status = "
                     "'waiting') "
                     "OR EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = g.name AND r.status "
-                    "= 'pending'))"
+                    "= 'pending')) UNION SELECT group_name FROM conc_actions"
                 )
             ],
         )
@@ -632,8 +639,9 @@ class Store:
         return failed
 
     def _retry_groups(self, groups: set[str]) -> None:
-        """Promotes waiters of groups a transaction could not reach without
-        waiting on another run's lock (see the module docstring)."""
+        """Carries out deferred cancellations and promotes waiters of groups a
+        transaction could not reach without waiting on another run's lock
+        (see the module docstring)."""
         for _ in range(3):
             if not groups:
                 return
@@ -641,7 +649,14 @@ class Store:
             for name in sorted(groups):
 
                 def tx_fn(tx: Tx, name: str = name, again: set[str] = again) -> None:
+                    if tx.dialect == "pg":
+                        # The group row before its recorded cancellations, as
+                        # a release takes them: no two transactions cross.
+                        tx.execute(
+                            "SELECT name FROM conc_groups WHERE name = ? FOR UPDATE", (name,)
+                        )
                     c = _Cascade(tx, self)
+                    c.run_deferred(name)
                     c.promote_group(name)
                     c.finish()
                     again.update(c.retry_groups)
@@ -921,6 +936,19 @@ def _chunks(ids: list[str], size: int = 500) -> Iterator[list[str]]:
         yield ids[i : i + size]
 
 
+def _inner_range(caller: str) -> tuple[str, str]:
+    """The id range of every job inside `caller` (nested callers' included):
+    `caller/` up to `caller0`, '0' sorting right after '/' in byte order (id
+    columns are C-collated, schema migration 4)."""
+    return caller + "/", caller + "0"
+
+
+def _plain(job: Row) -> bool:
+    """A job that queues as soon as it is admitted: no concurrency group to
+    go through, not a reusable caller (which starts instead)."""
+    return job["kind"] == "job" and job["conc_group"] is None and job["conc_group_expr"] is None
+
+
 def _unit_result(u: Row) -> str:
     if u["n_failure"]:
         return "failure"
@@ -940,8 +968,10 @@ class _Cascade:
         self.tx = tx
         self.store = store
         self.runs: dict[int, Row] = {}  # locked run rows (with parsed context)
-        self.run_delta: dict[int, list[int]] = {}  # run -> [remaining delta, failed delta]
+        # run -> [remaining delta, failed delta, cancelled delta]
+        self.run_delta: dict[int, list[int]] = {}
         self.retry_groups: set[str] = set()
+        self.deferred: set[tuple[Any, ...]] = set()  # cancellations recorded (`defer`)
         self.work: list[tuple[str, tuple[Any, ...]]] = []
         # Runs whose settle write already brought remaining_jobs to 0.
         self.pending_end: dict[int, Row] = {}
@@ -991,14 +1021,15 @@ class _Cascade:
                 return
             deltas, self.run_delta = self.run_delta, {}
             for run_id in sorted(set(deltas) | set(self.pending_end)):
-                rem, failed = deltas.get(run_id, (0, 0))
+                rem, failed, cancelled = deltas.get(run_id, (0, 0, 0))
                 row: Row | None
-                if rem or failed:
+                if rem or failed or cancelled:
                     row = self.tx.one(
                         "UPDATE runs SET remaining_jobs = remaining_jobs + ?, failed_jobs = "
-                        "failed_jobs + ? WHERE id = ? RETURNING remaining_jobs, failed_jobs, "
-                        "status, cancel_requested, conc_group",
-                        (rem, failed, run_id),
+                        "failed_jobs + ?, cancelled_jobs = cancelled_jobs + ? WHERE id = ? "
+                        "RETURNING remaining_jobs, failed_jobs, cancelled_jobs, status, "
+                        "cancel_requested, conc_group",
+                        (rem, failed, cancelled, run_id),
                     )
                 else:
                     row = self.pending_end.get(run_id)
@@ -1019,17 +1050,21 @@ class _Cascade:
         self.ready(run_id, roots)
         if not roots:
             row = self.tx.one(
-                "SELECT remaining_jobs, failed_jobs, cancel_requested, conc_group FROM runs "
-                "WHERE id = ?",
+                "SELECT remaining_jobs, failed_jobs, cancelled_jobs, cancel_requested, conc_group "
+                "FROM runs WHERE id = ?",
                 (run_id,),
             )
             if row is not None and int(row["remaining_jobs"]) == 0:
                 self.end_run(run_id, row)
 
     def end_run(self, run_id: int, row: Row) -> None:
+        """Concludes a run whose jobs all ended: failure if one failed, else
+        cancelled if the run was cancelled or one of its jobs was (replaced
+        in a concurrency group, cancelled in progress, stopped by fail-fast,
+        reported cancelled), else success, as on GitHub."""
         if int(row["failed_jobs"]):
             conclusion = "failure"
-        elif int(row["cancel_requested"]):
+        elif int(row["cancel_requested"]) or int(row["cancelled_jobs"]):
             conclusion = "cancelled"
         else:
             conclusion = "success"
@@ -1046,6 +1081,7 @@ class _Cascade:
                 (group, run_id),
             )
             if released is not None:
+                self.run_deferred(group)
                 self.promote_group(group)
 
     # -- concluding
@@ -1066,8 +1102,17 @@ class _Cascade:
             (conclusion, _dumps(outputs), reason, time.time(), run_id, job["id"], job["status"]),
         )
         if changed is None:
-            return  # already ended by another path of this cascade
-        self.run_delta.setdefault(run_id, [0, 0])[0] -= 1
+            # Ended by another path of this cascade, or (pg) a runner's claim
+            # committed after `job` was read: the job is running now, so a
+            # cancellation becomes a request to stop it instead of being lost.
+            if conclusion == "cancelled" and job["status"] == "queued":
+                self.tx.execute(
+                    "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND id = ? "
+                    "AND status = 'running'",
+                    (run_id, job["id"]),
+                )
+            return
+        self.run_delta.setdefault(run_id, [0, 0, 0])[0] -= 1
         self.after_conclude(job, conclusion, outputs)
 
     def after_conclude(
@@ -1093,7 +1138,9 @@ class _Cascade:
         coe = bool(job["continue_on_error"])
         effective = "success" if conclusion == "failure" and coe else conclusion
         if effective == "failure":
-            self.run_delta.setdefault(run_id, [0, 0])[1] += 1
+            self.run_delta.setdefault(run_id, [0, 0, 0])[1] += 1
+        elif effective == "cancelled":
+            self.run_delta.setdefault(run_id, [0, 0, 0])[2] += 1
         if job["holds_slot"] and not slot_handed:
             self.work.append(("release_slot", (run_id, job["cohort"])))
         if job["holds_group"]:
@@ -1230,7 +1277,7 @@ class _Cascade:
             "UPDATE cohorts SET active = active + ? WHERE run_id = ? AND id = ?",
             (len(legs), run_id, cohort),
         )
-        plain = [j["id"] for j in legs if j["conc_group"] is None and j["conc_group_expr"] is None]
+        plain = [j["id"] for j in legs if _plain(j)]
         for i in range(0, len(plain), 500):
             chunk = plain[i : i + 500]
             marks = ", ".join("?" for _ in chunk)
@@ -1240,7 +1287,7 @@ class _Cascade:
                 (run_id, *chunk),
             )
         for job in legs:
-            if job["conc_group"] is not None or job["conc_group_expr"] is not None:
+            if not _plain(job):
                 self.through_group(job, holds_slot=True)
 
     def _do_gate(self, job: Row) -> None:
@@ -1265,12 +1312,11 @@ class _Cascade:
         if not go:
             self.skip(job, "cancelled" if status == "cancelled" else "skipped")
             return
-        kind = job["kind"]
-        if kind == "caller":
-            self.start_caller(job)
-        elif kind == "deferred":
+        if job["kind"] == "deferred":
             self.expand(job)
         else:
+            # A reusable caller is admitted like a job (its matrix's
+            # max-parallel, its `concurrency:`): it starts where a job queues.
             self.admit(job)
 
     def skip(self, job: Row, conclusion: str) -> None:
@@ -1281,7 +1327,7 @@ class _Cascade:
     def skip_inner(self, run_id: int, caller: str, conclusion: str) -> None:
         """A caller that will not run: every job inside it (nested callers
         included, by id prefix) ends with the caller's conclusion at once."""
-        lo, hi = caller + "/", caller + "0"  # '0' sorts right after '/'
+        lo, hi = _inner_range(caller)
         rows = self.tx.execute(
             "UPDATE jobs SET status = 'completed', conclusion = ?, completed_at = ? "
             "WHERE run_id = ? AND id >= ? AND id < ? AND status = 'blocked' RETURNING id",
@@ -1298,25 +1344,34 @@ class _Cascade:
             "UPDATE units SET remaining = 0, result = ? WHERE run_id = ? AND base_id = ?",
             (conclusion, run_id, _start_unit(caller)),
         )
-        self.run_delta.setdefault(run_id, [0, 0])[0] -= len(rows)
+        delta = self.run_delta.setdefault(run_id, [0, 0, 0])
+        delta[0] -= len(rows)
+        if conclusion == "cancelled":
+            delta[2] += len(rows)
 
-    def start_caller(self, job: Row) -> None:
-        run_id = int(job["run_id"])
+    def enqueue(self, job: Row, holds_slot: bool, group: str | None) -> None:
+        """An admitted job queues for a runner; an admitted reusable caller
+        starts (folding, holding its slot and group until it folds)."""
         row = self.tx.one(
-            "UPDATE jobs SET status = 'folding' WHERE run_id = ? AND id = ? AND status = "
-            "'blocked' "
+            "UPDATE jobs SET status = CASE WHEN kind = 'caller' THEN 'folding' ELSE 'queued' END, "
+            "holds_slot = ?, holds_group = ?, conc_group = COALESCE(?, conc_group) "
+            "WHERE run_id = ? AND id = ? AND status IN ('blocked', 'parked', 'waiting') "
             f"RETURNING {_JOB}",
-            (run_id, job["id"]),
+            (int(holds_slot), group, group, int(job["run_id"]), job["id"]),
         )
-        if row is None:
-            return
+        if row is not None and row["kind"] == "caller":
+            self.caller_started(row)
+
+    def caller_started(self, row: Row) -> None:
+        """A caller now folding: its inner root jobs may start."""
+        run_id = int(row["run_id"])
         if int(row["remaining_inner"]) == 0:
             self.work.append(("fold", (row,)))
             return
         unit = self.tx.one(
             "UPDATE units SET remaining = 0, n_success = 1 WHERE run_id = ? AND base_id = ? "
             "RETURNING *",
-            (run_id, _start_unit(job["id"])),
+            (run_id, _start_unit(row["id"])),
         )
         if unit is not None:
             self.work.append(("end_unit", (run_id, unit)))
@@ -1341,7 +1396,7 @@ class _Cascade:
             "failure"
             if "failure" in results
             else "cancelled"
-            if "cancelled" in results
+            if "cancelled" in results or int(caller["cancel_requested"])
             else "success"
         )
         ctx = dict(self.context(run_id))
@@ -1516,7 +1571,7 @@ class _Cascade:
             "UPDATE units SET remaining = remaining + ? WHERE run_id = ? AND base_id = ?",
             (len(top) - 1, run_id, jid),
         )
-        self.run_delta.setdefault(run_id, [0, 0])[0] += len(jobs) - 1
+        self.run_delta.setdefault(run_id, [0, 0, 0])[0] += len(jobs) - 1
         if full["caller"] is not None:
             # Splice the legs into the caller's persisted inner job ids.
             c = tx.one(
@@ -1599,19 +1654,11 @@ class _Cascade:
                 self.conclude(job, "failure", {}, f"job {job['id']!r}: concurrency: {exc}")
                 return
         if group is None:
-            tx.execute(
-                "UPDATE jobs SET status = 'queued', holds_slot = ? WHERE run_id = ? AND id = ?",
-                (int(holds_slot), run_id, job["id"]),
-            )
+            self.enqueue(job, holds_slot, None)
             return
         got = tx.one(_ACQUIRE, (group, run_id, job["id"], group, group))
         if got is not None:
-            tx.execute(
-                "UPDATE jobs SET status = 'queued', holds_slot = ?, holds_group = ?, "
-                "conc_group = ? "
-                "WHERE run_id = ? AND id = ?",
-                (int(holds_slot), group, group, run_id, job["id"]),
-            )
+            self.enqueue(job, holds_slot, group)
             return
         seq = tx.next_wait_seq()
         tx.execute(
@@ -1624,7 +1671,7 @@ class _Cascade:
             self.cancel_holder(group)
         self.promote_group(group)
 
-    def make_room(self, group: str, queue_max: bool, keep: tuple[int, Any]) -> None:
+    def make_room(self, group: str, queue_max: bool, keep: tuple[int, Any] | None) -> None:
         """One pending waiter per group (a newer one replaces the older), or up
         to QUEUE_MAX with `queue: max` (the oldest beyond it is cancelled)."""
         limit = QUEUE_MAX if queue_max else 1
@@ -1639,12 +1686,12 @@ class _Cascade:
         for w in excess:
             if (int(w["run_id"]), w["id"]) == keep:
                 continue
-            self.cancel_waiter(group, w)
+            self.cancel_waiter(group, w, queue_max)
 
-    def cancel_waiter(self, group: str, w: Row) -> None:
+    def cancel_waiter(self, group: str, w: Row, queue_max: bool) -> None:
         run_id = int(w["run_id"])
         if run_id not in self.runs and self.tx.try_lock_run(run_id) is None:
-            self.retry_groups.add(group)
+            self.defer(group, "make_room", queue_max=queue_max)
             return
         if w["is_run"]:
             self.cancel_pending_run(run_id)
@@ -1655,20 +1702,26 @@ class _Cascade:
         )
         if job is not None:
             self.run(run_id)
-            self.conclude(
+            # Concluded now, not queued: the promotion that may follow must
+            # not pick the replaced waiter.
+            self._do_conclude(
                 job, "cancelled", {}, f"replaced by a newer job in concurrency group {group!r}"
             )
 
-    def cancel_holder(self, group: str) -> None:
-        """`cancel-in-progress`: the group's holder (a job or a run) is cancelled."""
+    def cancel_holder(self, group: str, expect: tuple[int, str | None] | None = None) -> None:
+        """`cancel-in-progress`: the group's holder (a job or a run) is cancelled.
+        `expect`: a deferred request, for that holder only (one that has
+        ended since released the group: nothing is left to cancel)."""
         g = self.tx.one("SELECT holder_run, holder_job FROM conc_groups WHERE name = ?", (group,))
         if g is None or g["holder_run"] is None:
             return
         run_id = int(g["holder_run"])
+        if expect is not None and (run_id, g["holder_job"]) != expect:
+            return
         if run_id not in self.runs:
             locked = self.tx.try_lock_run(run_id)
             if locked is None:
-                self.retry_groups.add(group)
+                self.defer(group, "cancel_holder", holder=(run_id, g["holder_job"]))
                 return
             self.note_run(locked)
         if g["holder_job"] is None:
@@ -1684,10 +1737,59 @@ class _Cascade:
                 "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND id = ?",
                 (run_id, job["id"]),
             )
+        elif job["status"] == "folding":
+            self.cancel_caller(job, f"cancelled in progress by concurrency group {group!r}")
         elif job["status"] == "queued":
             self.conclude(
                 job, "cancelled", {}, f"cancelled in progress by concurrency group {group!r}"
             )
+
+    def defer(
+        self,
+        group: str,
+        action: str,
+        *,
+        queue_max: bool = False,
+        holder: tuple[int, str | None] | None = None,
+    ) -> None:
+        """Records a cancellation `group` owes (`make_room`: replace older
+        waiters; `cancel_holder`: cancel-in-progress) whose run row another
+        transaction holds; `run_deferred` carries it out, right after commit
+        (`Store._retry_groups`) or from the reaper, so it is never lost."""
+        key = (group, action, queue_max, holder)
+        if key in self.deferred:
+            return
+        self.deferred.add(key)
+        self.tx.execute(
+            "INSERT INTO conc_actions (group_name, action, queue_max, holder_run, holder_job) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (
+                group,
+                action,
+                int(queue_max),
+                holder[0] if holder else None,
+                holder[1] if holder else None,
+            ),
+        )
+        self.retry_groups.add(group)
+
+    def run_deferred(self, group: str) -> None:
+        """Carries out the cancellations `group` owes (see `defer`); one that
+        still cannot lock its run is recorded again."""
+        rows = self.tx.execute(
+            "DELETE FROM conc_actions WHERE group_name = ? "
+            "RETURNING id, action, queue_max, holder_run, holder_job",
+            (group,),
+        )
+        rows.sort(key=lambda r: int(r["id"]))
+        room = [r for r in rows if r["action"] == "make_room"]
+        if room:  # one pass makes room for every request; the newest says how much
+            self.make_room(group, bool(room[-1]["queue_max"]), keep=None)
+        holders = {
+            (int(r["holder_run"]), r["holder_job"]) for r in rows if r["action"] == "cancel_holder"
+        }
+        for holder in sorted(holders, key=lambda h: (h[0], h[1] or "")):
+            self.cancel_holder(group, expect=holder)
 
     def _do_release_group(self, group: str, run_id: int, job_id: str) -> None:
         released = self.tx.one(
@@ -1696,6 +1798,9 @@ class _Cascade:
             (group, run_id, job_id),
         )
         if released is not None:
+            # Cancellations the group still owes come first: a replaced
+            # waiter must not be the one promoted.
+            self.run_deferred(group)
             self.promote_group(group, locked=True)
 
     def promote_group(self, group: str, *, locked: bool = False) -> None:
@@ -1737,16 +1842,16 @@ class _Cascade:
                 self.run(run_id)["status"] = "running"
                 self.start_run(run_id)
                 return
-            row = tx.one(
-                "UPDATE jobs SET status = 'queued', holds_group = ? WHERE run_id = ? AND id = ? "
-                "AND status = 'waiting' RETURNING id",
-                (group, run_id, w["id"]),
+            job = tx.one(
+                f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id = ? AND status = 'waiting'",
+                (run_id, w["id"]),
             )
-            if row is not None:
+            if job is not None:
                 tx.execute(
                     "UPDATE conc_groups SET holder_run = ?, holder_job = ? WHERE name = ?",
                     (run_id, w["id"], group),
                 )
+                self.enqueue(job, bool(job["holds_slot"]), group)
                 return
 
     # -- workflow-level concurrency
@@ -1834,11 +1939,17 @@ class _Cascade:
         )
         if c is None or not c["fail_fast"]:
             return
+        reason = f"fail-fast: leg {failed_id!r} failed"
         self.tx.execute(
             "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND cohort = ? AND status = "
             "'running'",
             (run_id, cohort),
         )
+        for leg in self.tx.execute(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND cohort = ? AND status = 'folding'",
+            (run_id, cohort),
+        ):
+            self.cancel_caller(leg, reason)
         legs = self.tx.execute(
             f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND cohort = ? "
             "AND status IN ('queued', 'parked', 'waiting') ORDER BY seq DESC",
@@ -1847,4 +1958,27 @@ class _Cascade:
         # Concluded here, not queued: a slot freed by one of them must not
         # admit a sibling that is about to be cancelled.
         for leg in legs:
-            self._do_conclude(leg, "cancelled", {}, f"fail-fast: leg {failed_id!r} failed")
+            self._do_conclude(leg, "cancelled", {}, reason)
+
+    def cancel_caller(self, caller: Row, reason: str) -> None:
+        """A started reusable caller is cancelled (fail-fast, cancel-in-progress):
+        its running inner jobs (nested callers' too, by id prefix) are told to
+        stop, the rest end cancelled now, and it folds cancelled unless an
+        inner job failed."""
+        tx = self.tx
+        run_id = int(caller["run_id"])
+        lo, hi = _inner_range(caller["id"])
+        tx.execute(
+            "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND ((id >= ? AND id < ? "
+            "AND status IN ('running', 'folding')) OR id = ?)",
+            (run_id, lo, hi, caller["id"]),
+        )
+        rest = tx.execute(
+            f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id >= ? AND id < ? "
+            "AND status IN ('blocked', 'parked', 'waiting', 'queued') ORDER BY seq DESC",
+            (run_id, lo, hi),
+        )
+        # Concluded here, not queued (see _do_fail_fast); deepest first, so a
+        # nested caller that never started finds its inner jobs ended.
+        for job in rest:
+            self._do_conclude(job, "cancelled", {}, reason)

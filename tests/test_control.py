@@ -519,6 +519,22 @@ def test_labels_case_insensitive_and_fifo(store: Store) -> None:
     assert got is None or (got.run_id == r2 and got.job_id == "any")
 
 
+def test_claim_restricted_to_one_run_skips_earlier_runs(store: Store) -> None:
+    b = PlanBuilder()
+    b.job("a")
+    b.job("b")
+    r1 = store.submit_run(b.plan())
+    r2 = store.submit_run(b.plan())
+    got = store.claim_job("local", ["ubuntu-latest"], run_id=r2)
+    assert got is not None and (got.run_id, got.job_id) == (r2, "a")
+    got = store.claim_job("local", ["ubuntu-latest"], run_id=r2)
+    assert got is not None and (got.run_id, got.job_id) == (r2, "b")
+    assert store.claim_job("local", ["ubuntu-latest"], run_id=r2) is None
+    assert {j.status for j in store.list_jobs(r1)} == {"queued"}
+    got = store.claim_job("any", ["ubuntu-latest"])  # unrestricted: FIFO from run 1
+    assert got is not None and (got.run_id, got.job_id) == (r1, "a")
+
+
 def test_submit_empty_plan_completes(store: Store) -> None:
     run_id = store.submit_run(PlanBuilder().plan())
     assert store.get_run(run_id).conclusion == "success"

@@ -11,7 +11,7 @@ import pytest
 from tests.run_support import Harness, git, make_repo, results, run_engine, workflow
 
 from preloop.control import Lease, open_store
-from preloop.engine import Engine, RunRequest, _pin_to_engine
+from preloop.engine import Engine, RunRequest
 from preloop.runner.logs import job_ids_with_logs, log_path
 from preloop.workflow import PlanError, WorkflowError, load_workflow, plan
 
@@ -466,7 +466,7 @@ def test_env_files_continue_on_error_and_hung_step_timeout(tmp_path: Path, store
     assert readable == pidfds
 
 
-def test_lite_runs_sharing_a_store_only_run_their_own_jobs(tmp_path: Path) -> None:
+def test_runs_sharing_a_store_only_run_their_own_jobs(tmp_path: Path) -> None:
     wf = workflow(
         "on: push\njobs:\n  build:\n    runs-on: ubuntu-latest\n"
         "    steps:\n      - run: echo build-of-$(basename $GITHUB_WORKSPACE)\n"
@@ -474,11 +474,9 @@ def test_lite_runs_sharing_a_store_only_run_their_own_jobs(tmp_path: Path) -> No
     other = make_repo(tmp_path / "other", wf)
     mine = make_repo(tmp_path / "mine", wf)
     url = f"sqlite:///{tmp_path / 'shared.db'}"
-    # A run of another `preloop run` (submitted, its engine still capturing).
-    foreign = _pin_to_engine(
-        plan(load_workflow(other / ".github/workflows/ci.yml", root=other), "push"),
-        "preloop-run-someone-else",
-    )
+    # A run of another `preloop run` (submitted, its engine still capturing):
+    # same labels, earlier in the FIFO, yet this engine's runners never take it.
+    foreign = plan(load_workflow(other / ".github/workflows/ci.yml", root=other), "push")
     with open_store(url) as store:
         foreign_id = store.submit_run(foreign, github={})
     outcome, h = run_engine(mine, url, tmp_path / "state")

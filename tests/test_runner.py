@@ -504,3 +504,40 @@ def test_container_and_services_are_reported_not_silently_ignored(tmp_path: Path
     assert any("`container:`" in w and "'build'" in w for w in warnings)
     assert any("`services:` (db, redis)" in w for w in warnings)
     assert any(line.startswith("warning: job 'build' declares `services:`") for line in lines)
+
+
+def test_steps_are_tagged_by_the_run_key_and_other_runs_are_spared(tmp_path: Path) -> None:
+    """Run ids repeat across stores (every lite store starts at 1): killing the
+    leftovers of one run must never reach another run's steps."""
+    from preloop.runner.job import kill_tracked, tracking_prefix
+
+    ws, temp = tmp_path / "ws", tmp_path / "temp"
+    ws.mkdir()
+    temp.mkdir()
+    lines: list[str] = []
+    result = anyio.run(
+        lambda: execute_job(
+            {"job": "build", "steps": [{"run": 'echo "id=$RUNNER_TRACKING_ID"'}]},
+            {"github": {"event_name": "push"}},
+            JobHost(workspace=ws, temp=temp, run_id="1", tracking_key="run-key-a"),
+            log=lines.append,
+        )
+    )
+    assert result.conclusion == "success"
+    assert any(line.startswith(f"id={tracking_prefix('run-key-a')}") for line in lines), lines
+
+    # A step of another store's run 1, tagged with that run's own key.
+    other = subprocess.Popen(
+        ["sleep", "1000"],
+        env={**os.environ, "RUNNER_TRACKING_ID": tracking_prefix("run-key-b") + "step"},
+    )
+    pidfd = os.pidfd_open(other.pid)
+    try:
+        assert kill_tracked(tracking_prefix("run-key-a"), prefix=True) == 0
+        assert not _exited(pidfd, 0)
+        assert kill_tracked(tracking_prefix("run-key-b"), prefix=True) == 1
+        assert _exited(pidfd)
+    finally:
+        other.kill()
+        other.wait()
+        os.close(pidfd)

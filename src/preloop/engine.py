@@ -25,7 +25,6 @@ did not end as cancelled, and returns.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import shutil
@@ -67,7 +66,8 @@ __all__ = [
     "resolve_workflow",
 ]
 
-ENGINE_CONTEXT_KEY = "preloop_engine"  # github context: host and pid of the submitter
+# github context: host, pid and host-unique run key of the submitting engine
+ENGINE_CONTEXT_KEY = "preloop_engine"
 _POLL = 0.25  # seconds between store polls while local runners are idle
 _REAP_EVERY = 5.0
 
@@ -224,16 +224,6 @@ def _select_job(p: Plan, job: str) -> Plan:
     )
 
 
-def _pin_to_engine(p: Plan, label: str) -> Plan:
-    """Adds `label` to every job's runs-on (legs of deferred matrices, made by
-    the store later, do not get it)."""
-    jobs = tuple(
-        dataclasses.replace(j, runs_on=(*j.runs_on, label)) if j.kind == "job" else j
-        for j in p.jobs
-    )
-    return dataclasses.replace(p, jobs=jobs)
-
-
 def _plan_labels(p: Plan) -> list[str]:
     """Every label the plan's jobs ask for: local runners take all of them."""
     labels: set[str] = set(DEFAULT_LABELS)
@@ -341,18 +331,17 @@ class Engine:
                 "repository": root.name,
                 "sha": snap.commit,
                 SNAPSHOT_CONTEXT_KEY: location.to_dict(),
-                ENGINE_CONTEXT_KEY: {"host": socket.gethostname(), "pid": os.getpid()},
+                ENGINE_CONTEXT_KEY: {
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "run_key": run_key,
+                },
             }
             branch = await _git(root, "rev-parse", "--abbrev-ref", "HEAD")
             if branch and branch != "HEAD":
                 gh.update(ref=f"refs/heads/{branch}", ref_name=branch)
             gh.update(event_name=req.event, workflow=planned.name)
             gh.setdefault("actor", os.environ.get("USER", "preloop"))
-            if store.dialect == "lite":
-                # No `preloop runner` serves a lite store: only this engine's
-                # runners run its jobs, so another `preloop run` sharing the
-                # store never runs (and shows) them.
-                planned = _pin_to_engine(planned, f"preloop-{run_key}")
             run_id = await anyio.to_thread.run_sync(lambda: store.submit_run(planned, github=gh))
             self.run_id = run_id
             if self.events.on_submitted is not None:
@@ -364,12 +353,6 @@ class Engine:
             info = await anyio.to_thread.run_sync(store.get_run, run_id)
             jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
             conclusion = info.conclusion or ("cancelled" if self._interrupted else "failure")
-            if conclusion == "success" and any(
-                j.kind == "job" and j.conclusion == "cancelled" for j in jobs
-            ):
-                # The store concludes a run from failed jobs only; a job a
-                # runner cancelled (its SIGTERM) must not read as a success.
-                conclusion = "cancelled"
             return RunOutcome(
                 run_id=run_id,
                 workflow=planned.workflow,
@@ -445,6 +428,7 @@ class Engine:
                     state_dir=self.state_dir,
                     secrets=dict(req.secrets),
                     sandbox=req.sandbox,
+                    run_id=run_id,
                 ),
                 events,
                 templates,
@@ -542,8 +526,12 @@ async def recover_abandoned_runs(store: Store, state_dir: Path) -> list[int]:
             continue
         if _pid_alive(int(owner.get("pid", 0))):
             continue
-        kill = functools.partial(kill_tracked, tracking_prefix(str(run.id)), prefix=True)
-        await anyio.to_thread.run_sync(kill)
+        run_key = owner.get("run_key")
+        if run_key:
+            # By the run's host-unique key: run ids repeat across stores, and
+            # another store's live run 1 must not lose its steps here.
+            kill = functools.partial(kill_tracked, tracking_prefix(str(run_key)), prefix=True)
+            await anyio.to_thread.run_sync(kill)
         await settle_cancelled(store, run.id, "its `preloop run` process died")
         snapshot = (ctx.get("github") or {}).get(SNAPSHOT_CONTEXT_KEY) or {}
         repo = Path(str(snapshot.get("repository", "")))

@@ -108,12 +108,22 @@ class _Progress:
                 self.jobs[job.id] = {"name": job.name, "state": "queued", "start": None}
         if not self.quiet and not self.live_mode:
             self.console.print(f"run {run_id}: {plan.name} ({len(self.order)} jobs)", markup=False)
+        self._changed()
+
+    def _changed(self) -> None:
+        # A state change shows at once, not at the next periodic refresh: a job
+        # shorter than the refresh period would otherwise never appear running.
+        # refresh=True matters: lines printed above the panel redraw the last
+        # *refreshed* renderable, not the last one passed to update().
+        if self.live is not None:
+            self.live.update(self.render(), refresh=True)
 
     def start(self, lease: Lease) -> None:
         entry = self.jobs.setdefault(lease.job_id, {"name": lease.name})
         if lease.job_id not in self.order:
             self.order.append(lease.job_id)
         entry.update(name=lease.name, state="running", start=time.monotonic())
+        self._changed()
 
     def line(self, lease: Lease, text: str) -> None:
         if self.quiet:
@@ -134,6 +144,7 @@ class _Progress:
         entry = self.jobs.setdefault(lease.job_id, {"name": lease.name, "start": None})
         start = entry.get("start")
         entry.update(state=result.conclusion, elapsed=time.monotonic() - start if start else None)
+        self._changed()
         if not self.quiet and not self.live_mode:
             self.console.print(
                 f"[{lease.name}] {_ICON.get(result.conclusion, '?')} {result.conclusion}",

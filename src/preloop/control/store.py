@@ -345,11 +345,20 @@ class Store:
     # ------------------------------------------------------------------ claims
 
     def claim_job(
-        self, runner: str, labels: Sequence[str], *, lease_seconds: float = DEFAULT_LEASE_SECONDS
+        self,
+        runner: str,
+        labels: Sequence[str],
+        *,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        run_id: int | None = None,
     ) -> Lease | None:
         """Claims the first queued job (FIFO by run, then job seq) whose
-        `runs-on` labels are all among `labels` (case-insensitive)."""
+        `runs-on` labels are all among `labels` (case-insensitive). With
+        `run_id`, only that run's jobs: the local runners of a `preloop run`
+        serve their own run, never another one sharing the store."""
         wanted = sorted({lb.strip().lower() for lb in labels if lb.strip()})
+        only_run = "" if run_id is None else " AND j.run_id = ?"
+        run_args: tuple[int, ...] = () if run_id is None else (run_id,)
         token = secrets.token_hex(16)
 
         def tx_fn(tx: Tx) -> Lease | None:
@@ -373,9 +382,10 @@ class Store:
                 "UPDATE jobs SET status = 'running', runner = ?, lease_token = ?, "
                 "lease_expires = ?, started_at = ?, attempt = attempt + 1 "
                 "WHERE (run_id, id) = (SELECT j.run_id, j.id FROM jobs j "
-                f"WHERE j.status = 'queued' AND {match} ORDER BY j.run_id, j.seq LIMIT 1{lock}) "
+                f"WHERE j.status = 'queued' AND {match}{only_run} "
+                f"ORDER BY j.run_id, j.seq LIMIT 1{lock}) "
                 "RETURNING run_id, id, name, attempt, spec, matrix, strategy, timeout_minutes",
-                (runner, token, now + lease_seconds, now, *wanted),
+                (runner, token, now + lease_seconds, now, *wanted, *run_args),
             )
             if row is None:
                 return None

@@ -82,7 +82,10 @@ class JobHost:
     `workspace` is the checkout (GITHUB_WORKSPACE); `temp` is RUNNER_TEMP (an
     empty directory); `wrap` turns a step's argv into the argv actually run
     (the bubblewrap sandbox), identity when None; `base_env` is the process
-    environment steps inherit (default: ours)."""
+    environment steps inherit (default: ours). `tracking_key` identifies the
+    run on this host across every store (the submitting engine's run key):
+    step processes are tagged with it, never with `run_id`, which another
+    store on the same host may also use."""
 
     workspace: Path
     temp: Path
@@ -91,6 +94,7 @@ class JobHost:
     wrap: Callable[[list[str]], list[str]] | None = None
     base_env: Mapping[str, str] | None = None
     tool_cache: Path | None = None
+    tracking_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -134,9 +138,10 @@ class _StepFailure(PreloopError):
     """A step that could not run (bad shell, missing directory, unsupported uses)."""
 
 
-def tracking_prefix(run_id: str) -> str:
-    """The RUNNER_TRACKING_ID prefix of every step process of run `run_id`."""
-    return f"preloop_{run_id}_"
+def tracking_prefix(tracking_key: str) -> str:
+    """The RUNNER_TRACKING_ID prefix of every step process of the run whose
+    host-unique key is `tracking_key` (see `JobHost.tracking_key`)."""
+    return f"preloop_{tracking_key}_"
 
 
 def kill_tracked(tracking_id: str, *, prefix: bool = False) -> int:
@@ -207,7 +212,7 @@ class _Execution:
         # GitHub's runner marks every step process with RUNNER_TRACKING_ID and
         # kills what still carries it when the job ends (orphans, daemons
         # that left the step's process group).
-        self.tracking_id = tracking_prefix(host.run_id) + uuid.uuid4().hex
+        self.tracking_id = tracking_prefix(host.tracking_key or uuid.uuid4().hex) + uuid.uuid4().hex
         self.commands_dir = host.temp / "_runner_file_commands"
         self.commands_dir.mkdir(parents=True, exist_ok=True)
         for value in secrets.values():

@@ -71,6 +71,8 @@ class RunnerOptions:
     heartbeat_interval: float = 2.0
     lease_seconds: float = 60.0
     idle_poll: float = 0.5
+    # Serve only this run (the local runners of `preloop run`); None serves any.
+    run_id: int | None = None
 
 
 T = TypeVar("T")
@@ -140,7 +142,9 @@ class Runner:
         opts = self.options
         return await store_call(
             self.store,
-            lambda: self.store.claim_job(opts.name, self.labels, lease_seconds=opts.lease_seconds),
+            lambda: self.store.claim_job(
+                opts.name, self.labels, lease_seconds=opts.lease_seconds, run_id=opts.run_id
+            ),
         )
 
     async def _heartbeat(self, lease: Lease, control: JobControl) -> None:
@@ -236,7 +240,8 @@ class Runner:
             github = dict(contexts.get("github") or {})
             location = SnapshotLocation.from_context(github, where)
             github.pop("preloop_snapshot", None)
-            github.pop("preloop_engine", None)
+            engine = github.pop("preloop_engine", None)
+            tracking_key = engine.get("run_key") if isinstance(engine, dict) else None
             contexts["github"] = github
             spec = runnable_spec(lease, contexts)
             if "inputs" in spec:
@@ -265,6 +270,7 @@ class Runner:
             run_id=str(lease.run_id),
             runner_name=opts.name,
             wrap=wrap,
+            tracking_key=str(tracking_key) if tracking_key else None,
         )
         return await execute_job(
             spec,

@@ -35,6 +35,7 @@ import anyio
 
 from preloop.snapshot import layout
 from preloop.snapshot.errors import SnapshotCaptureTimeout, SnapshotError
+from preloop.snapshot.gitcmd import git, git_env
 from preloop.snapshot.hooks import AfterCapture, run_after_capture
 from preloop.snapshot.limits import (
     SNAPSHOT_CAPTURE_CLEANUP_GRACE,
@@ -320,3 +321,21 @@ def publish(cap: CaptureState) -> None:
     (replacing the empty reservation atomically)."""
     os.rename(cap.staging_repository, cap.run_repository)
     cap.published = True
+
+
+async def publish_verified(cap: CaptureState, commit: str, tree: str, cache: Path) -> None:
+    """Points the staging repository's snapshot ref at `commit`, publishes it as
+    `snapshots/<run_id>`, and checks the published ref resolves to `tree`: jobs
+    must never be handed another tree because the cache entry `cache` is damaged."""
+    await cap.work.run("write-ref", write_snapshot_ref, cap.staging_repository, commit)
+    await cap.work.run("publish", publish, cap)
+    verified = await git(
+        ["rev-parse", "--verify", "--quiet", "refs/heads/snapshot^{tree}"],
+        env=git_env({"GIT_DIR": str(cap.run_repository)}),
+        check=False,
+    )
+    if verified.stdout_text().strip() != tree:
+        raise SnapshotError(
+            f"published snapshot {cap.run_repository} of run {cap.run_id} does not resolve to "
+            f"tree {tree}: the cache entry {cache} is damaged; remove it and retry"
+        )

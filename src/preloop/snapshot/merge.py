@@ -17,9 +17,8 @@ from preloop.snapshot.capture import (
     CaptureState,
     Snapshot,
     create_run_repository,
-    publish,
+    publish_verified,
     run_capture,
-    write_snapshot_ref,
 )
 from preloop.snapshot.errors import MergeConflict, SnapshotCaptureTimeout, SnapshotError
 from preloop.snapshot.gitcmd import git, git_env
@@ -127,18 +126,7 @@ async def _merge_body(
     commit = (
         (await git([*commit_args, "-m", message], env=commit_env(cache_env))).stdout_text().strip()
     )
-    await cap.work.run("write-ref", write_snapshot_ref, cap.staging_repository, commit)
-    await cap.work.run("publish", publish, cap)
-    verified = await git(
-        ["rev-parse", "--verify", "--quiet", "refs/heads/snapshot^{tree}"],
-        env=git_env({"GIT_DIR": str(cap.run_repository)}),
-        check=False,
-    )
-    if verified.stdout_text().strip() != tree:
-        raise SnapshotError(
-            f"published snapshot {cap.run_repository} of run {cap.run_id} does not resolve to "
-            f"tree {tree}: the cache entry {entry.repository} is damaged; remove it and retry"
-        )
+    await publish_verified(cap, commit, tree, entry.repository)
     return Snapshot(
         run_id=cap.run_id,
         kind="merge",

@@ -278,12 +278,7 @@ class Store:
             tx.lock_run(run_id)
             _insert_plan(tx, run_id, plan)
             c = _Cascade(tx, self)
-            if group is not None and not c.acquire_run_group(run_id, group, conc):
-                c.finish()
-                cascade_groups.update(c.retry_groups)
-                return run_id
-            c.start_run(run_id)
-            c.finish()
+            c.admit_run(run_id, group, conc)
             cascade_groups.update(c.retry_groups)
             return run_id
 
@@ -323,18 +318,14 @@ class Store:
                 tx.execute(*_rerun_statement(sql, new, run_id, keep))
             c = _Cascade(tx, self)
             group = old["conc_group"]
+            spec = None
             if group is not None:
                 conc = tx.one("SELECT conc_cancel, conc_queue_max FROM runs WHERE id = ?", (new,))
                 assert conc is not None
                 spec = ConcurrencySpec(
                     group, None, bool(conc["conc_cancel"]), bool(conc["conc_queue_max"])
                 )
-                if not c.acquire_run_group(new, group, spec):
-                    c.finish()
-                    groups.update(c.retry_groups)
-                    return new
-            c.start_run(new)
-            c.finish()
+            c.admit_run(new, group, spec)
             groups.update(c.retry_groups)
             return new
 
@@ -1048,6 +1039,13 @@ class _Cascade:
                 if ended and self.run(run_id)["status"] != "completed":
                     assert row is not None
                     self.end_run(run_id, row)
+
+    def admit_run(self, run_id: int, group: str | None, conc: Any) -> None:
+        """A new run (submitted or re-run) starts, unless its workflow-level
+        `group` holds it back; either way the cascade is settled."""
+        if group is None or self.acquire_run_group(run_id, group, conc):
+            self.start_run(run_id)
+        self.finish()
 
     def start_run(self, run_id: int) -> None:
         """Gates every root job of a run that may start (submit, or resume

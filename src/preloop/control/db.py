@@ -193,23 +193,7 @@ class LiteBackend(Backend):
         self._migrate()
 
     def _migrate(self) -> None:
-        def apply(tx: Tx) -> None:
-            tx.execute(
-                "CREATE TABLE IF NOT EXISTS preloop_schema_version (version INTEGER NOT NULL)"
-            )
-            row = tx.one("SELECT version FROM preloop_schema_version")
-            have = int(row["version"]) if row else 0
-            if row is None:
-                tx.execute("INSERT INTO preloop_schema_version (version) VALUES (0)")
-            _check_version(have, self.url)
-            for migration in MIGRATIONS[have:]:
-                for statement in migration:
-                    sql = render(statement, "lite")
-                    if sql is not None:
-                        tx.execute(sql)
-            tx.execute("UPDATE preloop_schema_version SET version = ?", (len(MIGRATIONS),))
-
-        self.transaction("migrate", apply)
+        self.transaction("migrate", lambda tx: _apply_migrations(tx, "lite", self.url))
 
     def transaction(self, op: str, fn: Callable[[Tx], T]) -> T:
         with self._lock:
@@ -265,21 +249,9 @@ class PgBackend(Backend):
 
     def _migrate(self) -> None:
         def apply(tx: Tx) -> None:
+            # Two nodes starting together: the second waits, then finds nothing to do.
             tx.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
-            tx.execute(
-                "CREATE TABLE IF NOT EXISTS preloop_schema_version (version INTEGER NOT NULL)"
-            )
-            row = tx.one("SELECT version FROM preloop_schema_version")
-            have = int(row["version"]) if row else 0
-            if row is None:
-                tx.execute("INSERT INTO preloop_schema_version (version) VALUES (0)")
-            _check_version(have, self.url)
-            for migration in MIGRATIONS[have:]:
-                for statement in migration:
-                    sql = render(statement, "pg")
-                    if sql is not None:
-                        tx.execute(sql)
-            tx.execute("UPDATE preloop_schema_version SET version = ?", (len(MIGRATIONS),))
+            _apply_migrations(tx, "pg", self.url)
 
         self.transaction("migrate", apply)
 
@@ -348,6 +320,22 @@ def _check_version(have: int, url: str) -> None:
             f"the store {_redact(url)} has schema version {have}, newer than this preloop "
             f"knows ({len(MIGRATIONS)}): upgrade preloop"
         )
+
+
+def _apply_migrations(tx: Tx, dialect: str, url: str) -> None:
+    """Brings the schema from its recorded version to `len(MIGRATIONS)`, in `tx`."""
+    tx.execute("CREATE TABLE IF NOT EXISTS preloop_schema_version (version INTEGER NOT NULL)")
+    row = tx.one("SELECT version FROM preloop_schema_version")
+    have = int(row["version"]) if row else 0
+    if row is None:
+        tx.execute("INSERT INTO preloop_schema_version (version) VALUES (0)")
+    _check_version(have, url)
+    for migration in MIGRATIONS[have:]:
+        for statement in migration:
+            sql = render(statement, dialect)
+            if sql is not None:
+                tx.execute(sql)
+    tx.execute("UPDATE preloop_schema_version SET version = ?", (len(MIGRATIONS),))
 
 
 def _redact(url: str) -> str:

@@ -53,6 +53,7 @@ from preloop.runner.checkout import (
 )
 from preloop.runner.job import kill_tracked, tracking_prefix
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
+from preloop.snapshot.owner import ProcessIdentity
 from preloop.workflow import Plan, load_workflow, plan, workflow_files
 
 __all__ = [
@@ -334,6 +335,8 @@ class Engine:
                 ENGINE_CONTEXT_KEY: {
                     "host": socket.gethostname(),
                     "pid": os.getpid(),
+                    # with the pid, so a recycled pid never passes for this engine
+                    "start_ticks": ProcessIdentity.current().start_ticks,
                     "run_key": run_key,
                 },
             }
@@ -495,16 +498,6 @@ async def settle_cancelled(store: Store, run_id: int, reason: str) -> None:
                     continue
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 async def recover_abandoned_runs(store: Store, state_dir: Path) -> list[int]:
     """Runs whose `preloop run` died (its pid on this host is gone) without
     ending them: their leftover step processes are killed, the runs cancelled
@@ -524,7 +517,8 @@ async def recover_abandoned_runs(store: Store, state_dir: Path) -> list[int]:
         owner = (ctx.get("github") or {}).get(ENGINE_CONTEXT_KEY)
         if not isinstance(owner, dict) or owner.get("host") != host:
             continue
-        if _pid_alive(int(owner.get("pid", 0))):
+        engine = ProcessIdentity(int(owner.get("pid", 0)), int(owner.get("start_ticks", 0)))
+        if engine.is_alive():
             continue
         run_key = owner.get("run_key")
         if run_key:

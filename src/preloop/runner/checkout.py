@@ -27,6 +27,7 @@ import anyio
 
 from preloop.errors import PreloopError
 from preloop.process import CommandFailed, run_command
+from preloop.snapshot.owner import pid_exists
 
 __all__ = [
     "SNAPSHOT_CONTEXT_KEY",
@@ -172,16 +173,6 @@ def work_dir(state_dir: Path) -> Path:
     return Path(state_dir) / "work" / (socket.gethostname() or "localhost")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_work_dir(state_dir: Path) -> list[Path]:
     """Removes this host's job directories and templates whose process died (a
     crashed runner): entries of `work_dir(state_dir)` are named `<pid>-...`."""
@@ -193,7 +184,7 @@ def sweep_work_dir(state_dir: Path) -> list[Path]:
         return removed
     for name in names:
         head = name.split("-", 1)[0]
-        if head.isdigit() and not _pid_alive(int(head)):
+        if head.isdigit() and not pid_exists(int(head)):
             with contextlib.suppress(OSError):
                 shutil.rmtree(root / name)
                 removed.append(root / name)

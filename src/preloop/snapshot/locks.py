@@ -19,21 +19,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import anyio
 
 from preloop.snapshot import layout
 from preloop.snapshot.errors import CacheLockTimeout
 from preloop.snapshot.limits import CACHE_LOCK_TIMEOUT
-from preloop.snapshot.owner import ProcessIdentity
+from preloop.snapshot.owner import ProcessIdentity, read_marker, write_marker
 
 __all__ = [
     "CacheLock",
@@ -189,21 +187,7 @@ class CachePin:
         pin_id = f"{me.pid}-{secrets.token_hex(6)}"
         path = layout.cache_pin_path(state_dir, key, pin_id)
         path.parent.mkdir(parents=True, exist_ok=True)
-        document: dict[str, Any] = {
-            "pid": me.pid,
-            "start_ticks": me.start_ticks,
-            "created": time.time(),
-            "run_id": run_id,
-        }
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            with open(tmp, "x", encoding="utf-8") as fh:
-                json.dump(document, fh)
-            os.rename(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            raise
+        write_marker(path, {"run_id": run_id})
         return cls(path, key, pin_id)
 
     def drop(self) -> None:
@@ -242,12 +226,10 @@ def read_pin(path: Path) -> PinInfo | None:
     """The pin at `path`; None when it is gone. A pin that exists but cannot be
     parsed raises ValueError (treat it as present)."""
     try:
-        raw = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    try:
-        document = json.loads(raw)
-        owner = ProcessIdentity(int(document["pid"]), int(document["start_ticks"]))
+        found = read_marker(path)
+        if found is None:
+            return None
+        owner, document = found
         created = float(document["created"])
         run_id = document.get("run_id")
     except (ValueError, KeyError, TypeError) as exc:

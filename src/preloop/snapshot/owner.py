@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ProcessIdentity", "read_marker", "write_marker"]
+__all__ = ["ProcessIdentity", "pid_exists", "read_marker", "write_marker"]
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -30,6 +30,12 @@ def _start_ticks(pid: int) -> int | None:
     # the last ')'.
     fields = stat[stat.rindex(b")") + 2 :].split()
     return int(fields[19])
+
+
+def pid_exists(pid: int) -> bool:
+    """True while some process has `pid` (any user's, zombies included). Where a
+    start time was recorded, prefer `ProcessIdentity.is_alive`: pids are reused."""
+    return _start_ticks(pid) is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,7 @@ from preloop.snapshot import layout
 from preloop.snapshot.hooks import register_after_capture
 from preloop.snapshot.limits import STALE_PIN_AGE
 from preloop.snapshot.locks import list_pins, try_acquire_cache_lock
+from preloop.snapshot.owner import pid_exists
 from preloop.snapshot.references import (
     CacheReferenceError,
     CacheReferences,
@@ -478,16 +479,6 @@ _active_trash: set[str] = set()
 _active_trash_lock = threading.Lock()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_leftovers(state_dir: Path, names: list[str]) -> list[str]:
     """Deletes `.evicting-*` trees of prunes whose process is gone (a crash
     between the rename and the deletion)."""
@@ -501,7 +492,7 @@ def _remove_leftovers(state_dir: Path, names: list[str]) -> list[str]:
         if active or len(pid_text) != 3 or not pid_text[1].isdigit():
             continue
         pid = int(pid_text[1])
-        if pid != os.getpid() and _pid_alive(pid):
+        if pid != os.getpid() and pid_exists(pid):
             continue
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.lexists(path):

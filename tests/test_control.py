@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from preloop.control import NonTerminalConclusion, Store, open_store
+from preloop.control import NonTerminalConclusion, Store, UnknownRun, open_store
 from preloop.testing.plans import PlanBuilder, drive, profile_plan
 from preloop.workflow.plan import ConcurrencySpec, Plan
 
@@ -533,6 +533,25 @@ def test_claim_restricted_to_one_run_skips_earlier_runs(store: Store) -> None:
     assert {j.status for j in store.list_jobs(r1)} == {"queued"}
     got = store.claim_job("any", ["ubuntu-latest"])  # unrestricted: FIFO from run 1
     assert got is not None and (got.run_id, got.job_id) == (r1, "a")
+
+
+def test_unfinished_runs_and_run_context_read_no_jobs(store: Store) -> None:
+    b = PlanBuilder()
+    b.job("a")
+    done = store.submit_run(PlanBuilder().plan())  # empty: completes at once
+    older = store.submit_run(b.plan(), github={"sha": "old"})
+    for _ in range(3):
+        store.submit_run(PlanBuilder().plan())
+    newer = store.submit_run(b.plan(), github={"sha": "new"})
+    store.counters.reset()
+    unfinished = store.list_runs(None, unfinished=True)
+    assert [r.id for r in unfinished] == [newer, older]
+    assert [r.id for r in store.list_runs(2)] == [newer, newer - 1]
+    assert done in [r.id for r in store.list_runs(None)]
+    assert store.run_context(older)["github"]["sha"] == "old"
+    assert store.counters.snapshot().graph_loads == 0
+    with pytest.raises(UnknownRun):
+        store.run_context(newer + 100)
 
 
 def test_submit_empty_plan_completes(store: Store) -> None:

@@ -506,14 +506,10 @@ async def recover_abandoned_runs(store: Store, state_dir: Path) -> list[int]:
     next run's runners would pick up."""
     host = socket.gethostname()
     recovered: list[int] = []
-    runs = await anyio.to_thread.run_sync(store.list_runs)
+    # Every unfinished run, however old: reading one context row each, not its jobs.
+    runs = await anyio.to_thread.run_sync(functools.partial(store.list_runs, None, unfinished=True))
     for run in runs:
-        if run.status == "completed":
-            continue
-        jobs = await anyio.to_thread.run_sync(store.list_jobs, run.id)
-        if not jobs:
-            continue
-        ctx = await anyio.to_thread.run_sync(store.job_context, run.id, jobs[0].id)
+        ctx = await anyio.to_thread.run_sync(store.run_context, run.id)
         owner = (ctx.get("github") or {}).get(ENGINE_CONTEXT_KEY)
         if not isinstance(owner, dict) or owner.get("host") != host:
             continue

@@ -675,11 +675,26 @@ class Store:
             raise UnknownRun(f"no run {run_id} in the store {self._db.url}")
         return _run_info(row)
 
-    def list_runs(self, limit: int = 50) -> list[RunInfo]:
-        rows = self._db.transaction(
-            "query", lambda tx: tx.execute("SELECT * FROM runs ORDER BY id DESC LIMIT ?", (limit,))
-        )
+    def list_runs(self, limit: int | None = 50, *, unfinished: bool = False) -> list[RunInfo]:
+        """The newest runs first (`limit` None: all of them); with `unfinished`,
+        only runs that have not completed."""
+        where = " WHERE status <> 'completed'" if unfinished else ""
+        bound = "" if limit is None else " LIMIT ?"
+        sql = f"SELECT * FROM runs{where} ORDER BY id DESC{bound}"
+        args: tuple[int, ...] = () if limit is None else (limit,)
+        rows = self._db.transaction("query", lambda tx: tx.execute(sql, args))
         return [_run_info(r) for r in rows]
+
+    def run_context(self, run_id: int) -> dict[str, Any]:
+        """The run-level contexts recorded at submit (`github`, `env`, `inputs`,
+        ...), without any job's `needs`/`matrix`: one row read."""
+        row = self._db.transaction(
+            "query", lambda tx: tx.one("SELECT context FROM runs WHERE id = ?", (run_id,))
+        )
+        if row is None:
+            raise UnknownRun(f"no run {run_id} in the store {self._db.url}")
+        context: dict[str, Any] = json.loads(row["context"])
+        return context
 
     def get_job(self, run_id: int, job_id: str) -> JobInfo:
         row = self._db.transaction(

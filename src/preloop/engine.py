@@ -84,6 +84,7 @@ class RunRequest:
     state_dir: Path | None = None
     secrets: dict[str, str] = field(default_factory=dict)
     sandbox: bool = False
+    sandbox_network: str = "host"  # --sandbox-network: "host" or "none"
     runner_name: str = "local"
 
 
@@ -431,6 +432,7 @@ class Engine:
                     state_dir=self.state_dir,
                     secrets=dict(req.secrets),
                     sandbox=req.sandbox,
+                    sandbox_network=req.sandbox_network,
                     run_id=run_id,
                 ),
                 events,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import sys
 import time
@@ -19,9 +18,10 @@ from rich.text import Text
 
 from preloop import config
 from preloop.cli.app import cli, emit_json
+from preloop.cli.secret_args import parse_secrets, sandbox_options, secret_options
 from preloop.control import JobInfo, Lease
 from preloop.engine import Engine, EngineEvents, RunOutcome, RunRequest
-from preloop.errors import PreloopError, UsageError
+from preloop.errors import PreloopError
 from preloop.runner import JobResult
 from preloop.workflow import Plan
 
@@ -34,22 +34,6 @@ _STYLE = {
     "skipped": "dim",
 }
 _ICON = {"success": "✓", "failure": "✗", "cancelled": "⊘", "skipped": "-"}
-
-
-def parse_secrets(values: tuple[str, ...]) -> dict[str, str]:
-    """`K=V` pairs; a bare `K` takes the value of environment variable K."""
-    secrets: dict[str, str] = {}
-    for item in values:
-        if "=" in item:
-            key, value = item.split("=", 1)
-        else:
-            key, value = item, os.environ.get(item, "")
-            if item not in os.environ:
-                raise UsageError(f"--secret {item}: no environment variable {item} (use K=V)")
-        if not key:
-            raise UsageError(f"--secret {item!r}: use NAME=VALUE")
-        secrets[key] = value
-    return secrets
 
 
 def _duration(seconds: float | None) -> str:
@@ -282,8 +266,8 @@ async def _run(engine: Engine, progress: _Progress) -> RunOutcome | None:
     type=click.Path(path_type=Path, file_okay=False),
     help="State directory (default: $PRELOOP_STATE_DIR).",
 )
-@click.option("--secret", multiple=True, help="A secret NAME=VALUE (or NAME from the env).")
-@click.option("--sandbox", is_flag=True, help="Run each job under bubblewrap.")
+@secret_options
+@sandbox_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document at the end.")
 def run_command(
     workflow: Path | None,
@@ -293,7 +277,9 @@ def run_command(
     store: str | None,
     state_dir: Path | None,
     secret: tuple[str, ...],
+    secret_files: tuple[Path, ...],
     sandbox: bool,
+    sandbox_network: str,
     as_json: bool,
 ) -> None:
     """Run this repository's workflow on a snapshot of the work tree.
@@ -311,8 +297,9 @@ def run_command(
         local_runners=parallel,
         store_url=store,
         state_dir=state_dir or config.state_dir(),
-        secrets=parse_secrets(secret),
+        secrets=parse_secrets(secret, secret_files),
         sandbox=sandbox,
+        sandbox_network=sandbox_network,
     )
     console = Console(highlight=False)
     progress = _Progress(console, live=console.is_terminal, quiet=as_json)

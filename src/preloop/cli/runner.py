@@ -19,7 +19,7 @@ import click
 
 from preloop import config
 from preloop.cli.app import cli
-from preloop.cli.run import parse_secrets
+from preloop.cli.secret_args import parse_secrets, sandbox_options, secret_options
 from preloop.control import open_store
 from preloop.errors import UsageError
 from preloop.runner import Runner, RunnerOptions
@@ -59,15 +59,17 @@ async def _serve(runner: Runner) -> None:
     type=click.Path(path_type=Path, file_okay=False),
     help="Where job directories and logs go (default: $PRELOOP_STATE_DIR).",
 )
-@click.option("--secret", multiple=True, help="A secret NAME=VALUE (or NAME from the env).")
-@click.option("--sandbox", is_flag=True, help="Run each job under bubblewrap.")
+@secret_options
+@sandbox_options
 def runner_command(
     store: str,
     labels: str,
     name: str | None,
     state_dir: Path | None,
     secret: tuple[str, ...],
+    secret_files: tuple[Path, ...],
     sandbox: bool,
+    sandbox_network: str,
 ) -> None:
     """Run jobs from a shared store until SIGTERM (then cancel the job and exit 0)."""
     if not store.startswith(("postgresql://", "postgres://")):
@@ -81,8 +83,9 @@ def runner_command(
         name=name or f"{socket.gethostname()}-{os.getpid()}",
         labels=[lb.strip() for lb in labels.split(",") if lb.strip()],
         state_dir=state,
-        secrets=parse_secrets(secret),
+        secrets=parse_secrets(secret, secret_files),
         sandbox=sandbox,
+        sandbox_network=sandbox_network,
     )
     sweep_work_dir(state)
     with open_store(store) as db:

@@ -13,7 +13,7 @@ from preloop.runner.checkout import (
     SnapshotLocation,
     checkout_snapshot,
 )
-from preloop.runner.commands import Annotation, Masker
+from preloop.runner.commands import Annotation
 from preloop.runner.job import (
     SUPPORTED_USES,
     JobControl,
@@ -22,6 +22,7 @@ from preloop.runner.job import (
     StepResult,
     execute_job,
 )
+from preloop.runner.masking import Masker
 from preloop.runner.sandbox import SandboxUnavailable, bubblewrap_wrapper
 from preloop.runner.worker import DEFAULT_LABELS, JobEvents, Runner, RunnerOptions
 

@@ -7,8 +7,10 @@
   `::group::title` / `::endgroup::`, `::error ...::msg`, `::warning ...::msg`,
   `::notice ...::msg`, `::debug::msg`, the deprecated `::set-output name=x::v`,
   and `::stop-commands::TOKEN` ... `::TOKEN::`.
-- `Masker`: every registered value (secrets, `::add-mask::`) is replaced by
-  `***` in every log line written after it was registered.
+- Masking (`preloop.runner.masking.Masker`): every registered value (secrets,
+  `::add-mask::`) and its encoded forms are replaced by `***` in every line
+  and in every property of a command (an annotation's `file=` and `title=`
+  included) written after it was registered.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from preloop.errors import PreloopError
+from preloop.runner.masking import MASK, Masker
 
 __all__ = [
+    "MASK",
     "Annotation",
     "CommandEffects",
     "EnvFileError",
@@ -28,8 +32,6 @@ __all__ = [
     "parse_env_file",
     "parse_path_file",
 ]
-
-MASK = "***"
 
 
 class EnvFileError(PreloopError):
@@ -86,34 +88,6 @@ def parse_path_file(path: Path) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-class Masker:
-    """Replaces registered values by `***`. Longer values are replaced first so
-    that a value containing another is masked whole."""
-
-    def __init__(self) -> None:
-        self._values: set[str] = set()
-        self._pattern: re.Pattern[str] | None = None
-
-    def add(self, value: str) -> None:
-        # Each line of a multi-line secret is masked on its own, as GitHub does.
-        for part in [value, *value.splitlines()]:
-            part = part.strip("\r")
-            if part.strip() and part not in self._values:
-                self._values.add(part)
-                self._pattern = None
-
-    def contains_secret(self, text: str) -> bool:
-        return any(v in text for v in self._values)
-
-    def mask(self, text: str) -> str:
-        if not self._values:
-            return text
-        if self._pattern is None:
-            ordered = sorted(self._values, key=len, reverse=True)
-            self._pattern = re.compile("|".join(re.escape(v) for v in ordered))
-        return self._pattern.sub(MASK, text)
-
-
 @dataclass(frozen=True, slots=True)
 class Annotation:
     """An `::error::` / `::warning::` / `::notice::` of a step, for the summary."""
@@ -124,12 +98,34 @@ class Annotation:
     step: str = ""
     file: str | None = None
     line: int | None = None
+    title: str | None = None
+    col: int | None = None
 
     def render(self) -> str:
         where = ""
         if self.file:
-            where = f"{self.file}:{self.line}: " if self.line else f"{self.file}: "
-        return f"{self.level}: {where}{self.message}"
+            where = self.file
+            if self.line:
+                where += f":{self.line}"
+                if self.col:
+                    where += f":{self.col}"
+            where += ": "
+        title = f"{self.title}: " if self.title else ""
+        return f"{self.level}: {where}{title}{self.message}"
+
+    def masked(self, masker: Masker) -> Annotation:
+        """This annotation with every string in it masked."""
+        m = masker.mask
+        return Annotation(
+            level=self.level,
+            message=m(self.message),
+            job=m(self.job),
+            step=m(self.step),
+            file=m(self.file) if self.file is not None else None,
+            line=self.line,
+            title=m(self.title) if self.title is not None else None,
+            col=self.col,
+        )
 
 
 @dataclass(slots=True)
@@ -191,16 +187,21 @@ class WorkflowCommandParser:
             return None
         if name in ("error", "warning", "notice"):
             line_no = props.get("line")
+            col = props.get("col")
             ann = Annotation(
                 level=name,
-                message=self.masker.mask(data),
+                message=data,
                 job=self._job,
                 step=self._step,
                 file=props.get("file"),
                 line=int(line_no) if line_no and line_no.isdigit() else None,
-            )
+                title=props.get("title"),
+                col=int(col) if col and col.isdigit() else None,
+            ).masked(self.masker)
             self.effects.annotations.append(ann)
-            return ann.render()
+            # The rendered line is masked as a whole too: a value may span
+            # the join of two properties.
+            return self.masker.mask(ann.render())
         if name == "debug":
             return self.masker.mask(f"debug: {data}")
         if name == "set-output" and "name" in props:

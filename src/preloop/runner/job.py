@@ -47,11 +47,11 @@ from preloop.process import CommandTimeout
 from preloop.runner.commands import (
     Annotation,
     EnvFileError,
-    Masker,
     WorkflowCommandParser,
     parse_env_file,
     parse_path_file,
 )
+from preloop.runner.masking import Masker, mask_json
 from preloop.runner.stream import run_streaming
 from preloop.workflow import expressions as ex
 from preloop.workflow.hashfiles import hash_files
@@ -64,6 +64,7 @@ __all__ = [
     "StepResult",
     "execute_job",
     "kill_tracked",
+    "masked_result",
     "tracking_prefix",
 ]
 
@@ -115,6 +116,33 @@ class JobResult:
     annotations: list[Annotation]
     summary: str
     reason: str | None = None
+
+
+def masked_result(result: JobResult, masker: Masker) -> JobResult:
+    """`result` with every string in it masked: step names and outputs, job
+    outputs, annotations (all properties), the summary and the reason. What
+    leaves a job (its log JSON, the store, the summary, `--json`) is this."""
+    if not masker:
+        return result
+    m = masker.mask
+    return JobResult(
+        conclusion=result.conclusion,
+        outputs=mask_json(result.outputs, masker),
+        steps=[
+            StepResult(
+                m(s.id),
+                m(s.name),
+                s.outcome,
+                s.conclusion,
+                mask_json(s.outputs, masker),
+                s.duration,
+            )
+            for s in result.steps
+        ],
+        annotations=[a.masked(masker) for a in result.annotations],
+        summary=m(result.summary),
+        reason=m(result.reason) if result.reason is not None else None,
+    )
 
 
 class JobControl:
@@ -677,13 +705,15 @@ async def execute_job(
     log line, already masked. Never raises for a step's failure: the result
     says what happened."""
     control = control or JobControl()
-    masker = masker or Masker()
+    masker = masker if masker is not None else Masker()
     try:
         run = _Execution(spec, contexts, host, log, masker, dict(secrets or {}), control)
     except ex.ExpressionError as exc:
         why = f"job {spec.get('job', '')!r}: env cannot be evaluated: {exc}"
         log(masker.mask(f"✖ {why}"))
-        return JobResult("failure", {}, [], [Annotation("error", why)], "", why)
+        return masked_result(
+            JobResult("failure", {}, [], [Annotation("error", why)], "", why), masker
+        )
     _warn_unsupported(spec, run)
     scope = _Scope(steps_ctx={}, inputs=contexts.get("inputs") or {})
     reason: str | None = None
@@ -728,7 +758,7 @@ async def execute_job(
             run.log(f"warning: job output {key!r} holds a secret and was skipped")
             continue
         outputs[key] = value
-    return JobResult(
+    result = JobResult(
         conclusion=conclusion,
         outputs=outputs,
         steps=run.step_results,
@@ -736,3 +766,4 @@ async def execute_job(
         summary="\n".join(run.summary_parts),
         reason=reason,
     )
+    return masked_result(result, masker)

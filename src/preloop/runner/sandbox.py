@@ -1,31 +1,154 @@
-"""`--sandbox`: each job's steps under bubblewrap.
+"""`--sandbox`: each job's steps under bubblewrap, holding even when run as root.
 
-The sandbox sees the host filesystem, with a private `/tmp` (a per-job
-directory), the state directory read-only (the checkout's objects live
-there), the job's directory writable, and the fingerprint coordination
-directory bound read-only at its own path after the private /tmp, as the
-sandbox-launcher API asks (`preloop.fingerprint.sandbox_bind_args`), so
-fingerprint walks inside sandboxes share the host-wide slot cap.
+What a sandboxed step sees and may do:
+
+- the host filesystem **read-only** (`--ro-bind / /`), a fresh `/dev`
+  (`--dev /dev`) and a `/proc` of its own PID namespace;
+- writable places: the job's directory (workspace, `RUNNER_TEMP`, its
+  `HOME`) and private per-job `/tmp` and `/var/tmp` (directories in the job
+  directory, kept across the job's steps), a per-step `/dev/shm`; nothing else
+  of the host, the source repository and the state directory included;
+- the state directory **hidden** (an empty tmpfs over it), except the job's
+  directory and, read-only, the object directories the job's checkout borrows
+  from (the run repository's and the object cache entry's, found through
+  `objects/info/alternates`): other runs' logs, repositories and the lite
+  database cannot be read;
+- **no capabilities** (`--cap-drop ALL`): root inside cannot remount, mount,
+  unmount the tmpfs over the state directory, or change file ownership;
+- a new PID namespace (`--unshare-pid`) and IPC namespace: host processes are
+  neither visible nor signalable; a new session (`--new-session`: no
+  `TIOCSTI` into the caller's terminal); `--die-with-parent`: killing the
+  step's process group (timeout, cancel) kills the whole sandbox. Processes
+  a step leaves in the background end with the step (its PID namespace ends),
+  unlike on GitHub, where they live until the job ends;
+- the network: `network="host"` (the default: the host's network, so steps
+  that download work) or `"none"` (`--unshare-net`: loopback only);
+- `HOME` is `<job>/home` (empty, writable); the fingerprint coordination
+  directory is bound read-only at its own path after the private `/tmp` and
+  `/var/tmp`, as the sandbox-launcher API asks
+  (`preloop.fingerprint.sandbox_bind_args`), so fingerprint walks inside
+  sandboxes share the host-wide slot cap.
+
+A bind source is taken from the host's view, so the order above (hide, then
+bind back) is what makes the hidden parts stay hidden.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from preloop.errors import PreloopError
+from preloop.errors import PreloopError, UsageError
 from preloop.fingerprint import prepare_host_coordination, sandbox_bind_args
 
-__all__ = ["SandboxUnavailable", "bubblewrap_wrapper"]
+__all__ = [
+    "SANDBOX_NETWORKS",
+    "SandboxUnavailable",
+    "borrowed_object_dirs",
+    "bubblewrap_argv",
+    "bubblewrap_wrapper",
+]
+
+#: `--sandbox-network` choices; the first is the default.
+SANDBOX_NETWORKS = ("host", "none")
 
 
 class SandboxUnavailable(PreloopError):
     """`--sandbox` was asked for but bubblewrap is not installed."""
 
 
+def borrowed_object_dirs(repository: Path, *, limit: int = 16) -> list[Path]:
+    """The object directories a repository borrows from, following
+    `objects/info/alternates` transitively (the job checkout -> the run
+    repository -> the object cache entry). Relative entries are relative to
+    the objects directory holding the alternates file, as git reads them."""
+    git_dir = repository / ".git" if (repository / ".git").is_dir() else repository
+    todo = [git_dir / "objects"]
+    seen: list[Path] = []
+    while todo and len(seen) < limit:
+        objects = todo.pop(0)
+        try:
+            text = (objects / "info" / "alternates").read_text(encoding="utf-8")
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for line in text.splitlines():
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            target = Path(os.path.realpath(objects / line))
+            if target not in seen and target.is_dir():
+                seen.append(target)
+                todo.append(target)
+    return seen
+
+
+def bubblewrap_argv(
+    job_dir: Path,
+    state_dir: Path,
+    *,
+    workspace: Path | None = None,
+    network: str = "host",
+    coordination: Path | None = None,
+    bwrap: str = "bwrap",
+) -> list[str]:
+    """The bwrap argv prefix (ending in `--`) of a step of the job in `job_dir`."""
+    if network not in SANDBOX_NETWORKS:
+        raise UsageError(f"--sandbox-network {network!r}: use one of {', '.join(SANDBOX_NETWORKS)}")
+    job_dir = Path(os.path.realpath(job_dir))
+    state_dir = Path(os.path.realpath(state_dir))
+    private_tmp = job_dir / "tmp"
+    private_var_tmp = job_dir / "var-tmp"
+    home = job_dir / "home"
+    for d in (private_tmp, private_var_tmp, home):
+        d.mkdir(parents=True, exist_ok=True)
+    argv = [
+        bwrap,
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--unshare-pid",
+        "--unshare-ipc",
+    ]
+    if network == "none":
+        argv.append("--unshare-net")
+    argv += [
+        "--ro-bind",
+        "/",
+        "/",
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--tmpfs",
+        "/dev/shm",
+        "--bind",
+        str(private_tmp),
+        "/tmp",
+        "--bind",
+        str(private_var_tmp),
+        "/var/tmp",
+        "--tmpfs",
+        str(state_dir),
+    ]
+    borrowed = borrowed_object_dirs(workspace) if workspace is not None else []
+    for objects in borrowed:
+        argv += ["--ro-bind", str(objects), str(objects)]
+    argv += ["--bind", str(job_dir), str(job_dir)]
+    if coordination is not None:
+        argv += sandbox_bind_args(coordination)
+    argv += ["--setenv", "HOME", str(home), "--"]
+    return argv
+
+
 def bubblewrap_wrapper(
-    job_dir: Path, state_dir: Path, private_tmp: Path
+    job_dir: Path,
+    state_dir: Path,
+    *,
+    workspace: Path | None = None,
+    network: str = "host",
 ) -> Callable[[list[str]], list[str]]:
     """An argv wrapper running each step under bwrap (see the module docstring)."""
     bwrap = shutil.which("bwrap")
@@ -35,25 +158,14 @@ def bubblewrap_wrapper(
             "without --sandbox"
         )
     coordination = prepare_host_coordination()
-    private_tmp.mkdir(parents=True, exist_ok=True)
-    prefix = [
-        bwrap,
-        "--die-with-parent",
-        "--dev-bind",
-        "/",
-        "/",
-        "--bind",
-        str(private_tmp),
-        "/tmp",
-        "--ro-bind",
-        str(state_dir),
-        str(state_dir),
-        "--bind",
-        str(job_dir),
-        str(job_dir),
-        *sandbox_bind_args(coordination),
-        "--",
-    ]
+    prefix = bubblewrap_argv(
+        job_dir,
+        state_dir,
+        workspace=workspace,
+        network=network,
+        coordination=coordination,
+        bwrap=bwrap,
+    )
 
     def wrap(argv: list[str]) -> list[str]:
         return [*prefix, *argv]

@@ -18,29 +18,93 @@ import anyio
 
 from preloop.process import CommandResult, CommandTimeout, run_command_status
 
-__all__ = ["run_streaming"]
+__all__ = ["MAX_LINE_BYTES", "LineSplitter", "run_streaming"]
 
 _CHUNK = 65536
 
 
-class _Lines:
-    def __init__(self, on_line: Callable[[str], None]) -> None:
+#: The longest line handed on in one piece. GitHub's runner keeps a line's
+#: bytes in its log but its live console shows at most 1,024 characters of it;
+#: preloop splits a longer line into pieces of at most this many bytes (at a
+#: UTF-8 character boundary), so no byte is dropped and the memory a step's
+#: output needs does not grow with its longest line.
+MAX_LINE_BYTES = 1 << 20
+
+
+class LineSplitter:
+    """Turns a byte stream into lines, in time linear in its length.
+
+    Only the new chunk is scanned for newlines (never the pending bytes
+    again), and pending bytes are capped at `max_line` (a longer line is
+    handed on in `max_line`-byte pieces). Bytes are decoded as UTF-8 with
+    replacement of invalid sequences; a piece never ends inside a character."""
+
+    def __init__(self, on_line: Callable[[str], None], max_line: int = MAX_LINE_BYTES) -> None:
+        if max_line < 4:
+            raise ValueError("max_line must be at least 4 bytes (one UTF-8 character)")
         self._on_line = on_line
-        self._buf = b""
+        self._max = max_line
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._split = False  # a piece of the current line was handed on
+
+    def _emit(self, raw: bytes) -> None:
+        self._on_line(raw.decode("utf-8", "replace"))
+
+    def _pending(self, piece: bytes) -> None:
+        if not piece:
+            return
+        self._parts.append(piece)
+        self._size += len(piece)
+        if self._size <= self._max:
+            return
+        buf = b"".join(self._parts)
+        start = 0
+        # Strictly more than max: the byte after the cut is here, so the
+        # cut can be moved to a character boundary.
+        while len(buf) - start > self._max:
+            cut = start + self._max
+            # Back off to the start of a UTF-8 character (at most 3 bytes).
+            back = cut
+            while back > cut - 3 and (buf[back] & 0xC0) == 0x80:
+                back -= 1
+            if back > start and (buf[back] & 0xC0) != 0x80:
+                cut = back
+            self._emit(buf[start:cut])
+            self._split = True
+            start = cut
+        rest = buf[start:]
+        self._parts = [rest] if rest else []
+        self._size = len(rest)
+
+    def _end_line(self, piece: bytes) -> None:
+        if not self._parts and not self._split and len(piece) <= self._max:
+            self._emit(piece)
+            return
+        self._pending(piece)
+        tail = b"".join(self._parts)
+        self._parts = []
+        self._size = 0
+        if tail or not self._split:
+            self._emit(tail)
+        self._split = False
 
     def feed(self, data: bytes) -> None:
-        self._buf += data
-        *complete, self._buf = self._buf.split(b"\n")
-        for raw in complete:
-            self._on_line(raw.decode("utf-8", "replace"))
+        pieces = data.split(b"\n")
+        last = pieces.pop()
+        for raw in pieces:
+            self._end_line(raw)
+        self._pending(last)
 
     def close(self) -> None:
-        if self._buf:
-            self._on_line(self._buf.decode("utf-8", "replace"))
-            self._buf = b""
+        if self._parts:
+            self._emit(b"".join(self._parts))
+        self._parts = []
+        self._size = 0
+        self._split = False
 
 
-def _read_available(fd: int, lines: _Lines) -> bool:
+def _read_available(fd: int, lines: LineSplitter) -> bool:
     """Reads what is in the pipe now; False at end of file."""
     while True:
         try:
@@ -69,7 +133,7 @@ async def run_streaming(
     line of its combined output."""
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
-    lines = _Lines(on_line)
+    lines = LineSplitter(on_line)
     try:
 
         async def pump() -> None:

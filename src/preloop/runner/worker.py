@@ -29,9 +29,10 @@ import anyio
 from preloop.control import Lease, Store, StoreError
 from preloop.errors import PreloopError
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_dir
-from preloop.runner.commands import Annotation, Masker
-from preloop.runner.job import JobControl, JobHost, JobResult, execute_job
+from preloop.runner.commands import Annotation
+from preloop.runner.job import JobControl, JobHost, JobResult, execute_job, masked_result
 from preloop.runner.logs import JobLog
+from preloop.runner.masking import Masker
 from preloop.runner.sandbox import bubblewrap_wrapper
 from preloop.workflow import PlanError, PlannedJob, expand_deferred
 
@@ -68,6 +69,7 @@ class RunnerOptions:
     state_dir: Path
     secrets: dict[str, str] = field(default_factory=dict)
     sandbox: bool = False
+    sandbox_network: str = "host"  # "host" or "none" (see preloop.runner.sandbox)
     heartbeat_interval: float = 2.0
     lease_seconds: float = 60.0
     idle_poll: float = 0.5
@@ -181,6 +183,8 @@ class Runner:
             masker.add(value)
 
         def line(text: str) -> None:
+            # Lines of steps arrive masked; the runner's own ones (errors
+            # quoting a spec or an exception) are masked here.
             log.write(text)
             if self.events.on_line is not None:
                 self.events.on_line(lease, text)
@@ -197,8 +201,10 @@ class Runner:
                     # A bug or a spec this runner cannot read: the job fails
                     # (it must not read as cancelled, nor stay running).
                     _log.exception("%s failed in the runner", where)
-                    line(f"✖ preloop could not run the job: {exc!r}")
-                    result = _failure_result(f"{where}: preloop could not run the job: {exc!r}")
+                    line(masker.mask(f"✖ preloop could not run the job: {exc!r}"))
+                    result = masked_result(
+                        _failure_result(f"{where}: preloop could not run the job: {exc!r}"), masker
+                    )
                 finally:
                     tg.cancel_scope.cancel()
         finally:
@@ -210,7 +216,7 @@ class Runner:
                         lambda: self.store.complete_job(lease, final.conclusion, final.outputs),
                     )
                 except StoreError as exc:
-                    line(f"preloop: the result could not be recorded: {exc}")
+                    line(masker.mask(f"preloop: the result could not be recorded: {exc}"))
                 log.save_result(final)
                 log.close()
                 self.current = None
@@ -257,13 +263,15 @@ class Runner:
                 f"checked out snapshot {location.commit[:12]} in {time.monotonic() - started:.2f}s"
             )
             wrap = (
-                bubblewrap_wrapper(job_dir, opts.state_dir, job_dir / "tmp")
+                bubblewrap_wrapper(
+                    job_dir, opts.state_dir, workspace=workspace, network=opts.sandbox_network
+                )
                 if opts.sandbox
                 else None
             )
         except (PreloopError, OSError) as exc:
-            line(f"✖ {exc}")
-            return _failure_result(str(exc))
+            line(masker.mask(f"✖ {exc}"))
+            return masked_result(_failure_result(str(exc)), masker)
         host = JobHost(
             workspace=workspace,
             temp=temp,

@@ -1,0 +1,288 @@
+"""`--sandbox` against the escapes a fault-and-attack review found, under real
+bubblewrap, as root and as the unprivileged user `nobody`:
+
+- root kept every capability and could `mount -o remount,rw` the read-only
+  state directory and write to it;
+- `/var/tmp` and `/dev/shm` were the host's;
+- other runs' logs and the lite database were readable;
+- host processes were visible and could be signalled.
+
+Each probe runs a shell script inside the sandbox built by
+`preloop.runner.sandbox.bubblewrap_argv` for a real job layout (an object
+cache entry, a run repository borrowing from it, a job checkout borrowing from
+that) and checks from the host afterwards that nothing leaked out.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from preloop.runner.sandbox import borrowed_object_dirs, bubblewrap_argv
+from tests.run_support import git, make_repo, run_engine, workflow
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+NOBODY = 65534
+USERS = ["root", "nobody"]
+
+
+def _as(user: str) -> list[str]:
+    if user == "root":
+        return []
+    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+
+@dataclass
+class Layout:
+    state: Path
+    job: Path
+    workspace: Path
+    run_repo: Path
+    cache: Path
+    other_log: Path
+    db: Path
+
+
+def _layout(root: Path, user: str) -> Layout:
+    state = root / "state"
+    source = make_repo(root / "source", {"hello.txt": "hello from the snapshot\n"})
+    cache = state / "snapshot-object-cache" / "k.git"
+    cache.parent.mkdir(parents=True)
+    git(state, "clone", "-q", "--bare", str(source), str(cache))
+    run_repo = state / "snapshots" / "run-1"
+    git(state, "clone", "-q", "--bare", "--shared", str(cache), str(run_repo))
+    job = state / "work" / "host" / f"{os.getpid()}-1-job-{uuid.uuid4().hex[:6]}"
+    job.mkdir(parents=True)
+    workspace = job / "workspace"
+    git(state, "clone", "-q", "--shared", str(run_repo), str(workspace))
+    other_log = state / "logs" / "2" / "other.log"
+    other_log.parent.mkdir(parents=True)
+    other_log.write_text("other run's secret log line\n")
+    db = state / "preloop.db"
+    db.write_text("lite database\n")
+    if user == "nobody":
+        # The job's own directory is the runner's (here nobody's); the rest
+        # of the state directory readable by everyone, as a shared host has it.
+        subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(job)], check=True)
+        subprocess.run(["chmod", "-R", "a+rX", str(state), str(source)], check=True)
+    return Layout(state, job, workspace, run_repo, cache, other_log, db)
+
+
+@pytest.fixture(params=USERS)
+def user(request: pytest.FixtureRequest) -> str:
+    if request.param == "nobody" and (os.geteuid() != 0 or shutil.which("setpriv") is None):
+        pytest.skip("needs root and setpriv to act as nobody")
+    if request.param == "root" and os.geteuid() != 0:
+        pytest.skip("needs root")
+    return str(request.param)
+
+
+@pytest.fixture
+def layout(public_tmp: Path, user: str) -> Layout:
+    return _layout(public_tmp, user)
+
+
+def sandboxed(
+    lay: Layout, user: str, script: str, *, network: str = "host"
+) -> subprocess.CompletedProcess[str]:
+    argv = bubblewrap_argv(lay.job, lay.state, workspace=lay.workspace, network=network)
+    if user == "nobody":
+        for d in ("tmp", "var-tmp", "home"):
+            os.chown(lay.job / d, NOBODY, NOBODY)
+    return subprocess.run(
+        [*_as(user), *argv, "sh", "-c", script],
+        cwd=lay.workspace,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_job_still_works_inside(layout: Layout, user: str) -> None:
+    """What the job needs is there: its checkout (objects borrowed through the
+    run repository from the cache), a writable workspace, /tmp, HOME."""
+    assert borrowed_object_dirs(layout.workspace) == [
+        Path(os.path.realpath(layout.run_repo / "objects")),
+        Path(os.path.realpath(layout.cache / "objects")),
+    ]
+    r = sandboxed(
+        layout,
+        user,
+        "cat hello.txt && git log --oneline -1 >/dev/null && git cat-file -p HEAD:hello.txt"
+        " && echo w > written.txt && echo t > /tmp/t && echo h > $HOME/h && echo all-ok",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("hello from the snapshot") == 2 and "all-ok" in r.stdout
+    assert (layout.workspace / "written.txt").read_text() == "w\n"
+
+
+def test_no_capabilities_no_remount_no_write_outside_the_job(layout: Layout, user: str) -> None:
+    state = layout.state
+    r = sandboxed(
+        layout,
+        user,
+        f"""
+        grep -E '^Cap(Eff|Prm)' /proc/self/status
+        mount -o remount,rw {state} 2>/dev/null && echo REMOUNTED-STATE
+        mount -o remount,rw / 2>/dev/null && echo REMOUNTED-ROOT
+        umount {state} 2>/dev/null && echo UNMOUNTED-STATE
+        touch {state}/escaped 2>/dev/null
+        touch {layout.run_repo}/objects/escaped 2>/dev/null && echo WROTE-RUN-REPO
+        touch {layout.cache}/objects/escaped 2>/dev/null && echo WROTE-CACHE
+        touch {state.parent}/source/escaped 2>/dev/null && echo WROTE-SOURCE
+        echo done
+        """,
+    )
+    assert r.returncode == 0, r.stderr
+    # A fresh exec (grep) as uid 0 gains nothing back.
+    assert "CapEff:\t0000000000000000" in r.stdout
+    assert "CapPrm:\t0000000000000000" in r.stdout
+    for escape in ("REMOUNTED", "UNMOUNTED", "WROTE-"):
+        assert escape not in r.stdout, r.stdout
+    assert "done" in r.stdout
+    # Whatever root wrote over the hidden state directory stayed in the sandbox.
+    assert not (state / "escaped").exists()
+    assert not (layout.run_repo / "objects" / "escaped").exists()
+    assert not (layout.cache / "objects" / "escaped").exists()
+    assert not (state.parent / "source" / "escaped").exists()
+
+
+def test_private_var_tmp_and_dev_shm(layout: Layout, user: str) -> None:
+    tag = f"preloop-sandbox-{uuid.uuid4().hex[:8]}"
+    host_var = Path("/var/tmp") / f"{tag}-host"
+    host_shm = Path("/dev/shm") / f"{tag}-host"
+    host_var.write_text("host\n")
+    host_shm.write_text("host\n")
+    try:
+        r = sandboxed(
+            layout,
+            user,
+            f"""
+            test -e {host_var} && echo SEES-HOST-VAR-TMP
+            test -e {host_shm} && echo SEES-HOST-SHM
+            echo in > /var/tmp/{tag} && echo in > /dev/shm/{tag} && echo wrote
+            """,
+        )
+        assert r.returncode == 0, r.stderr
+        assert "SEES-HOST" not in r.stdout and "wrote" in r.stdout
+        assert not (Path("/var/tmp") / tag).exists()
+        assert not (Path("/dev/shm") / tag).exists()
+    finally:
+        host_var.unlink()
+        host_shm.unlink()
+
+
+def test_other_runs_logs_and_the_database_are_hidden(layout: Layout, user: str) -> None:
+    r = sandboxed(
+        layout,
+        user,
+        f"""
+        cat {layout.other_log} 2>/dev/null && echo READ-OTHER-LOG
+        cat {layout.db} 2>/dev/null && echo READ-DB
+        ls {layout.state}/logs 2>/dev/null | grep . && echo LISTED-LOGS
+        ls {layout.state}/snapshots 2>/dev/null
+        echo done
+        """,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "READ-" not in r.stdout and "LISTED-LOGS" not in r.stdout
+    assert "secret log line" not in r.stdout and "lite database" not in r.stdout
+    # Only the job's own run repository is there (read-only, for its objects).
+    assert r.stdout.split("done")[0].split() == ["run-1"]
+
+
+@pytest.fixture
+def host_process(user: str) -> Iterator[int]:
+    proc = subprocess.Popen([*_as(user), "sleep", "600"])
+    try:
+        yield proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_host_processes_are_invisible_and_unsignalable(
+    layout: Layout, user: str, host_process: int
+) -> None:
+    r = sandboxed(
+        layout,
+        user,
+        f"""
+        test -d /proc/{host_process} && echo SEES-HOST-PID
+        kill -0 {host_process} 2>/dev/null && echo CAN-SIGNAL
+        kill -STOP {host_process} 2>/dev/null && echo STOPPED
+        ls /proc | grep -c '^[0-9]'
+        echo done
+        """,
+    )
+    assert r.returncode == 0, r.stderr
+    for escape in ("SEES-HOST-PID", "CAN-SIGNAL", "STOPPED"):
+        assert escape not in r.stdout, r.stdout
+    # Only the sandbox's own few processes are visible.
+    assert int(r.stdout.split()[-2]) < 10
+    with open(f"/proc/{host_process}/status") as fh:
+        assert "State:\tS" in fh.read()  # not stopped
+
+
+def test_network_none_leaves_only_loopback(layout: Layout, user: str) -> None:
+    r = sandboxed(
+        layout, user, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '", network="none"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["lo"]
+    host = sandboxed(layout, user, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")
+    assert host.stdout.split() != ["lo"] or Path("/proc/net/dev").read_text().count(":") == 1
+
+
+def test_preloop_run_sandbox_end_to_end_as_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same escapes from a real `run:` step of a sandboxed run."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    monkeypatch.setenv("PRELOOP_COORDINATION_DIR", str(tmp_path / "coord"))
+    state = tmp_path / "state"
+    old_log = state / "logs" / "99" / "x.log"
+    old_log.parent.mkdir(parents=True)
+    old_log.write_text("old run\n")
+    host = subprocess.Popen(["sleep", "600"])
+    try:
+        repo = make_repo(
+            tmp_path / "repo",
+            workflow(
+                f"""\
+                on: push
+                jobs:
+                  boxed:
+                    runs-on: ubuntu-latest
+                    steps:
+                      - run: |
+                          grep '^CapEff' /proc/self/status
+                          mount -o remount,rw {state} 2>/dev/null && echo ESCAPE-remount
+                          cat {old_log} 2>/dev/null && echo ESCAPE-log
+                          test -e {state}/preloop.db && echo ESCAPE-db
+                          kill -0 {host.pid} 2>/dev/null && echo ESCAPE-signal
+                          touch {tmp_path}/repo/escaped 2>/dev/null && echo ESCAPE-source
+                          echo x > /var/tmp/preloop-e2e-{os.getpid()}
+                          git log --oneline -1 >/dev/null && echo checkout-ok
+                """
+            ),
+        )
+        outcome, h = run_engine(repo, f"sqlite:///{state / 'preloop.db'}", state, sandbox=True)
+    finally:
+        host.kill()
+        host.wait()
+    text = "\n".join(h.lines["boxed"])
+    assert outcome.conclusion == "success", text
+    assert "CapEff:\t0000000000000000" in text and "checkout-ok" in text
+    assert "ESCAPE" not in text, text
+    assert not (tmp_path / "repo" / "escaped").exists()
+    assert not Path(f"/var/tmp/preloop-e2e-{os.getpid()}").exists()

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tests.run_support import git, make_repo, run_engine, workflow
 
 from preloop.runner.sandbox import borrowed_object_dirs, bubblewrap_argv
-from tests.run_support import git, make_repo, run_engine, workflow
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 

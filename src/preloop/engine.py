@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import socket
 import time
 import uuid
@@ -53,6 +52,7 @@ from preloop.runner.checkout import (
 )
 from preloop.runner.job import kill_tracked, tracking_prefix
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
+from preloop.snapshot.holders import hold_run_repository, release_run_repository
 from preloop.snapshot.owner import ProcessIdentity
 from preloop.workflow import Plan, load_workflow, plan, workflow_files
 
@@ -321,6 +321,9 @@ class Engine:
         await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
         await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir)
         run_key = f"run-{uuid.uuid4().hex[:16]}"
+        # Held before the capture, released after the removal: a crash in
+        # between leaves a dead holder that the next sweep or prune cleans.
+        hold_run_repository(self.state_dir, run_key)
         snap = await capture_workspace(self.state_dir, root, run_key)
         store = await anyio.to_thread.run_sync(open_store, store_url)
         self.store = store
@@ -368,9 +371,7 @@ class Engine:
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(store.close)
-                await anyio.to_thread.run_sync(
-                    lambda: shutil.rmtree(snap.repository, ignore_errors=True)
-                )
+                await anyio.to_thread.run_sync(release_run_repository, self.state_dir, run_key)
 
     def _record(self, j: JobInfo) -> JobRecord:
         return JobRecord(
@@ -528,8 +529,6 @@ async def recover_abandoned_runs(store: Store, state_dir: Path) -> list[int]:
         snapshot = (ctx.get("github") or {}).get(SNAPSHOT_CONTEXT_KEY) or {}
         repo = Path(str(snapshot.get("repository", "")))
         if repo.is_absolute() and repo.parent == Path(state_dir).absolute() / "snapshots":
-            await anyio.to_thread.run_sync(
-                functools.partial(shutil.rmtree, repo, ignore_errors=True)
-            )
+            await anyio.to_thread.run_sync(release_run_repository, state_dir, repo.name)
         recovered.append(run.id)
     return recovered

@@ -73,6 +73,7 @@ from preloop import config
 from preloop.errors import PreloopError
 from preloop.fs import tree_bytes
 from preloop.snapshot import layout
+from preloop.snapshot.holders import sweep_abandoned_run_repositories
 from preloop.snapshot.hooks import register_after_capture
 from preloop.snapshot.limits import STALE_PIN_AGE
 from preloop.snapshot.locks import list_pins, try_acquire_cache_lock
@@ -691,6 +692,10 @@ def _prune_pass(
     usages: list[CacheEntryUsage] = []
     before = 0
     try:
+        if not dry_run:
+            # A run repository whose holder died references its entry for
+            # good: remove it first, so that the entry can be evicted.
+            sweep_abandoned_run_repositories(state_dir)
         keys, trash_names = _list_cache(state_dir)
         if trash_names and not dry_run:
             leftovers = _remove_leftovers(state_dir, trash_names)

@@ -1,7 +1,9 @@
 """Startup sweep of run-scoped leftovers: staging directories
 (`snapshots/.staging/<run_id>-<nonce>`) and unaccepted run repositories
 (`snapshots/<run_id>`) that no live capture owns, plus interrupted first clones
-in the object cache. A live capture's files are never touched.
+in the object cache, and run repositories whose holder (the `preloop run`
+that captured them) died before removing them (`preloop.snapshot.holders`).
+A live capture's files are never touched.
 
 Ownership is the owner marker `<run_id>-<nonce>.owner` (pid + process start
 time). It is written before the staging directory and removed after it, so a
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from preloop.snapshot import layout
 from preloop.snapshot.capture import CAPTURE_FILE
+from preloop.snapshot.holders import sweep_abandoned_run_repositories
 from preloop.snapshot.locks import try_acquire_cache_lock
 from preloop.snapshot.owner import ProcessIdentity, read_marker
 from preloop.snapshot.work import is_live
@@ -125,6 +128,11 @@ def sweep_workspace_snapshots(state_dir: Path) -> SweepReport:
             _remove(staging_root / name, report)
 
     _sweep_cache_temporaries(state_dir, report)
+    # Run repositories whose `preloop run` died after the capture
+    # (`preloop.snapshot.holders`).
+    removed, errors = sweep_abandoned_run_repositories(state_dir)
+    report.removed.extend(removed)
+    report.errors.extend(errors)
     return report
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "parse_positive_int",
     "preloop_home",
     "state_dir",
+    "validate",
 ]
 
 
@@ -180,3 +181,11 @@ def state_dir(env: Mapping[str, str] | None = None) -> Path:
     """`$PRELOOP_STATE_DIR`, default `$PRELOOP_HOME/state`."""
     value: Path = get("PRELOOP_STATE_DIR", env)
     return value
+
+
+def validate(env: Mapping[str, str] | None = None) -> None:
+    """Reads every knob: the first bad value raises `ConfigError` (exit 2).
+    Commands that run long call this at start, so a bad value is reported
+    there and not half-way (e.g. in a background prune after the capture)."""
+    for name in KNOBS:
+        get(name, env)

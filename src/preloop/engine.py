@@ -296,6 +296,7 @@ class Engine:
 
     async def prepare(self) -> tuple[Path, Plan]:
         req = self.request
+        config.validate()  # a bad PRELOOP_* value: exit 2 now, not a traceback later
         if req.local_runners is not None and req.local_runners < 0:
             raise UsageError(f"-j {req.local_runners}: the number of local runners must be >= 0")
         root = await _repo_root(req.workspace)

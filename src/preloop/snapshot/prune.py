@@ -70,7 +70,7 @@ import anyio
 import anyio.abc
 
 from preloop import config
-from preloop.errors import PreloopError
+from preloop.errors import ConfigError, PreloopError
 from preloop.fs import tree_bytes
 from preloop.snapshot import layout
 from preloop.snapshot.holders import sweep_abandoned_run_repositories
@@ -938,7 +938,11 @@ def prune_after_capture(state_dir: Path, cache_key: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.utime(layout.cache_last_head_path(state_dir, cache_key))
     if layout.cache_dir(state_dir).is_dir():
-        request_object_cache_prune(state_dir)
+        try:
+            request_object_cache_prune(state_dir)
+        except ConfigError as exc:
+            # One line, no traceback: `preloop run` reports this at start.
+            _log.warning("object-cache prune after the capture skipped: %s", exc)
 
 
 register_after_capture(prune_after_capture)

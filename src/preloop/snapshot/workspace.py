@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -278,6 +279,30 @@ async def _prepare_index(
     return None
 
 
+_NO_COMMIT = re.compile(r"^error: '(.+)/' does not have a commit checked out$", re.M)
+
+
+async def _add_all(env: dict[str, str], toplevel: Path) -> CommandResult:
+    """`git add --all`, leaving out nested repositories with no commit yet (git
+    refuses to add them at all; with a commit they become gitlinks, which
+    `_drop_unregistered_repositories` drops): they are left out of the
+    snapshot like every other nested repository that is not a submodule."""
+    excluded: list[str] = []
+    while True:
+        args = ["add", "--all"]
+        if excluded:
+            args += ["--", ".", *(f":(exclude,literal){p}" for p in excluded)]
+        added = await git(args, env=env, cwd=toplevel, check=False)
+        found = [p for p in _NO_COMMIT.findall(added.stderr_text()) if p not in excluded]
+        if added.ok or not found or len(excluded) > 10_000:
+            break
+        excluded += found
+    if not added.ok:
+        # The same error as a checked call, naming the command and git's message.
+        await git(args, env=env, cwd=toplevel)
+    return added
+
+
 async def _drop_unregistered_repositories(
     added_stderr: str, env: dict[str, str], toplevel: Path
 ) -> list[str]:
@@ -417,7 +442,7 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
     fmt = repo.object_format
     ws_checksum = await cap.work.run("read-index", read_trailer, repo.git_dir / "index", fmt)
     ws_tree = await _prepare_index(cap, repo, env, persisted, memo_path, ws_checksum)
-    added = await git(["add", "--all"], env=env, cwd=repo.toplevel)
+    added = await _add_all(env, repo.toplevel)
     await _drop_unregistered_repositories(added.stderr_text(), env, repo.toplevel)
     tree = (await git(["write-tree"], env=env)).stdout_text().strip()
     parents = (repo.head,) if repo.head else ()

@@ -696,6 +696,18 @@ class Store:
         context: dict[str, Any] = json.loads(row["context"])
         return context
 
+    def run_outputs_bytes(self, run_id: int) -> int:
+        """Length of the outputs the run's jobs recorded so far (one aggregate
+        row; GitHub caps a run's outputs at 50 MB)."""
+        row = self._db.transaction(
+            "query",
+            lambda tx: tx.one(
+                "SELECT COALESCE(SUM(LENGTH(outputs)), 0) AS n FROM jobs WHERE run_id = ?",
+                (run_id,),
+            ),
+        )
+        return int(row["n"]) if row is not None else 0
+
     def get_job(self, run_id: int, job_id: str) -> JobInfo:
         row = self._db.transaction(
             "query",

@@ -27,6 +27,7 @@ data) one after another and returns a `JobResult`:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shlex
@@ -51,6 +52,7 @@ from preloop.runner.commands import (
     parse_env_file,
     parse_path_file,
 )
+from preloop.runner.limits import explain_e2big, limit_job_outputs
 from preloop.runner.masking import Masker, mask_json
 from preloop.runner.stream import run_streaming
 from preloop.workflow import expressions as ex
@@ -538,9 +540,14 @@ class _Execution:
 
         outcome = "success"
         try:
-            result = await run_streaming(
-                launcher, cwd=cwd, env=penv, timeout=timeout, on_line=on_line
-            )
+            try:
+                result = await run_streaming(
+                    launcher, cwd=cwd, env=penv, timeout=timeout, on_line=on_line
+                )
+            except OSError as exc:
+                if exc.errno != errno.E2BIG:
+                    raise
+                raise _StepFailure(explain_e2big(launcher, penv)) from None
             if result.returncode != 0:
                 outcome = "failure"
                 code = (
@@ -758,6 +765,12 @@ async def execute_job(
             run.log(f"warning: job output {key!r} holds a secret and was skipped")
             continue
         outputs[key] = value
+    outputs, too_big = limit_job_outputs(outputs)
+    for why in too_big:
+        run.log(f"✖ {why}")
+        run.annotations.append(Annotation("error", why, run.job_key))
+        conclusion = "failure"
+        reason = reason or why
     result = JobResult(
         conclusion=conclusion,
         outputs=outputs,

@@ -144,6 +144,7 @@ async def run_streaming(
 
         result: CommandResult | None = None
         timed_out: CommandTimeout | None = None
+        started: OSError | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(pump)
             try:
@@ -152,8 +153,14 @@ async def run_streaming(
                 )
             except CommandTimeout as exc:
                 timed_out = exc
+            except OSError as exc:
+                # The process could not start (E2BIG, ENOENT): raised to the
+                # caller as itself, not inside an exception group.
+                started = exc
             finally:
                 tg.cancel_scope.cancel()
+        if started is not None:
+            raise started
         os.close(write_fd)
         write_fd = -1
         _read_available(read_fd, lines)

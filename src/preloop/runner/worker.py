@@ -31,6 +31,7 @@ from preloop.errors import PreloopError
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_dir
 from preloop.runner.commands import Annotation
 from preloop.runner.job import JobControl, JobHost, JobResult, execute_job, masked_result
+from preloop.runner.limits import RUN_OUTPUTS_MAX_BYTES, output_bytes
 from preloop.runner.logs import JobLog
 from preloop.runner.masking import Masker
 from preloop.runner.sandbox import bubblewrap_wrapper
@@ -210,6 +211,8 @@ class Runner:
         finally:
             with anyio.CancelScope(shield=True):
                 final = result or JobResult("cancelled", {}, [], [], "", "cancelled")
+                if final.outputs:
+                    final = await self._within_run_limit(lease, final, line)
                 try:
                     await store_call(
                         self.store,
@@ -228,6 +231,34 @@ class Runner:
                 if self.events.on_end is not None:
                     self.events.on_end(lease, final)
         return final
+
+    async def _within_run_limit(
+        self, lease: Lease, result: JobResult, line: Callable[[str], None]
+    ) -> JobResult:
+        """`result`, or a failure without outputs when they would take the
+        run's outputs over GitHub's 50 MB (an error naming each output)."""
+        try:
+            used = await store_call(self.store, lambda: self.store.run_outputs_bytes(lease.run_id))
+        except StoreError:
+            return result  # the completion will report the store's trouble
+        size = sum(output_bytes(k, v) for k, v in result.outputs.items())
+        if used + size <= RUN_OUTPUTS_MAX_BYTES:
+            return result
+        names = ", ".join(repr(k) for k in result.outputs)
+        why = (
+            f"job outputs {names} ({size:,} bytes) would take run {lease.run_id}'s outputs "
+            f"over GitHub's limit of {RUN_OUTPUTS_MAX_BYTES:,} bytes ({used:,} used); they "
+            "are not passed on: pass large data as an artifact or a file instead"
+        )
+        line(f"✖ {why}")
+        return JobResult(
+            "failure",
+            {},
+            result.steps,
+            [*result.annotations, Annotation("error", why, lease.job_id)],
+            result.summary,
+            result.reason or why,
+        )
 
     async def _execute(
         self,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -21,6 +22,8 @@ from preloop.process import CommandResult, CommandTimeout, run_command_status
 __all__ = ["MAX_LINE_BYTES", "LineSplitter", "run_streaming"]
 
 _CHUNK = 65536
+_PIPE_SIZE = 1 << 20
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 #: The longest line handed on in one piece. GitHub's runner keeps a line's
@@ -48,8 +51,8 @@ class LineSplitter:
         self._size = 0
         self._split = False  # a piece of the current line was handed on
 
-    def _emit(self, raw: bytes) -> None:
-        self._on_line(raw.decode("utf-8", "replace"))
+    def _emit(self, raw: bytes | memoryview) -> None:
+        self._on_line(str(raw, "utf-8", "replace"))
 
     def _pending(self, piece: bytes) -> None:
         if not piece:
@@ -59,6 +62,7 @@ class LineSplitter:
         if self._size <= self._max:
             return
         buf = b"".join(self._parts)
+        view = memoryview(buf)  # pieces are decoded from it without a copy
         start = 0
         # Strictly more than max: the byte after the cut is here, so the
         # cut can be moved to a character boundary.
@@ -70,7 +74,7 @@ class LineSplitter:
                 back -= 1
             if back > start and (buf[back] & 0xC0) != 0x80:
                 cut = back
-            self._emit(buf[start:cut])
+            self._emit(view[start:cut])
             self._split = True
             start = cut
         rest = buf[start:]
@@ -90,6 +94,9 @@ class LineSplitter:
         self._split = False
 
     def feed(self, data: bytes) -> None:
+        if b"\n" not in data:  # part of a long line: no split, no copy
+            self._pending(data)
+            return
         pieces = data.split(b"\n")
         last = pieces.pop()
         for raw in pieces:
@@ -132,6 +139,9 @@ async def run_streaming(
     `timeout`, which raises `CommandTimeout`) and calls `on_line` for each
     line of its combined output."""
     read_fd, write_fd = os.pipe()
+    with contextlib.suppress(OSError):
+        # A larger pipe: fewer wake-ups of the reader for chatty steps.
+        fcntl.fcntl(read_fd, _F_SETPIPE_SZ, _PIPE_SIZE)
     os.set_blocking(read_fd, False)
     lines = LineSplitter(on_line)
     try:

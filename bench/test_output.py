@@ -1,0 +1,129 @@
+"""The step-output line splitter on hostile output, against `cat` into a file.
+
+100 MB of step output, once as one line and once as 100-byte lines, read from
+a step (`cat FILE`) through `preloop.runner.stream.run_streaming` and written
+to a log file line by line, against `cat FILE > OUT`. Each case runs in its
+own Python process, which reports its wall time and its peak RSS growth
+(`ru_maxrss` after minus before the run), so memory is comparable between the
+two shapes. Targets (issue 15): both within 3x of `cat`'s time, memory
+independent of line length. A third case adds what a real step's output goes
+through besides splitting: the workflow-command parser and masking.
+
+    .venv/bin/python -m pytest bench/test_output.py --benchmark-only -s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SIZE = 100 * 1024 * 1024
+TREES = Path(os.environ.get("PRELOOP_BENCH_TREES", "/var/tmp/preloop-bench-trees"))
+
+_WORKER = r"""
+import json, resource, sys, time
+import anyio
+from preloop.runner.stream import run_streaming
+from preloop.runner.commands import WorkflowCommandParser
+from preloop.runner.masking import Masker
+
+mode, src, dst = sys.argv[1:4]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+baseline = int(open("/proc/self/statm").read().split()[1]) * 4  # KiB resident now
+out = open(dst, "w", encoding="utf-8")
+if mode == "parse":
+    masker = Masker()
+    masker.add("not-in-the-output-secret")
+    parser = WorkflowCommandParser(masker, "job", "step")
+
+    def on_line(text):
+        shown = parser.line(text)
+        if shown is not None:
+            out.write(shown + "\n")
+else:
+    def on_line(text):
+        out.write(text + "\n")
+
+async def main():
+    await run_streaming(["cat", src], cwd="/", env={"PATH": "/usr/bin:/bin"}, timeout=None,
+                        on_line=on_line)
+
+t = time.perf_counter()
+anyio.run(main)
+out.close()
+elapsed = time.perf_counter() - t
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# Peak RSS over the run, relative to what was resident before it (imports).
+print(json.dumps({"seconds": elapsed, "peak_growth_kib": max(after, before) - baseline}))
+"""
+
+
+def _input(shape: str) -> Path:
+    TREES.mkdir(parents=True, exist_ok=True)
+    path = TREES / f"output-{shape}-{SIZE}.txt"
+    if not path.exists() or path.stat().st_size != SIZE:
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as fh:
+            if shape == "one-line":
+                fh.write(b"x" * (SIZE - 1) + b"\n")
+            else:
+                line = b"y" * 99 + b"\n"
+                fh.write(line * (SIZE // 100))
+                fh.write(b"z" * (SIZE % 100 - 1) + b"\n")
+        os.replace(tmp, path)
+    return path
+
+
+def _cat(src: Path, dst: Path) -> dict[str, Any]:
+    t = time.perf_counter()
+    with open(dst, "wb") as out:
+        subprocess.run(["cat", str(src)], stdout=out, check=True)
+    return {"seconds": time.perf_counter() - t, "peak_growth_kib": 0}
+
+
+def _preloop(mode: str, src: Path, dst: Path) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-c", _WORKER, mode, str(src), str(dst)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+_RESULTS: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+@pytest.mark.parametrize("shape", ["one-line", "100-byte-lines"])
+@pytest.mark.parametrize("impl", ["cat", "splitter", "splitter+parse+mask"])
+def test_output(benchmark: Any, tmp_path: Path, shape: str, impl: str) -> None:
+    src = _input(shape)
+    dst = tmp_path / "out.txt"
+    runs: list[dict[str, Any]] = []
+
+    def once() -> None:
+        if impl == "cat":
+            runs.append(_cat(src, dst))
+        else:
+            runs.append(_preloop("split" if impl == "splitter" else "parse", src, dst))
+
+    benchmark.group = f"100 MB of step output, {shape}"
+    benchmark.extra_info["impl"] = impl
+    benchmark.pedantic(once, rounds=3, iterations=1, warmup_rounds=1)
+    assert dst.stat().st_size >= SIZE  # every byte arrived (a long line: in pieces)
+    best = min(r["seconds"] for r in runs)
+    peak = max(r["peak_growth_kib"] for r in runs)
+    benchmark.extra_info["seconds"] = round(best, 3)
+    benchmark.extra_info["peak_rss_growth_mib"] = round(peak / 1024, 1)
+    _RESULTS[(shape, impl)] = {"seconds": best, "peak_mib": peak / 1024}
+    base = _RESULTS.get((shape, "cat"))
+    ratio = f" = {best / base['seconds']:.1f}x cat" if base and impl != "cat" else ""
+    print(f"\n{shape:15} {impl:20} {best:7.3f} s{ratio}, peak RSS growth {peak / 1024:.1f} MiB")

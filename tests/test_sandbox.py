@@ -124,7 +124,19 @@ def test_the_job_still_works_inside(layout: Layout, user: str) -> None:
     assert (layout.workspace / "written.txt").read_text() == "w\n"
 
 
-def test_no_capabilities_no_remount_no_write_outside_the_job(layout: Layout, user: str) -> None:
+@pytest.fixture
+def host_dir() -> Iterator[Path]:
+    """A host directory outside /tmp and /var/tmp that anybody may write to."""
+    path = Path("/opt") / f"preloop-sandbox-{uuid.uuid4().hex[:8]}"
+    path.mkdir(parents=True)
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_no_capabilities_no_remount_no_write_outside_the_job(
+    layout: Layout, user: str, host_dir: Path
+) -> None:
     state = layout.state
     r = sandboxed(
         layout,
@@ -138,6 +150,8 @@ def test_no_capabilities_no_remount_no_write_outside_the_job(layout: Layout, use
         touch {layout.run_repo}/objects/escaped 2>/dev/null && echo WROTE-RUN-REPO
         touch {layout.cache}/objects/escaped 2>/dev/null && echo WROTE-CACHE
         touch {state.parent}/source/escaped 2>/dev/null && echo WROTE-SOURCE
+        touch {host_dir}/escaped 2>/dev/null && echo WROTE-HOST
+        mount -o remount,rw {host_dir} 2>/dev/null && echo REMOUNTED-HOST
         echo done
         """,
     )
@@ -153,6 +167,7 @@ def test_no_capabilities_no_remount_no_write_outside_the_job(layout: Layout, use
     assert not (layout.run_repo / "objects" / "escaped").exists()
     assert not (layout.cache / "objects" / "escaped").exists()
     assert not (state.parent / "source" / "escaped").exists()
+    assert not (host_dir / "escaped").exists()
 
 
 def test_private_var_tmp_and_dev_shm(layout: Layout, user: str) -> None:
@@ -243,7 +258,7 @@ def test_network_none_leaves_only_loopback(layout: Layout, user: str) -> None:
 
 
 def test_preloop_run_sandbox_end_to_end_as_root(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, host_dir: Path
 ) -> None:
     """The same escapes from a real `run:` step of a sandboxed run."""
     if os.geteuid() != 0:
@@ -271,6 +286,7 @@ def test_preloop_run_sandbox_end_to_end_as_root(
                           test -e {state}/preloop.db && echo ESCAPE-db
                           kill -0 {host.pid} 2>/dev/null && echo ESCAPE-signal
                           touch {tmp_path}/repo/escaped 2>/dev/null && echo ESCAPE-source
+                          touch {host_dir}/escaped 2>/dev/null && echo ESCAPE-host
                           echo x > /var/tmp/preloop-e2e-{os.getpid()}
                           git log --oneline -1 >/dev/null && echo checkout-ok
                 """
@@ -285,4 +301,5 @@ def test_preloop_run_sandbox_end_to_end_as_root(
     assert "CapEff:\t0000000000000000" in text and "checkout-ok" in text
     assert "ESCAPE" not in text, text
     assert not (tmp_path / "repo" / "escaped").exists()
+    assert not (host_dir / "escaped").exists()
     assert not Path(f"/var/tmp/preloop-e2e-{os.getpid()}").exists()

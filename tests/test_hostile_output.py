@@ -15,19 +15,18 @@ from tests.run_support import make_repo, run_engine, workflow
 
 import preloop.runner.worker as worker
 from preloop.runner.logs import read_result
-from preloop.runner.stream import MAX_LINE_BYTES, LineSplitter, run_streaming
+from preloop.runner.stream import MAX_LINE_CHARS, LineSplitter, run_streaming
 
 
 def test_one_huge_line_is_split_into_capped_pieces_without_losing_bytes() -> None:
     """A step printing one 40 MB line: the old splitter re-scanned and kept the
-    whole buffer (104 s, 232 MB); pieces are now at most MAX_LINE_BYTES."""
+    whole buffer (104 s, 232 MB); pieces are now at most MAX_LINE_CHARS."""
     pieces: list[int] = []
     digest = hashlib.sha256()
 
     def on_line(text: str) -> None:
-        data = text.encode()
-        pieces.append(len(data))
-        digest.update(data)
+        pieces.append(len(text))
+        digest.update(text.encode())
 
     async def main() -> None:
         await run_streaming(
@@ -39,21 +38,21 @@ def test_one_huge_line_is_split_into_capped_pieces_without_losing_bytes() -> Non
         )
 
     anyio.run(main)
-    assert max(pieces) <= MAX_LINE_BYTES
+    assert max(pieces) <= MAX_LINE_CHARS
     assert sum(pieces) == 40 * 1024 * 1024 + len("after")
     expected = hashlib.sha256(b"x" * (40 * 1024 * 1024) + b"after").hexdigest()
     assert digest.hexdigest() == expected
 
 
-def test_splitter_cuts_at_character_boundaries_and_keeps_empty_lines() -> None:
+def test_splitter_keeps_characters_whole_and_empty_lines() -> None:
     out: list[str] = []
-    s = LineSplitter(out.append, max_line=5)
-    for chunk in (b"ab\xe2\x82", b"\xaccd\n\nxyz", b"\xf0\x9f\x98\x80\n"):
+    s = LineSplitter(out.append, max_line=3)
+    # "€" and "😀" arrive split across chunks; an invalid byte is replaced.
+    for chunk in (b"ab\xe2\x82", b"\xaccd\n\nxyz", b"\xf0\x9f\x98\x80\n\xff"):
         s.feed(chunk)
     s.feed(b"tail")
     s.close()
-    assert out == ["ab€", "cd", "", "xyz", "😀", "tail"]
-    assert "".join(out) == "ab€cdxyz😀tail"
+    assert out == ["ab€", "cd", "", "xyz", "😀", "\ufffdta", "il"]
 
 
 def test_job_output_over_one_megabyte_is_an_error_naming_it(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ later output is lost, its process group is killed when the job ends).
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import fcntl
@@ -19,93 +20,91 @@ import anyio
 
 from preloop.process import CommandResult, CommandTimeout, run_command_status
 
-__all__ = ["MAX_LINE_BYTES", "LineSplitter", "run_streaming"]
+__all__ = ["MAX_LINE_CHARS", "LineSplitter", "run_streaming"]
 
 _CHUNK = 65536
 _PIPE_SIZE = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
-#: The longest line handed on in one piece. GitHub's runner keeps a line's
-#: bytes in its log but its live console shows at most 1,024 characters of it;
-#: preloop splits a longer line into pieces of at most this many bytes (at a
-#: UTF-8 character boundary), so no byte is dropped and the memory a step's
-#: output needs does not grow with its longest line.
-MAX_LINE_BYTES = 1 << 20
+#: The longest line handed on in one piece, in characters. GitHub's runner
+#: keeps a line's bytes in its log but its live console shows at most 1,024
+#: characters of it; preloop splits a longer line into pieces of at most this
+#: many characters, so no byte is dropped and the memory a step's output
+#: needs does not grow with its longest line.
+MAX_LINE_CHARS = 1 << 20
 
 
 class LineSplitter:
     """Turns a byte stream into lines, in time linear in its length.
 
-    Only the new chunk is scanned for newlines (never the pending bytes
-    again), and pending bytes are capped at `max_line` (a longer line is
-    handed on in `max_line`-byte pieces). Bytes are decoded as UTF-8 with
-    replacement of invalid sequences; a piece never ends inside a character."""
+    Each chunk is decoded once (UTF-8, invalid bytes replaced; a character
+    split across chunks is completed by the next one) and only the new text
+    is scanned for newlines, never the pending text again. A line longer than
+    `max_line` characters is handed on in pieces of `max_line` characters."""
 
-    def __init__(self, on_line: Callable[[str], None], max_line: int = MAX_LINE_BYTES) -> None:
-        if max_line < 4:
-            raise ValueError("max_line must be at least 4 bytes (one UTF-8 character)")
+    def __init__(self, on_line: Callable[[str], None], max_line: int = MAX_LINE_CHARS) -> None:
+        if max_line < 1:
+            raise ValueError("max_line must be at least 1 character")
         self._on_line = on_line
         self._max = max_line
-        self._parts: list[bytes] = []
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._parts: list[str] = []
         self._size = 0
         self._split = False  # a piece of the current line was handed on
 
-    def _emit(self, raw: bytes | memoryview) -> None:
-        self._on_line(str(raw, "utf-8", "replace"))
-
-    def _pending(self, piece: bytes) -> None:
-        if not piece:
+    def _pending(self, text: str) -> None:
+        if not text:
             return
-        self._parts.append(piece)
-        self._size += len(piece)
+        self._parts.append(text)
+        self._size += len(text)
         if self._size <= self._max:
             return
-        buf = b"".join(self._parts)
-        view = memoryview(buf)  # pieces are decoded from it without a copy
+        buf = "".join(self._parts)
         start = 0
-        # Strictly more than max: the byte after the cut is here, so the
-        # cut can be moved to a character boundary.
         while len(buf) - start > self._max:
-            cut = start + self._max
-            # Back off to the start of a UTF-8 character (at most 3 bytes).
-            back = cut
-            while back > cut - 3 and (buf[back] & 0xC0) == 0x80:
-                back -= 1
-            if back > start and (buf[back] & 0xC0) != 0x80:
-                cut = back
-            self._emit(view[start:cut])
+            self._on_line(buf[start : start + self._max])
             self._split = True
-            start = cut
+            start += self._max
         rest = buf[start:]
         self._parts = [rest] if rest else []
         self._size = len(rest)
 
-    def _end_line(self, piece: bytes) -> None:
-        if not self._parts and not self._split and len(piece) <= self._max:
-            self._emit(piece)
-            return
-        self._pending(piece)
-        tail = b"".join(self._parts)
+    def _end_line(self, text: str) -> None:
+        """Ends the pending line with `text`."""
+        self._pending(text)
+        tail = "".join(self._parts)
         self._parts = []
         self._size = 0
         if tail or not self._split:
-            self._emit(tail)
+            self._on_line(tail)
         self._split = False
 
-    def feed(self, data: bytes) -> None:
-        if b"\n" not in data:  # part of a long line: no split, no copy
-            self._pending(data)
+    def _text(self, text: str) -> None:
+        if "\n" not in text:  # part of a long line
+            self._pending(text)
             return
-        pieces = data.split(b"\n")
-        last = pieces.pop()
-        for raw in pieces:
-            self._end_line(raw)
+        lines = text.split("\n")
+        last = lines.pop()
+        if self._parts or self._split:
+            self._end_line(lines[0])
+            lines = lines[1:]
+        on_line = self._on_line
+        limit = self._max
+        for line in lines:
+            if len(line) <= limit:
+                on_line(line)
+            else:
+                self._end_line(line)
         self._pending(last)
 
+    def feed(self, data: bytes) -> None:
+        self._text(self._decoder.decode(data))
+
     def close(self) -> None:
+        self._text(self._decoder.decode(b"", final=True))
         if self._parts:
-            self._emit(b"".join(self._parts))
+            self._on_line("".join(self._parts))
         self._parts = []
         self._size = 0
         self._split = False

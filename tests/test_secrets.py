@@ -201,3 +201,11 @@ def test_secret_on_the_command_line_warns_once_and_secret_file_does_not(tmp_path
     assert from_file.returncode == 0, from_file.stderr
     assert "process list" not in from_file.stderr
     assert "got *** ***" in from_file.stdout and "first-value" not in from_file.stdout
+
+
+def test_long_lines_are_masked_too() -> None:
+    m = Masker()
+    m.add("deep-secret-value")
+    text = "x" * 10_000 + "deep-secret-value" + "y" * 10_000
+    assert m.mask(text) == "x" * 10_000 + "***" + "y" * 10_000
+    assert m.mask("z" * 10_000) == "z" * 10_000

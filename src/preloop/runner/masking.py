@@ -39,6 +39,7 @@ MASK = "***"
 # An encoded form shorter than this is not registered on its own: a two- or
 # three-character base64 fragment would mask unrelated text everywhere.
 _MIN_ENCODED = 4
+_LONG_TEXT = 4096
 
 
 def _base64_forms(value: str) -> list[str]:
@@ -124,7 +125,13 @@ class Masker:
 
     def contains_secret(self, text: str) -> bool:
         """Whether masking would change `text`."""
-        return bool(self._values) and self._compiled().search(text) is not None
+        if not self._values:
+            return False
+        if len(text) > _LONG_TEXT:
+            # A substring search per value beats the regex alternation on
+            # long text (a step printing megabytes on one line).
+            return any(v in text for v in self._values)
+        return self._compiled().search(text) is not None
 
     def _compiled(self) -> re.Pattern[str]:
         if self._pattern is None:
@@ -134,6 +141,8 @@ class Masker:
 
     def mask(self, text: str) -> str:
         if not self._values or not text:
+            return text
+        if len(text) > _LONG_TEXT and not self.contains_secret(text):
             return text
         pattern = self._compiled()
         first = pattern.search(text)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -303,3 +304,58 @@ def test_preloop_run_sandbox_end_to_end_as_root(
     assert not (tmp_path / "repo" / "escaped").exists()
     assert not (host_dir / "escaped").exists()
     assert not Path(f"/var/tmp/preloop-e2e-{os.getpid()}").exists()
+
+
+def test_preloop_run_sandbox_end_to_end_as_nobody(public_tmp: Path, host_dir: Path) -> None:
+    """`preloop run --sandbox` started by an unprivileged user (bubblewrap in a
+    user namespace): the same escapes fail."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to act as nobody")
+    state = public_tmp / "state"
+    victim = public_tmp / "victim"  # another local process of nobody's
+    repo = make_repo(
+        public_tmp / "repo",
+        workflow(
+            f"""\
+            on: push
+            jobs:
+              boxed:
+                runs-on: ubuntu-latest
+                steps:
+                  - run: |
+                      grep '^CapEff' /proc/self/status
+                      cat {state}/preloop.db >/dev/null 2>&1 && echo ESCAPE-db
+                      ls {state}/logs 2>/dev/null | grep . && echo ESCAPE-logs
+                      kill -0 "$(cat {victim})" 2>/dev/null && echo ESCAPE-signal
+                      touch {host_dir}/escaped 2>/dev/null && echo ESCAPE-host
+                      echo x > /var/tmp/preloop-e2e-nobody-{os.getpid()}
+                      git log --oneline -1 >/dev/null && echo checkout-ok
+            """
+        ),
+    )
+    subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(public_tmp)], check=True)
+    sleeper = subprocess.Popen([*_as("nobody"), "sleep", "600"])
+    victim.write_text(str(sleeper.pid))
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(public_tmp),
+        "PRELOOP_STATE_DIR": str(state),
+        "PRELOOP_COORDINATION_DIR": str(public_tmp / "coord"),
+    }
+    try:
+        proc = subprocess.run(
+            [*_as("nobody"), sys.executable, "-m", "preloop", "run", "-j", "1", "--sandbox"],
+            cwd=repo,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "CapEff:\t0000000000000000" in proc.stdout and "checkout-ok" in proc.stdout
+    assert "ESCAPE" not in proc.stdout, proc.stdout
+    assert not (host_dir / "escaped").exists()
+    assert not Path(f"/var/tmp/preloop-e2e-nobody-{os.getpid()}").exists()

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from preloop.errors import PreloopError, UsageError
@@ -91,9 +91,13 @@ def bubblewrap_argv(
     workspace: Path | None = None,
     network: str = "host",
     coordination: Path | None = None,
+    read_only: Sequence[Path] = (),
     bwrap: str = "bwrap",
 ) -> list[str]:
-    """The bwrap argv prefix (ending in `--`) of a step of the job in `job_dir`."""
+    """The bwrap argv prefix (ending in `--`) of a step of the job in `job_dir`.
+    `read_only` are further paths the job needs to read (an action's files, a
+    tool cache), bound read-only at their own place, inside the hidden state
+    directory too."""
     if network not in SANDBOX_NETWORKS:
         raise UsageError(f"--sandbox-network {network!r}: use one of {', '.join(SANDBOX_NETWORKS)}")
     job_dir = Path(os.path.realpath(job_dir))
@@ -136,6 +140,9 @@ def bubblewrap_argv(
     borrowed = borrowed_object_dirs(workspace) if workspace is not None else []
     for objects in borrowed:
         argv += ["--ro-bind", str(objects), str(objects)]
+    for extra in read_only:
+        real = os.path.realpath(extra)
+        argv += ["--ro-bind", real, real]
     argv += ["--bind", str(job_dir), str(job_dir)]
     if coordination is not None:
         argv += sandbox_bind_args(coordination)
@@ -149,6 +156,7 @@ def bubblewrap_wrapper(
     *,
     workspace: Path | None = None,
     network: str = "host",
+    read_only: Sequence[Path] = (),
 ) -> Callable[[list[str]], list[str]]:
     """An argv wrapper running each step under bwrap (see the module docstring)."""
     bwrap = shutil.which("bwrap")
@@ -164,6 +172,7 @@ def bubblewrap_wrapper(
         workspace=workspace,
         network=network,
         coordination=coordination,
+        read_only=read_only,
         bwrap=bwrap,
     )
 

@@ -324,8 +324,14 @@ class Engine:
         run_key = f"run-{uuid.uuid4().hex[:16]}"
         # Held before the capture, released after the removal: a crash in
         # between leaves a dead holder that the next sweep or prune cleans.
-        hold_run_repository(self.state_dir, run_key)
-        snap = await capture_workspace(self.state_dir, root, run_key)
+        holder = hold_run_repository(self.state_dir, run_key)
+        try:
+            snap = await capture_workspace(self.state_dir, root, run_key)
+        except BaseException:
+            # A failed capture removed its repository, or left it (a timeout)
+            # for the capture sweep: either way this holder has nothing to hold.
+            holder.unlink(missing_ok=True)
+            raise
         store = await anyio.to_thread.run_sync(open_store, store_url)
         self.store = store
         try:

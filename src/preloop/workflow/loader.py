@@ -19,6 +19,7 @@ from typing import Any
 
 from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
+from preloop.workflow.availability import allowed_at, child
 from preloop.workflow.matrix import MatrixError, expand_matrix
 from preloop.workflow.model import (
     Concurrency,
@@ -150,18 +151,8 @@ _EVENT_FILTERS = {
     "workflow_dispatch": frozenset(["inputs"]),
     "workflow_run": frozenset(["workflows", "types", "branches", "branches-ignore"]),
 }
-# Which contexts (and special functions) each kind of value may use: GitHub's
-# workflow schema ("Context availability" in the docs).
-_PLAN = frozenset(["github", "inputs", "vars"])
-_WF_ENV = _PLAN | {"secrets"}
-_WF_OUTPUT = _PLAN | {"jobs"}
-_STRATEGY = _PLAN | {"needs"}
-_JOB_IF = _STRATEGY
-_LEG = _STRATEGY | {"strategy", "matrix"}
-_JOB_ENV = _LEG | {"secrets"}
-_JOB_DEFAULTS = _LEG | {"env"}
-_RUNNER = _LEG | {"secrets", "steps", "job", "runner", "env"}
-_STEP_IF = _RUNNER - {"secrets"}
+# Which contexts (and special functions) each value may use comes from GitHub's
+# workflow schema: see `availability.allowed_at` (paths like `jobs.*.env`).
 _STATUS = frozenset(["success", "failure", "always", "cancelled"])
 _SPECIAL_FUNCTIONS = _STATUS | {"hashfiles"}
 _JOB_ID = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -270,6 +261,23 @@ class _Reader:
         finally:
             self.allowed, self.functions = saved
 
+    def at(self, path: str) -> contextlib.AbstractContextManager[None]:
+        """Values read inside sit at schema path `path` (`jobs.*.env`)."""
+        return self.using(*allowed_at(path))
+
+    def check_tree(self, node: YNode, path: str) -> None:
+        """Checks every template under `node`, each against its own path."""
+        with self.at(path):
+            if isinstance(node, YScalar):
+                if isinstance(node.value, str):
+                    self.check_template(node, node.value)
+            elif isinstance(node, YSeq):
+                for n in node.items:
+                    self.check_tree(n, path + "[]")
+            else:
+                for k, v in node.items:
+                    self.check_tree(v, child(path, str(k.value)))
+
     # -- helpers ------------------------------------------------------------
     def err(self, node: YNode | YScalar, message: str) -> None:
         self.errors.append(Diagnostic(self.path, node.line, node.column, message))
@@ -307,6 +315,9 @@ class _Reader:
 
     def check_template(self, node: YNode, text: str) -> None:
         if "${{" not in text:
+            return
+        if not self.allowed and not self.functions:
+            self.err(node, "a template expression (${{ }}) is not allowed here")
             return
         try:
             segments = ex.template_segments(text)
@@ -412,17 +423,6 @@ class _Reader:
                 self.err(v, f"{what} value '{k.value}' must be a string, not {_kind(v)}")
         return frozen_map(out)
 
-    def check_all_templates(self, node: YNode) -> None:
-        if isinstance(node, YScalar):
-            if isinstance(node.value, str):
-                self.check_template(node, node.value)
-        elif isinstance(node, YSeq):
-            for n in node.items:
-                self.check_all_templates(n)
-        else:
-            for _, v in node.items:
-                self.check_all_templates(v)
-
     # -- workflow -----------------------------------------------------------
     def read(self, text: str) -> Workflow | None:
         self.source = text
@@ -450,13 +450,15 @@ class _Reader:
             self.err(m, "the workflow has no `on:` (which events trigger it)")
         else:
             on, call, dispatch = self.on(on_node)
-        with self.using(frozenset()):
+        with self.at("name"):
             name = self.string(m.get("name"), "`name`") or Path(self.path).name
-        with self.using(_PLAN):
+        with self.at("run-name"):
             run_name = self.string(m.get("run-name"), "`run-name`")
+        with self.at("defaults"):
             defaults = self.defaults(m.get("defaults"))
+        with self.at("concurrency"):
             conc = self.concurrency(m.get("concurrency"))
-        with self.using(_WF_ENV):
+        with self.at("env"):
             env = self.env(m.get("env"), "`env`")
         permissions = self.permissions(m.get("permissions"))
         jobs_node = m.get("jobs")
@@ -592,8 +594,7 @@ class _Reader:
                 self.keys(dm, allowed[section], f"`on.workflow_call.{section}.{k.value}`")
                 d = {str(dk.value): plain(dv) for dk, dv in dm.items}
                 if section == "inputs" and (default := dm.get("default")) is not None:
-                    with self.using(_PLAN):
-                        self.check_all_templates(default)
+                    self.check_tree(default, "on.workflow_call.inputs.*.default")
                 if section == "inputs":
                     t = d.get("type")
                     if t not in ("boolean", "number", "string"):
@@ -606,7 +607,7 @@ class _Reader:
                     if value is None:
                         self.err(dm, f"output '{k.value}' has no `value`")
                     else:
-                        with self.using(_WF_OUTPUT):
+                        with self.at("on.workflow_call.outputs.*.value"):
                             self.string(value, f"output '{k.value}' value")
                 out[str(k.value)] = d
         return WorkflowCall(
@@ -782,12 +783,13 @@ class _Reader:
                     need_nodes.setdefault(job_id, []).append(n)
                 else:
                     self.err(n, f"`needs` must name jobs (strings), not {_kind(n)}")
-        with self.using(_JOB_IF, _STATUS):
+        with self.at("jobs.*.if"):
             if_ = self.condition(m.get("if"))
-        with self.using(_LEG):
+        with self.at("jobs.*.name"):
             name = self.string(m.get("name"), "`name`")
+        with self.at("jobs.*.concurrency"):
             conc = self.concurrency(m.get("concurrency"))
-        with self.using(_STRATEGY):
+        with self.at("jobs.*.strategy"):
             strategy = self.strategy(m.get("strategy"), job_id)
         common: dict[str, Any] = dict(
             id=job_id,
@@ -802,16 +804,20 @@ class _Reader:
         )
         if is_caller:
             return self.caller(m, common)
-        with self.using(_LEG):
+        with self.at("jobs.*.runs-on"):
             runs_on = self.runs_on(m.get("runs-on"), m)
+        with self.at("jobs.*.continue-on-error"):
             coe = self.bool_or_expr(m.get("continue-on-error"), "`continue-on-error`", False)
+        with self.at("jobs.*.timeout-minutes"):
             timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
-            for extra in ("container", "services", "environment"):
-                if (extra_node := m.get(extra)) is not None:
-                    self.check_all_templates(extra_node)
-        with self.using(_JOB_ENV):
+        with self.at("jobs.*.cancel-timeout-minutes"):
+            self.number_or_expr(m.get("cancel-timeout-minutes"), "`cancel-timeout-minutes`")
+        for extra in ("container", "services", "environment", "snapshot"):
+            if (extra_node := m.get(extra)) is not None:
+                self.check_tree(extra_node, f"jobs.*.{extra}")
+        with self.at("jobs.*.env"):
             env = self.env(m.get("env"), "`env`")
-        with self.using(_JOB_DEFAULTS):
+        with self.at("jobs.*.defaults"):
             defaults = self.defaults(m.get("defaults"))
         steps_node = m.get("steps")
         steps: tuple[Step, ...] = ()
@@ -823,7 +829,7 @@ class _Reader:
         out_node = m.get("outputs")
         if out_node is not None and (om := self.mapping(out_node, "`outputs`")) is not None:
             for k, v in om.items:
-                with self.using(_RUNNER):
+                with self.at("jobs.*.outputs.*"):
                     s = self.string(v, f"output '{k.value}'")
                 if s is not None:
                     outputs[str(k.value)] = s
@@ -940,7 +946,7 @@ class _Reader:
         if m is None:
             return None
         if _has_expression(m):
-            self.check_all_templates(m)
+            self.check_tree(m, "jobs.*.strategy.matrix")
             return Matrix(template=plain(m))
         vectors: list[tuple[str, tuple[Any, ...]]] = []
         include: tuple[Mapping[str, Any], ...] = ()
@@ -1003,8 +1009,12 @@ class _Reader:
         return tuple(steps)
 
     def step(self, node: YNode) -> Step | None:
-        with self.using(_RUNNER, frozenset({"hashfiles"})):
+        with self.at("jobs.*.steps[]"):
             return self.read_step(node)
+
+    def step_value(self, m: YMap, key: str, what: str, **kw: Any) -> str | None:
+        with self.at(f"jobs.*.steps[].{key}"):
+            return self.string(m.get(key), what, **kw)
 
     def read_step(self, node: YNode) -> Step | None:
         m = self.mapping(node, "a step")
@@ -1030,14 +1040,15 @@ class _Reader:
             for k, v in wm.items:
                 if isinstance(v, YScalar):
                     if isinstance(v.value, str):
-                        self.check_template(v, v.value)
+                        with self.at("jobs.*.steps[].with.*"):
+                            self.check_template(v, v.value)
                     with_[str(k.value)] = v.value
                 else:
                     self.err(v, f"`with` value '{k.value}' must be a string, not {_kind(v)}")
         uses_node = m.get("uses")
         if isinstance(uses_node, YScalar) and isinstance(uses_node.value, str):
             self.local_action(uses_node, uses_node.value)
-        step_id = self.string(m.get("id"), "step `id`")
+        step_id = self.step_value(m, "id", "step `id`")
         if step_id is not None and not _JOB_ID.fullmatch(step_id):
             id_node = m.get("id")
             assert id_node is not None
@@ -1046,22 +1057,25 @@ class _Reader:
                 f"invalid step id '{step_id}': it must start with a letter or '_' and contain "
                 "only letters, digits, '-' and '_'",
             )
-        timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
-        with self.using(_STEP_IF, _SPECIAL_FUNCTIONS):
+        with self.at("jobs.*.steps[].timeout-minutes"):
+            timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
+        with self.at("jobs.*.steps[].if"):
             if_ = self.condition(m.get("if"))
+        with self.at("jobs.*.steps[].env"):
+            env = self.env(m.get("env"), "`env`")
+        with self.at("jobs.*.steps[].continue-on-error"):
+            coe = self.bool_or_expr(m.get("continue-on-error"), "`continue-on-error`", False)
         return Step(
             id=step_id,
-            name=self.string(m.get("name"), "step `name`"),
+            name=self.step_value(m, "name", "step `name`"),
             if_=if_,
-            run=self.string(m.get("run"), "`run`"),
-            uses=self.string(m.get("uses"), "`uses`", allow_empty=False),
+            run=self.step_value(m, "run", "`run`"),
+            uses=self.step_value(m, "uses", "`uses`", allow_empty=False),
             with_=frozen_map(with_),
-            shell=self.string(m.get("shell"), "`shell`"),
-            working_directory=self.string(m.get("working-directory"), "`working-directory`"),
-            env=self.env(m.get("env"), "`env`"),
-            continue_on_error=self.bool_or_expr(
-                m.get("continue-on-error"), "`continue-on-error`", False
-            ),
+            shell=self.step_value(m, "shell", "`shell`"),
+            working_directory=self.step_value(m, "working-directory", "`working-directory`"),
+            env=env,
+            continue_on_error=coe,
             timeout_minutes=timeout,
         )
 
@@ -1087,7 +1101,7 @@ class _Reader:
             for k, v in wm.items:
                 if isinstance(v, YScalar):
                     if isinstance(v.value, str):
-                        with self.using(_LEG):
+                        with self.at("jobs.*.with.*"):
                             self.check_template(v, v.value)
                     with_[str(k.value)] = v.value
                     with_keys[str(k.value)] = k
@@ -1099,8 +1113,7 @@ class _Reader:
             if isinstance(s, YScalar) and s.value == "inherit":
                 secrets = "inherit"
             elif (sm := self.mapping(s, "`secrets`")) is not None:
-                with self.using(_LEG | {"secrets"}):
-                    self.check_all_templates(sm)
+                self.check_tree(sm, "jobs.*.secrets")
                 secrets = frozen_map({str(k.value): plain(v) for k, v in sm.items})
                 secret_keys = {str(k.value): k for k, _ in sm.items}
         callee = None

@@ -19,6 +19,7 @@ from typing import Any
 
 from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
+from preloop.workflow.availability import EVENTS as SCHEMA_EVENTS
 from preloop.workflow.availability import allowed_at, child
 from preloop.workflow.matrix import MatrixError, expand_matrix
 from preloop.workflow.model import (
@@ -31,54 +32,23 @@ from preloop.workflow.model import (
     WorkflowCall,
     frozen_map,
 )
+from preloop.workflow.uses import (
+    is_local,
+    local_path_error,
+    step_uses_error,
+    workflow_uses_error,
+)
 from preloop.workflow.yamltree import Diagnostic, YMap, YNode, YScalar, YSeq, compose, plain
 
 __all__ = ["MAX_REUSABLE_DEPTH", "WorkflowError", "load_workflow", "workflow_files"]
 
 #: GitHub: reusable workflows nest at most ten levels, the top-level caller included.
 MAX_REUSABLE_DEPTH = 10
+#: GitHub: a value holding `${{ }}` is at most this long (it is one expression).
+MAX_EXPRESSION_LENGTH = 21000
 
-EVENTS = frozenset(
-    [
-        "branch_protection_rule",
-        "check_run",
-        "check_suite",
-        "create",
-        "delete",
-        "deployment",
-        "deployment_status",
-        "discussion",
-        "discussion_comment",
-        "fork",
-        "gollum",
-        "image_version",
-        "issue_comment",
-        "issues",
-        "label",
-        "merge_group",
-        "milestone",
-        "page_build",
-        "project",
-        "project_card",
-        "project_column",
-        "public",
-        "pull_request",
-        "pull_request_comment",
-        "pull_request_review",
-        "pull_request_review_comment",
-        "pull_request_target",
-        "push",
-        "registry_package",
-        "release",
-        "repository_dispatch",
-        "schedule",
-        "status",
-        "watch",
-        "workflow_call",
-        "workflow_dispatch",
-        "workflow_run",
-    ]
-)
+#: Every event GitHub's schema knows (its filters and activity types: `availability.EVENTS`).
+EVENTS = frozenset(SCHEMA_EVENTS)
 ROOT_KEYS = frozenset(
     [
         "on",
@@ -134,23 +104,12 @@ STEP_KEYS = frozenset(
     ]
 )
 _CONTAINER_KEYS = frozenset(["image", "options", "env", "ports", "volumes", "credentials"])
+_SERVICE_KEYS = _CONTAINER_KEYS | {"entrypoint", "command"}
 _DISPATCH_TYPES = ("boolean", "choice", "number", "environment", "string")
 _CALLER_ONLY = CALLER_KEYS - JOB_KEYS
 _JOB_ONLY = JOB_KEYS - CALLER_KEYS
 RUN_ONLY = ("shell", "working-directory")
 USES_ONLY = ("with",)
-_REF_FILTERS = frozenset(
-    ["branches", "branches-ignore", "tags", "tags-ignore", "paths", "paths-ignore"]
-)
-_TYPES_ONLY = frozenset(["types"])
-_PR_FILTERS = (_REF_FILTERS - {"tags", "tags-ignore"}) | _TYPES_ONLY
-_EVENT_FILTERS = {
-    "push": _REF_FILTERS,
-    "pull_request": _PR_FILTERS,
-    "pull_request_target": _PR_FILTERS,
-    "workflow_dispatch": frozenset(["inputs"]),
-    "workflow_run": frozenset(["workflows", "types", "branches", "branches-ignore"]),
-}
 # Which contexts (and special functions) each value may use comes from GitHub's
 # workflow schema: see `availability.allowed_at` (paths like `jobs.*.env`).
 _STATUS = frozenset(["success", "failure", "always", "cancelled"])
@@ -319,6 +278,11 @@ class _Reader:
         if not self.allowed and not self.functions:
             self.err(node, "a template expression (${{ }}) is not allowed here")
             return
+        if len(text) > MAX_EXPRESSION_LENGTH:
+            self.err(
+                node, f"the value exceeds GitHub's expression limit of {MAX_EXPRESSION_LENGTH}"
+            )
+            return
         try:
             segments = ex.template_segments(text)
         except ex.ExpressionError as exc:
@@ -454,7 +418,7 @@ class _Reader:
             name = self.string(m.get("name"), "`name`") or Path(self.path).name
         with self.at("run-name"):
             run_name = self.string(m.get("run-name"), "`run-name`")
-        with self.at("defaults"):
+        with self.at("defaults.run"):
             defaults = self.defaults(m.get("defaults"))
         with self.at("concurrency"):
             conc = self.concurrency(m.get("concurrency"))
@@ -519,9 +483,33 @@ class _Reader:
                 self.err(value, f"the filters of event '{event}' must be a mapping")
                 continue
             if isinstance(value, YMap) and event != "workflow_call":
-                self.keys(value, _EVENT_FILTERS.get(event, _TYPES_ONLY), f"event '{event}'")
+                self.event_filters(event, value)
+            elif isinstance(value, YSeq):
+                self.err(value, f"the filters of event '{event}' must be a mapping, not a list")
             events[event] = plain(value) if value is not None else None
         return events, call, dispatch
+
+    def event_filters(self, event: str, value: YMap) -> None:
+        """An event's filters and activity types, as GitHub's schema lists them."""
+        filters, types, forms = SCHEMA_EVENTS[event]
+        if "mapping" not in forms:
+            self.err(value, f"event '{event}' takes no filters")
+            return
+        if event != "workflow_dispatch":  # GitHub ignores unknown keys there
+            self.keys(value, frozenset(filters), f"event '{event}'")
+        for k, v in value.items:
+            if k.value == "inputs" or k.value not in filters:
+                continue
+            items = v.items if isinstance(v, YSeq) else (v,)
+            for item in items:
+                if not (isinstance(item, YScalar) and isinstance(item.value, str)):
+                    self.err(item, f"event '{event}' `{k.value}` must be strings")
+                elif k.value == "types" and types and item.value not in types:
+                    self.err(
+                        item,
+                        f"unknown activity type '{item.value}' for event '{event}' "
+                        f"(one of: {', '.join(types)})",
+                    )
 
     def dispatch_inputs(self, inputs: YMap) -> None:
         allowed = frozenset(["description", "type", "required", "default", "options"])
@@ -674,14 +662,22 @@ class _Reader:
             return ()
         jobs: list[Job] = []
         need_nodes: dict[str, list[YScalar]] = {}
+        seen: set[str] = set()
         for k, v in m.items:
             job_id = str(k.value)
+            if job_id.lower() in seen:
+                # GitHub's job ids are case-insensitive: `build` and `BUILD` collide.
+                self.err(k, f"'{job_id}' is already defined (job ids ignore case)")
+                continue
+            seen.add(job_id.lower())
             if not _JOB_ID.fullmatch(job_id):
                 self.err(
                     k,
                     f"invalid job id '{job_id}': it must start with a letter or '_' and "
                     "contain only letters, digits, '-' and '_'",
                 )
+            elif job_id.startswith("__"):
+                self.err(k, f"invalid job id '{job_id}': ids starting with '__' are reserved")
             job = self.job(k, v, need_nodes)
             if job is not None:
                 jobs.append(job)
@@ -817,7 +813,7 @@ class _Reader:
                 self.check_tree(extra_node, f"jobs.*.{extra}")
         with self.at("jobs.*.env"):
             env = self.env(m.get("env"), "`env`")
-        with self.at("jobs.*.defaults"):
+        with self.at("jobs.*.defaults.run"):
             defaults = self.defaults(m.get("defaults"))
         steps_node = m.get("steps")
         steps: tuple[Step, ...] = ()
@@ -833,9 +829,6 @@ class _Reader:
                     s = self.string(v, f"output '{k.value}'")
                 if s is not None:
                     outputs[str(k.value)] = s
-        services = m.get("services")
-        if services is not None:
-            self.mapping(services, "`services`")
         return Job(
             **common,
             runs_on=runs_on,
@@ -846,24 +839,59 @@ class _Reader:
             defaults_run=defaults,
             steps=steps,
             container=self.container(m.get("container")),
-            services=frozen_map(plain(services))
-            if isinstance(services, YMap)
-            else frozen_map(None),
+            services=self.services(m.get("services")),
             environment=plain(e) if (e := m.get("environment")) is not None else None,
         )
 
-    def container(self, node: YNode | None) -> Any:
+    def container(self, node: YNode | None, what: str = "`container`") -> Any:
         if node is None:
             return None
         if isinstance(node, YSeq):
-            self.err(node, f"`container` must be an image name or a mapping, not {_kind(node)}")
+            self.err(node, f"{what} must be an image name or a mapping, not {_kind(node)}")
             return None
+        service = what != "`container`"
         if isinstance(node, YMap):
-            self.keys(node, _CONTAINER_KEYS, "`container`")
+            self.keys(node, _SERVICE_KEYS if service else _CONTAINER_KEYS, what)
+            if _has_expression(node):
+                return plain(node)  # GitHub checks the shape once it is evaluated
+            image = node.get("image")
+            if image is None:
+                self.err2(node, f"{what} needs an `image`")
+            elif not (isinstance(image, YScalar) and isinstance(image.value, str)):
+                self.err(image, f"{what} `image` must be a non-empty string")
+            elif not image.value.strip():
+                self.err(image, f"{what} `image` must not be empty")
+            creds = node.get("credentials")
+            if creds is not None and (cm := self.mapping(creds, f"{what} `credentials`")):
+                self.keys(cm, frozenset({"username", "password"}), f"{what} `credentials`")
+                for key in ("username", "password"):
+                    value = cm.get(key)
+                    if value is None:
+                        self.err2(cm, f"{what} `credentials` needs a `{key}`")
+                    elif not (isinstance(value, YScalar) and isinstance(value.value, str)):
+                        self.err(value, f"{what} `credentials.{key}` must be a string")
+                    elif not value.value:
+                        self.err(value, f"{what} `credentials.{key}` must not be empty")
+        elif (
+            isinstance(node, YScalar)
+            and not (isinstance(node.value, str) and node.value.strip())
+            and (not service or node.value is not None)
+        ):
+            self.err(node, f"{what} must be a non-empty image name")
         return plain(node)
 
-    def condition(self, node: YNode | None) -> str | None:
+    def services(self, node: YNode | None) -> Mapping[str, Any]:
         if node is None:
+            return frozen_map(None)
+        m = self.mapping(node, "`services`")
+        if m is None:
+            return frozen_map(None)
+        for k, v in m.items:
+            self.container(v, f"service '{k.value}'")
+        return frozen_map(plain(m))
+
+    def condition(self, node: YNode | None) -> str | None:
+        if node is None or (isinstance(node, YScalar) and node.value is None):
             return None
         if isinstance(node, YScalar) and isinstance(node.value, bool | int | float):
             return ex.coerce_string(node.value)
@@ -901,7 +929,11 @@ class _Reader:
         self.keys(node, frozenset({"group", "labels"}), "`runs-on`")
         out: dict[str, Any] = {}
         if (g := node.get("group")) is not None:
-            out["group"] = self.string(g, "`runs-on.group`")
+            group = out["group"] = self.string(g, "`runs-on.group`", allow_empty=False)
+            if group is not None and "${{" not in group:
+                problem = _runner_group_error(group)
+                if problem:
+                    self.err2(g, problem)
         if (lab := node.get("labels")) is not None:
             if isinstance(lab, YSeq):
                 out["labels"] = [self.string(n, "a `runs-on` label") for n in lab.items]
@@ -1001,10 +1033,16 @@ class _Reader:
             step = self.step(n)
             if step is None:
                 continue
-            if step.id is not None:
-                if step.id in ids:
-                    self.err2(n, f"step id '{step.id}' is used twice in this job")
-                ids.add(step.id)
+            if step.id is not None and _JOB_ID.fullmatch(step.id):
+                id_node = n.get("id") if isinstance(n, YMap) else None
+                where = id_node if id_node is not None else n
+                if step.id.lower() in ids:
+                    self.err2(where, f"step id '{step.id}' is used twice in this job")
+                elif step.id.startswith("__"):
+                    self.err2(
+                        where, f"invalid step id '{step.id}': ids starting with '__' are reserved"
+                    )
+                ids.add(step.id.lower())
             steps.append(step)
         return tuple(steps)
 
@@ -1047,12 +1085,18 @@ class _Reader:
                     self.err(v, f"`with` value '{k.value}' must be a string, not {_kind(v)}")
         uses_node = m.get("uses")
         if isinstance(uses_node, YScalar) and isinstance(uses_node.value, str):
-            self.local_action(uses_node, uses_node.value)
+            problem = step_uses_error(uses_node.value)
+            if problem is None and is_local(uses_node.value):
+                problem = local_path_error(uses_node.value, self.state.repo)
+            if problem is not None:
+                self.err2(uses_node, f"invalid `uses`: {problem}")
+            else:
+                self.local_action(uses_node, uses_node.value)
         step_id = self.step_value(m, "id", "step `id`")
         if step_id is not None and not _JOB_ID.fullmatch(step_id):
             id_node = m.get("id")
             assert id_node is not None
-            self.err(
+            self.err2(  # GitHub checks ids with the other step-id rules (second pass)
                 id_node,
                 f"invalid step id '{step_id}': it must start with a letter or '_' and contain "
                 "only letters, digits, '-' and '_'",
@@ -1130,15 +1174,18 @@ class _Reader:
         secrets: Mapping[str, Any] | str | None,
         secret_keys: dict[str, YScalar],
     ) -> Workflow | None:
-        if not uses.startswith("./"):
+        problem = workflow_uses_error(uses)
+        if problem is None and is_local(uses):
+            problem = local_path_error(uses, self.state.repo)
+        if problem is not None:
+            self.err2(node, f"invalid `uses`: {problem}")
+            return None
+        if not is_local(uses):
             self.err2(
                 node,
                 f"reusable workflow '{uses}' is not local: preloop runs workflows from this "
                 "repository (`uses: ./.github/workflows/<file>.yml`)",
             )
-            return None
-        if "@" in uses:
-            self.err2(node, f"a local reusable workflow takes no `@ref`: '{uses}'")
             return None
         if self.depth + 1 > MAX_REUSABLE_DEPTH:
             self.err2(
@@ -1147,7 +1194,7 @@ class _Reader:
                 f"(calling '{uses}' would be level {self.depth + 1})",
             )
             return None
-        target = (self.state.repo / uses[2:]).resolve()
+        target = (self.state.repo / uses[2:].replace("\\", "/")).resolve()
         if not target.is_file():
             self.err2(node, f"reusable workflow '{uses}' does not exist ({target})")
             return None
@@ -1182,6 +1229,20 @@ class _Reader:
                         node, f"'{uses}' requires secret '{name}', which `secrets` does not pass"
                     )
         return callee
+
+
+def _runner_group_error(group: str) -> str | None:
+    """GitHub's rule for `runs-on.group`: a name, or `organization/<name>` or
+    `enterprise/<name>` (also `org/`, `ent/`)."""
+    names = group.split("/")
+    if len(names) == 1:
+        return None
+    if len(names) == 2 and names[0] in ("org", "organization", "ent", "enterprise"):
+        return None if names[1] else f"invalid runs-on group name '{group}'"
+    return (
+        f"invalid runs-on group name '{group}': use an 'organization/' or 'enterprise/' "
+        "prefix to target one runner group"
+    )
 
 
 def _has_expression(node: YNode) -> bool:

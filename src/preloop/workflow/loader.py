@@ -32,6 +32,7 @@ from preloop.workflow.model import (
     WorkflowCall,
     frozen_map,
 )
+from preloop.workflow.permissions import permission_problems
 from preloop.workflow.uses import (
     is_local,
     local_path_error,
@@ -207,6 +208,7 @@ class _Reader:
         self.source = ""
         self.allowed: frozenset[str] = ex.CONTEXT_NAMES
         self.functions: frozenset[str] = _SPECIAL_FUNCTIONS
+        self.wf_permissions: Any = None
 
     @contextlib.contextmanager
     def using(
@@ -424,7 +426,7 @@ class _Reader:
             conc = self.concurrency(m.get("concurrency"))
         with self.at("env"):
             env = self.env(m.get("env"), "`env`")
-        permissions = self.permissions(m.get("permissions"))
+        permissions = self.wf_permissions = self.permissions(m.get("permissions"))
         jobs_node = m.get("jobs")
         jobs: tuple[Job, ...] = ()
         if jobs_node is None:
@@ -872,11 +874,7 @@ class _Reader:
                         self.err(value, f"{what} `credentials.{key}` must be a string")
                     elif not value.value:
                         self.err(value, f"{what} `credentials.{key}` must not be empty")
-        elif (
-            isinstance(node, YScalar)
-            and not (isinstance(node.value, str) and node.value.strip())
-            and (not service or node.value is not None)
-        ):
+        elif isinstance(node, YScalar) and node.value == "":
             self.err(node, f"{what} must be a non-empty image name")
         return plain(node)
 
@@ -1148,7 +1146,7 @@ class _Reader:
                         with self.at("jobs.*.with.*"):
                             self.check_template(v, v.value)
                     with_[str(k.value)] = v.value
-                    with_keys[str(k.value)] = k
+                    with_keys[str(k.value)] = v
                 else:
                     self.err(v, f"input '{k.value}' must be a scalar, not {_kind(v)}")
         secrets: Mapping[str, Any] | str | None = None
@@ -1159,10 +1157,24 @@ class _Reader:
             elif (sm := self.mapping(s, "`secrets`")) is not None:
                 self.check_tree(sm, "jobs.*.secrets")
                 secrets = frozen_map({str(k.value): plain(v) for k, v in sm.items})
-                secret_keys = {str(k.value): k for k, _ in sm.items}
+                secret_keys = {str(k.value): v for k, v in sm.items if isinstance(v, YScalar)}
         callee = None
         if uses is not None:
             callee = self.callee(uses_node, uses, with_, with_keys, secrets, secret_keys)
+        if callee is not None:
+            granted = common["permissions"]
+            if granted is None:
+                granted = self.wf_permissions
+            for problem in permission_problems(callee, granted):
+                self.errors.append(
+                    Diagnostic(
+                        self.path,
+                        common["line"],
+                        common["column"],
+                        f"error calling workflow '{uses}': {problem}",
+                        phase=1,
+                    )
+                )
         return Job(**common, uses=uses, with_=frozen_map(with_), secrets=secrets, callee=callee)
 
     def callee(
@@ -1216,6 +1228,15 @@ class _Reader:
                 self.err2(
                     key, f"input '{name}' is not declared by '{uses}' (on.workflow_call.inputs)"
                 )
+                continue
+            kind = decl.inputs[name].get("type")
+            value = key.value
+            if isinstance(value, str) and "${{" in value:
+                continue  # typed when evaluated, as the caller starts
+            if (kind == "boolean" and not isinstance(value, bool)) or (
+                kind == "number" and not _is_number(value)
+            ):
+                self.err2(key, f"input '{name}' of '{uses}' is a {kind}, not {value!r}")
         for name, spec in decl.inputs.items():
             if spec.get("required") is True and name not in with_ and "default" not in spec:
                 self.err2(node, f"'{uses}' requires input '{name}', which `with` does not provide")

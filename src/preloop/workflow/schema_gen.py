@@ -112,9 +112,11 @@ def derive(schema: dict[str, Any]) -> dict[str, Any]:
             "types": sorted(types),
             "forms": sorted(forms),
         }
+    scopes = sorted(defs["permissions-mapping"]["mapping"]["properties"])
     return {
         "contexts": {p: sorted(c) for p, c in sorted(contexts.items())},
         "events": dict(sorted(events.items())),
+        "permission_scopes": scopes,
     }
 
 
@@ -182,6 +184,12 @@ def render(tables: dict[str, Any]) -> str:
                 lines.append(f"{t[-1]},")
         lines.append("    ),")
     lines.append("}")
+    lines.append("")
+    lines.append("#: Every scope `permissions:` may name.")
+    lines.append(
+        f"PERMISSION_SCOPES: tuple[str, ...] = {_tuple(tables['permission_scopes'], '')[0]}"
+    )
+    lines.extend(_tuple(tables["permission_scopes"], "")[1:])
     return "\n".join(lines) + "\n"
 
 

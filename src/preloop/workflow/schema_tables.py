@@ -831,3 +831,27 @@ EVENTS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
         ),
     ),
 }
+
+#: Every scope `permissions:` may name.
+PERMISSION_SCOPES: tuple[str, ...] = (
+    "actions",
+    "artifact-metadata",
+    "attestations",
+    "checks",
+    "code-quality",
+    "contents",
+    "copilot-requests",
+    "deployments",
+    "discussions",
+    "drives",
+    "id-token",
+    "issues",
+    "models",
+    "packages",
+    "pages",
+    "pull-requests",
+    "repository-projects",
+    "security-events",
+    "statuses",
+    "vulnerability-alerts",
+)

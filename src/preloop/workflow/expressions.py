@@ -167,8 +167,8 @@ def _js_number_string(x: float) -> str:
         return "Infinity" if x > 0 else "-Infinity"
     if x < 0:
         return "-" + _js_number_string(-x)
-    if x.is_integer() and x < 1e21:
-        return str(int(x))
+    if x.is_integer() and x <= 2**53:
+        return str(int(x))  # exact; above 2^53 JavaScript prints the shortest digits
     _, digit_tuple, exp = Decimal(repr(x)).as_tuple()
     digits = "".join(map(str, digit_tuple)).rstrip("0") or "0"
     assert isinstance(exp, int)

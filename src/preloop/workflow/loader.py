@@ -155,9 +155,14 @@ def load_workflow(
     """Loads and validates one workflow file (and the local reusable workflows
     it calls). Raises WorkflowError listing every problem."""
     p = Path(path)
-    repo = Path(root) if root is not None else _repo_root(p)
-    state = _State(repo=repo.resolve())
-    display = _display(p, repo)
+    try:
+        repo = Path(root) if root is not None else _repo_root(p)
+        state = _State(repo=repo.resolve())
+        display = _display(p, repo)
+        p.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise WorkflowError([Diagnostic(str(p), 1, 1, f"cannot read workflow: {reason}")]) from None
     wf = _load(state, p, depth=1, display=display)
     if state.errors or wf is None:
         raise WorkflowError(state.errors or [Diagnostic(display, 1, 1, "empty workflow")], display)

@@ -547,6 +547,7 @@ def plan(
         declared = dict(workflow.workflow_call.inputs)
     all_inputs: dict[str, Any] = {}
     for name, spec in declared.items():
+        spec = spec or {}  # `inputs: {x: }` declares x with nothing else
         if name in given:
             all_inputs[name] = _typed_input(given[name], spec.get("type"))
         elif "default" in spec:

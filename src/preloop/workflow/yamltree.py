@@ -122,11 +122,11 @@ def resolve_plain(text: str) -> Any:
     if _FALSE.fullmatch(text):
         return False
     if _INT.fullmatch(text):
-        return int(text)
+        return _number(int(text))
     if _OCT.fullmatch(text):
-        return int(text[2:], 8)
+        return _number(int(text[2:], 8))
     if _HEX.fullmatch(text):
-        return int(text[2:], 16)
+        return _number(int(text[2:], 16))
     if _FLOAT.fullmatch(text):
         return float(text)
     if _INF.fullmatch(text):
@@ -136,23 +136,88 @@ def resolve_plain(text: str) -> Any:
     return text
 
 
-def _convert(node: yaml.Node, path: str, errors: list[Diagnostic], depth: int = 0) -> YNode:
+def _number(n: int) -> int | float:
+    """An integer as JavaScript (GitHub's parser) holds it: exact up to 2^53,
+    a double beyond (infinity past the largest double), never an overflow."""
+    if -_SAFE <= n <= _SAFE:
+        return n
+    try:
+        return float(n)
+    except OverflowError:
+        return math.inf if n > 0 else -math.inf
+
+
+_SAFE = 2**53
+#: YAML aliases may add at most this many values to a document (billion laughs).
+MAX_ALIAS_EXPANSION = 100_000
+_EXPLICIT_TAG = re.compile(r"(?:&\S+\s+)?!")
+_CORE = "tag:yaml.org,2002:"
+_TYPED_SCALARS = {_CORE + "null": type(None), _CORE + "bool": bool, _CORE + "int": int}
+
+
+def _alias_growth(root: yaml.Node) -> int | None:
+    """How many values the document's aliases add once expanded (None for an
+    alias that contains itself). Linear in the composed graph."""
+    size: dict[int, int] = {}
+    active: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            active.discard(key)
+            total = 1
+            for child in _children(node):
+                total += size[id(child)]
+            size[key] = min(total, 1 << 62)
+            continue
+        if key in size:
+            continue
+        if key in active:
+            return None
+        active.add(key)
+        stack.append((node, True))
+        for child in _children(node):
+            if id(child) in active:
+                return None
+            if id(child) not in size:
+                stack.append((child, False))
+    return size[id(root)] - len(size)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for kv in node.value for n in kv]
+    return []
+
+
+def _convert(
+    node: yaml.Node, path: str, errors: list[Diagnostic], depth: int = 0, text: str = ""
+) -> YNode:
     line, col = node.start_mark.line + 1, node.start_mark.column + 1
     if depth > 200:
         errors.append(Diagnostic(path, line, col, "YAML nesting is too deep"))
         return YScalar(None, line, col)
+    tag_problem = _tag_problem(node, text)
+    if tag_problem is not None:
+        errors.append(Diagnostic(path, line, col, tag_problem))
     if isinstance(node, yaml.ScalarNode):
         start, end = node.start_mark.index, node.end_mark.index
-        if not node.style:  # plain (the C composer says '', the Python one None)
+        explicit_str = node.tag == _CORE + "str" and _explicit(node, text)
+        if not node.style and not explicit_str:  # plain (C composer: '', Python: None)
             return YScalar(resolve_plain(node.value), line, col, False, start, end)
         return YScalar(node.value, line, col, True, start, end)
     if isinstance(node, yaml.SequenceNode):
-        return YSeq(tuple(_convert(n, path, errors, depth + 1) for n in node.value), line, col)
+        return YSeq(
+            tuple(_convert(n, path, errors, depth + 1, text) for n in node.value), line, col
+        )
     assert isinstance(node, yaml.MappingNode)
     items: list[tuple[YScalar, YNode]] = []
     seen: set[Any] = set()
     for k, v in node.value:
-        key = _convert(k, path, errors, depth + 1)
+        key = _convert(k, path, errors, depth + 1, text)
         if k.tag == "tag:yaml.org,2002:merge":
             errors.append(
                 Diagnostic(path, key.line, key.column, "YAML merge keys (<<) are not supported")
@@ -165,7 +230,7 @@ def _convert(node: yaml.Node, path: str, errors: list[Diagnostic], depth: int = 
         key = YScalar(
             k.value if isinstance(k, yaml.ScalarNode) else key.value, key.line, key.column
         )
-        value = _convert(v, path, errors, depth + 1)
+        value = _convert(v, path, errors, depth + 1, text)
         if key.value in seen:
             errors.append(
                 Diagnostic(path, key.line, key.column, f"'{key.value}' is already defined")
@@ -174,6 +239,34 @@ def _convert(node: yaml.Node, path: str, errors: list[Diagnostic], depth: int = 
         seen.add(key.value)
         items.append((key, value))
     return YMap(tuple(items), line, col)
+
+
+def _explicit(node: yaml.Node, text: str) -> bool:
+    return bool(text) and _EXPLICIT_TAG.match(text, node.start_mark.index) is not None
+
+
+def _tag_problem(node: yaml.Node, text: str) -> str | None:
+    """GitHub's YAML reader takes explicit tags of the core schema only, and a
+    typed one (`!!int`) only on a plain scalar of that type."""
+    if not _explicit(node, text):
+        return None
+    tag = node.tag
+    if isinstance(node, yaml.ScalarNode):
+        if tag == _CORE + "str":
+            return None
+        if tag in _TYPED_SCALARS or tag == _CORE + "float":
+            if node.style:
+                return f"the quoted scalar is not valid with the tag '{tag}'"
+            value = resolve_plain(node.value)
+            ok = (
+                isinstance(value, int | float) and not isinstance(value, bool)
+                if tag in (_CORE + "int", _CORE + "float")
+                else type(value) is _TYPED_SCALARS[tag]
+            )
+            return None if ok else f"'{node.value}' is not valid with the tag '{tag}'"
+    elif tag in (_CORE + "seq", _CORE + "map"):
+        return None
+    return f"unexpected YAML tag '{tag}'"
 
 
 def compose(text: str, path: str) -> tuple[YNode | None, list[Diagnostic]]:
@@ -193,7 +286,20 @@ def compose(text: str, path: str) -> tuple[YNode | None, list[Diagnostic]]:
         return None, errors
     if node is None:
         return None, errors
-    return _convert(node, path, errors), errors
+    growth = _alias_growth(node)
+    if growth is None or growth > MAX_ALIAS_EXPANSION:
+        reason = "an alias contains itself" if growth is None else "they expand too much"
+        errors.append(
+            Diagnostic(
+                path,
+                1,
+                1,
+                f"YAML aliases: {reason} (at most {MAX_ALIAS_EXPANSION} values may come "
+                "from aliases)",
+            )
+        )
+        return None, errors
+    return _convert(node, path, errors, 0, text), errors
 
 
 def plain(node: YNode) -> Any:

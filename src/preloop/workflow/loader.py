@@ -33,6 +33,7 @@ from preloop.workflow.model import (
     frozen_map,
 )
 from preloop.workflow.permissions import permission_problems
+from preloop.workflow.templates import is_insert
 from preloop.workflow.uses import (
     is_local,
     local_path_error,
@@ -242,7 +243,14 @@ class _Reader:
                     self.check_tree(n, path + "[]")
             else:
                 for k, v in node.items:
-                    self.check_tree(v, child(path, str(k.value)))
+                    if isinstance(k.value, str) and "${{" in k.value:
+                        if not is_insert(k.value):
+                            self.check_template(k, k.value)
+                        # An inserted mapping (or an expression key) stands
+                        # for the mapping's own entries.
+                        self.check_tree(v, child(path, "*"))
+                    else:
+                        self.check_tree(v, child(path, str(k.value)))
 
     # -- helpers ------------------------------------------------------------
     def err(self, node: YNode | YScalar, message: str) -> None:
@@ -385,6 +393,14 @@ class _Reader:
             return frozen_map(None)
         out: dict[str, Any] = {}
         for k, v in m.items:
+            if isinstance(k.value, str) and "${{" in k.value:
+                if is_insert(k.value):
+                    # `${{ insert }}: ${{ <a mapping> }}` merges that mapping here.
+                    if not (isinstance(v, YScalar) and _has_expression(v)):
+                        self.err(v, "`${{ insert }}` needs an expression giving a mapping")
+                        continue
+                else:
+                    self.check_template(k, k.value)
             if isinstance(v, YScalar):
                 if isinstance(v.value, str):
                     self.check_template(v, v.value)
@@ -1276,7 +1292,7 @@ def _has_expression(node: YNode) -> bool:
         return isinstance(node.value, str) and "${{" in node.value
     if isinstance(node, YSeq):
         return any(_has_expression(n) for n in node.items)
-    return any(_has_expression(v) for _, v in node.items)
+    return any(_has_expression(k) or _has_expression(v) for k, v in node.items)
 
 
 def _is_number(v: Any) -> bool:

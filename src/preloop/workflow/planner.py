@@ -42,6 +42,7 @@ from preloop.workflow.model import (
     to_data,
 )
 from preloop.workflow.plan import Cohort, ConcurrencySpec, Plan, PlannedJob
+from preloop.workflow.templates import evaluate_data, template_contexts
 
 __all__ = [
     "DeferredExpansion",
@@ -90,20 +91,7 @@ def template_expression(text: str) -> str:
     return f"format({', '.join([literal, *args])})"
 
 
-def _template_contexts(value: Any) -> frozenset[str]:
-    """The contexts the `${{ }}` inside `value` (any plain data) name."""
-    out: set[str] = set()
-    if isinstance(value, str):
-        if "${{" in value:
-            for expr in ex.expressions_in(value):
-                out |= ex.parse(expr).contexts
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            out |= _template_contexts(v)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            out |= _template_contexts(v)
-    return frozenset(out)
+_template_contexts = template_contexts
 
 
 def _evaluable(value: Any, available: frozenset[str]) -> bool:
@@ -111,14 +99,9 @@ def _evaluable(value: Any, available: frozenset[str]) -> bool:
 
 
 def _eval_data(value: Any, ctx: Mapping[str, Any]) -> Any:
-    """Evaluates every template inside plain data (a lone `${{ }}` keeps its type)."""
-    if isinstance(value, str):
-        return ex.evaluate_template(value, ctx) if "${{" in value else value
-    if isinstance(value, Mapping):
-        return {k: _eval_data(v, ctx) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_eval_data(v, ctx) for v in value]
-    return value
+    """Evaluates a matrix as written: templates (a lone `${{ }}` keeps its
+    type), expression keys, `${{ insert }}`, array items spliced into vectors."""
+    return evaluate_data(value, ctx, splice=True)
 
 
 def _typed_input(value: Any, kind: Any) -> Any:

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
+from types import MappingProxyType
 
 from preloop.workflow.schema_tables import CONTEXTS, EVENTS
 
 __all__ = ["EVENTS", "allowed_at"]
 
-_FUNCTION = re.compile(r"([A-Za-z]+)\(\d+,(?:\d+|MAX)\)")
+_FUNCTION = re.compile(r"([A-Za-z]+)\(\d+,(\d+|MAX)\)")
 
 
 @functools.lru_cache(maxsize=512)
-def allowed_at(path: str) -> tuple[frozenset[str], frozenset[str]]:
-    """(contexts, special functions in lower case) allowed at `path`."""
+def allowed_at(path: str) -> tuple[frozenset[str], Mapping[str, int]]:
+    """(contexts, special functions in lower case -> most arguments) allowed
+    at `path`."""
     probe = path
     while True:
         entry = CONTEXTS.get(probe)
@@ -29,17 +32,17 @@ def allowed_at(path: str) -> tuple[frozenset[str], frozenset[str]]:
             break
         cut = max(probe.rfind("."), probe.rfind("["))
         if cut <= 0:
-            return frozenset(), frozenset()
+            return frozenset(), MappingProxyType({})
         probe = probe[:cut]
     contexts: set[str] = set()
-    functions: set[str] = set()
+    functions: dict[str, int] = {}
     for item in entry:
         m = _FUNCTION.fullmatch(item)
         if m:
-            functions.add(m.group(1).lower())
+            functions[m.group(1).lower()] = 2**53 if m.group(2) == "MAX" else int(m.group(2))
         else:
             contexts.add(item)
-    return frozenset(contexts), frozenset(functions)
+    return frozenset(contexts), MappingProxyType(functions)
 
 
 def _prefixes() -> frozenset[str]:

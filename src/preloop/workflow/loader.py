@@ -213,16 +213,16 @@ class _Reader:
         self.errors: list[Diagnostic] = []
         self.source = ""
         self.allowed: frozenset[str] = ex.CONTEXT_NAMES
-        self.functions: frozenset[str] = _SPECIAL_FUNCTIONS
+        self.functions: Mapping[str, int] = dict.fromkeys(_SPECIAL_FUNCTIONS, 0)
         self.wf_permissions: Any = None
 
     @contextlib.contextmanager
     def using(
-        self, contexts: frozenset[str], functions: frozenset[str] = frozenset()
+        self, contexts: frozenset[str], functions: Mapping[str, int] | None = None
     ) -> Iterator[None]:
         """Values read inside may use only these contexts and special functions."""
         saved = self.allowed, self.functions
-        self.allowed, self.functions = contexts, functions
+        self.allowed, self.functions = contexts, functions or {}
         try:
             yield
         finally:
@@ -334,11 +334,16 @@ class _Reader:
                 phase,
             )
             return
-        functions = sorted((parsed.functions & _SPECIAL_FUNCTIONS) - self.functions)
+        functions = sorted((parsed.functions & _SPECIAL_FUNCTIONS) - set(self.functions))
         if functions:
             self.err_at(
                 node, k, f"function {functions[0]}() is not available here: `{expr}`", phase
             )
+            return
+        for name in sorted(parsed.functions & _SPECIAL_FUNCTIONS):
+            if parsed.arity.get(name, 0) > self.functions[name]:
+                self.err_at(node, k, f"too many arguments to {name}() here: `{expr}`", phase)
+                return
 
     def err_at(self, node: YNode, k: int, message: str, phase: int = 0) -> None:
         """An error about the k-th `${{` of a scalar, placed where that `${{`
@@ -537,8 +542,7 @@ class _Reader:
     def dispatch_inputs(self, inputs: YMap) -> None:
         allowed = frozenset(["description", "type", "required", "default", "options"])
         for k, v in inputs.items:
-            if isinstance(v, YScalar) and v.value is None:
-                continue
+            # A null input (`x:`) is refused by GitHub's parser, like any non-mapping.
             dm = self.mapping(v, f"input '{k.value}'")
             if dm is None:
                 continue

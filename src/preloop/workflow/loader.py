@@ -8,11 +8,10 @@ Every problem is collected (nothing stops at the first) and reported as
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +106,7 @@ STEP_KEYS = frozenset(
 )
 _CONTAINER_KEYS = frozenset(["image", "options", "env", "ports", "volumes", "credentials"])
 _SERVICE_KEYS = _CONTAINER_KEYS | {"entrypoint", "command"}
+_STEP_PATHS = {k: f"jobs.*.steps[].{k}" for k in STEP_KEYS}
 _DISPATCH_TYPES = ("boolean", "choice", "number", "environment", "string")
 _CALLER_ONLY = CALLER_KEYS - JOB_KEYS
 _JOB_ONLY = JOB_KEYS - CALLER_KEYS
@@ -205,6 +205,28 @@ def _load(state: _State, p: Path, depth: int, display: str) -> Workflow | None:
     return wf
 
 
+class _Using:
+    """`with reader.using(...)`: a plain class (cheaper than a generator-based
+    context manager; the loader enters one per value)."""
+
+    __slots__ = ("contexts", "functions", "reader", "saved")
+
+    def __init__(
+        self, reader: _Reader, contexts: frozenset[str], functions: Mapping[str, int]
+    ) -> None:
+        self.reader = reader
+        self.contexts = contexts
+        self.functions = functions
+
+    def __enter__(self) -> None:
+        r = self.reader
+        self.saved = r.allowed, r.functions
+        r.allowed, r.functions = self.contexts, self.functions
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.allowed, self.reader.functions = self.saved
+
+
 class _Reader:
     def __init__(self, state: _State, path: str, depth: int) -> None:
         self.state = state
@@ -216,21 +238,14 @@ class _Reader:
         self.functions: Mapping[str, int] = dict.fromkeys(_SPECIAL_FUNCTIONS, 0)
         self.wf_permissions: Any = None
 
-    @contextlib.contextmanager
-    def using(
-        self, contexts: frozenset[str], functions: Mapping[str, int] | None = None
-    ) -> Iterator[None]:
+    def using(self, contexts: frozenset[str], functions: Mapping[str, int] | None = None) -> _Using:
         """Values read inside may use only these contexts and special functions."""
-        saved = self.allowed, self.functions
-        self.allowed, self.functions = contexts, functions or {}
-        try:
-            yield
-        finally:
-            self.allowed, self.functions = saved
+        return _Using(self, contexts, functions or {})
 
-    def at(self, path: str) -> contextlib.AbstractContextManager[None]:
+    def at(self, path: str) -> _Using:
         """Values read inside sit at schema path `path` (`jobs.*.env`)."""
-        return self.using(*allowed_at(path))
+        contexts, functions = allowed_at(path)
+        return _Using(self, contexts, functions)
 
     def check_tree(self, node: YNode, path: str) -> None:
         """Checks every template under `node`, each against its own path."""
@@ -806,14 +821,19 @@ class _Reader:
                     need_nodes.setdefault(job_id, []).append(n)
                 else:
                     self.err(n, f"`needs` must name jobs (strings), not {_kind(n)}")
-        with self.at("jobs.*.if"):
-            if_ = self.condition(m.get("if"))
-        with self.at("jobs.*.name"):
-            name = self.string(m.get("name"), "`name`")
-        with self.at("jobs.*.concurrency"):
-            conc = self.concurrency(m.get("concurrency"))
-        with self.at("jobs.*.strategy"):
-            strategy = self.strategy(m.get("strategy"), job_id)
+        if_ = name = conc = strategy = None
+        if (got := m.get("if")) is not None:
+            with self.at("jobs.*.if"):
+                if_ = self.condition(got)
+        if (got := m.get("name")) is not None:
+            with self.at("jobs.*.name"):
+                name = self.string(got, "`name`")
+        if (got := m.get("concurrency")) is not None:
+            with self.at("jobs.*.concurrency"):
+                conc = self.concurrency(got)
+        if (got := m.get("strategy")) is not None:
+            with self.at("jobs.*.strategy"):
+                strategy = self.strategy(got, job_id)
         common: dict[str, Any] = dict(
             id=job_id,
             name=name,
@@ -829,19 +849,28 @@ class _Reader:
             return self.caller(m, common)
         with self.at("jobs.*.runs-on"):
             runs_on = self.runs_on(m.get("runs-on"), m)
-        with self.at("jobs.*.continue-on-error"):
-            coe = self.bool_or_expr(m.get("continue-on-error"), "`continue-on-error`", False)
-        with self.at("jobs.*.timeout-minutes"):
-            timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
-        with self.at("jobs.*.cancel-timeout-minutes"):
-            self.number_or_expr(m.get("cancel-timeout-minutes"), "`cancel-timeout-minutes`")
+        coe: bool | str = False
+        timeout: float | str | None = None
+        if (got := m.get("continue-on-error")) is not None:
+            with self.at("jobs.*.continue-on-error"):
+                coe = self.bool_or_expr(got, "`continue-on-error`", False)
+        if (got := m.get("timeout-minutes")) is not None:
+            with self.at("jobs.*.timeout-minutes"):
+                timeout = self.number_or_expr(got, "`timeout-minutes`")
+        if (got := m.get("cancel-timeout-minutes")) is not None:
+            with self.at("jobs.*.cancel-timeout-minutes"):
+                self.number_or_expr(got, "`cancel-timeout-minutes`")
         for extra in ("container", "services", "environment", "snapshot"):
             if (extra_node := m.get(extra)) is not None:
                 self.check_tree(extra_node, f"jobs.*.{extra}")
-        with self.at("jobs.*.env"):
-            env = self.env(m.get("env"), "`env`")
-        with self.at("jobs.*.defaults.run"):
-            defaults = self.defaults(m.get("defaults"))
+        env: Mapping[str, Any] = frozen_map(None)
+        defaults: Mapping[str, Any] = frozen_map(None)
+        if (got := m.get("env")) is not None:
+            with self.at("jobs.*.env"):
+                env = self.env(got, "`env`")
+        if (got := m.get("defaults")) is not None:
+            with self.at("jobs.*.defaults.run"):
+                defaults = self.defaults(got)
         steps_node = m.get("steps")
         steps: tuple[Step, ...] = ()
         if steps_node is None:
@@ -1074,8 +1103,11 @@ class _Reader:
             return self.read_step(node)
 
     def step_value(self, m: YMap, key: str, what: str, **kw: Any) -> str | None:
-        with self.at(f"jobs.*.steps[].{key}"):
-            return self.string(m.get(key), what, **kw)
+        node = m.get(key)
+        if node is None:
+            return None
+        with self.at(_STEP_PATHS[key]):
+            return self.string(node, what, **kw)
 
     def read_step(self, node: YNode) -> Step | None:
         m = self.mapping(node, "a step")
@@ -1124,14 +1156,21 @@ class _Reader:
                 f"invalid step id '{step_id}': it must start with a letter or '_' and contain "
                 "only letters, digits, '-' and '_'",
             )
-        with self.at("jobs.*.steps[].timeout-minutes"):
-            timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
-        with self.at("jobs.*.steps[].if"):
-            if_ = self.condition(m.get("if"))
-        with self.at("jobs.*.steps[].env"):
-            env = self.env(m.get("env"), "`env`")
-        with self.at("jobs.*.steps[].continue-on-error"):
-            coe = self.bool_or_expr(m.get("continue-on-error"), "`continue-on-error`", False)
+        timeout = if_ = None
+        env: Mapping[str, Any] = frozen_map(None)
+        coe: bool | str = False
+        if (n := m.get("timeout-minutes")) is not None:
+            with self.at("jobs.*.steps[].timeout-minutes"):
+                timeout = self.number_or_expr(n, "`timeout-minutes`")
+        if (n := m.get("if")) is not None:
+            with self.at("jobs.*.steps[].if"):
+                if_ = self.condition(n)
+        if (n := m.get("env")) is not None:
+            with self.at("jobs.*.steps[].env"):
+                env = self.env(n, "`env`")
+        if (n := m.get("continue-on-error")) is not None:
+            with self.at("jobs.*.steps[].continue-on-error"):
+                coe = self.bool_or_expr(n, "`continue-on-error`", False)
         return Step(
             id=step_id,
             name=self.step_value(m, "name", "step `name`"),

@@ -155,90 +155,101 @@ _CORE = "tag:yaml.org,2002:"
 _TYPED_SCALARS = {_CORE + "null": type(None), _CORE + "bool": bool, _CORE + "int": int}
 
 
-def _alias_growth(root: yaml.Node) -> int | None:
-    """How many values the document's aliases add once expanded (None for an
-    alias that contains itself). Linear in the composed graph."""
-    size: dict[int, int] = {}
-    active: set[int] = set()
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, done = stack.pop()
+class _AliasBomb(Exception):
+    """Aliases expand too much, or an alias contains itself."""
+
+
+class _Converter:
+    """yaml.Node -> YNode. An aliased node is converted once and shared (the
+    tree is immutable); what aliases add to the expanded document is counted
+    as it goes, so a billion-laughs file stops after MAX_ALIAS_EXPANSION
+    values instead of expanding."""
+
+    def __init__(self, path: str, errors: list[Diagnostic], text: str) -> None:
+        self.path = path
+        self.errors = errors
+        self.text = text
+        self.done: dict[int, tuple[YNode, int]] = {}
+        self.active: set[int] = set()
+        self.growth = 0
+
+    def convert(self, node: yaml.Node, depth: int = 0) -> tuple[YNode, int]:
         key = id(node)
-        if done:
-            active.discard(key)
-            total = 1
-            for child in _children(node):
-                total += size[id(child)]
-            size[key] = min(total, 1 << 62)
-            continue
-        if key in size:
-            continue
-        if key in active:
-            return None
-        active.add(key)
-        stack.append((node, True))
-        for child in _children(node):
-            if id(child) in active:
-                return None
-            if id(child) not in size:
-                stack.append((child, False))
-    return size[id(root)] - len(size)
+        hit = self.done.get(key)
+        if hit is not None:
+            self.growth += hit[1]
+            if self.growth > MAX_ALIAS_EXPANSION:
+                raise _AliasBomb("they expand too much")
+            return hit
+        if key in self.active:
+            raise _AliasBomb("an alias contains itself")
+        line, col = node.start_mark.line + 1, node.start_mark.column + 1
+        if depth > 200:
+            self.errors.append(Diagnostic(self.path, line, col, "YAML nesting is too deep"))
+            return YScalar(None, line, col), 1
+        text = self.text
+        at = node.start_mark.index
+        tagged = text[at : at + 1] in ("!", "&")  # an explicit tag (maybe after an anchor)
+        if tagged and (problem := _tag_problem(node, text)) is not None:
+            self.errors.append(Diagnostic(self.path, line, col, problem))
+        out: YNode
+        if isinstance(node, yaml.ScalarNode):
+            start, end = node.start_mark.index, node.end_mark.index
+            explicit_str = tagged and node.tag == _CORE + "str" and _explicit(node, text)
+            if not node.style and not explicit_str:  # plain (C composer: '', Python: None)
+                out = YScalar(resolve_plain(node.value), line, col, False, start, end)
+            else:
+                out = YScalar(node.value, line, col, True, start, end)
+            self.done[key] = (out, 1)
+            return out, 1
+        self.active.add(key)
+        size = 1
+        if isinstance(node, yaml.SequenceNode):
+            items = []
+            for n in node.value:
+                y, k = self.convert(n, depth + 1)
+                items.append(y)
+                size += k
+            out = YSeq(tuple(items), line, col)
+        else:
+            assert isinstance(node, yaml.MappingNode)
+            out, size = self.mapping(node, line, col, depth)
+        self.active.discard(key)
+        self.done[key] = (out, size)
+        return out, size
 
-
-def _children(node: yaml.Node) -> list[yaml.Node]:
-    if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    if isinstance(node, yaml.MappingNode):
-        return [n for kv in node.value for n in kv]
-    return []
-
-
-def _convert(
-    node: yaml.Node, path: str, errors: list[Diagnostic], depth: int = 0, text: str = ""
-) -> YNode:
-    line, col = node.start_mark.line + 1, node.start_mark.column + 1
-    if depth > 200:
-        errors.append(Diagnostic(path, line, col, "YAML nesting is too deep"))
-        return YScalar(None, line, col)
-    tag_problem = _tag_problem(node, text)
-    if tag_problem is not None:
-        errors.append(Diagnostic(path, line, col, tag_problem))
-    if isinstance(node, yaml.ScalarNode):
-        start, end = node.start_mark.index, node.end_mark.index
-        explicit_str = node.tag == _CORE + "str" and _explicit(node, text)
-        if not node.style and not explicit_str:  # plain (C composer: '', Python: None)
-            return YScalar(resolve_plain(node.value), line, col, False, start, end)
-        return YScalar(node.value, line, col, True, start, end)
-    if isinstance(node, yaml.SequenceNode):
-        return YSeq(
-            tuple(_convert(n, path, errors, depth + 1, text) for n in node.value), line, col
-        )
-    assert isinstance(node, yaml.MappingNode)
-    items: list[tuple[YScalar, YNode]] = []
-    seen: set[Any] = set()
-    for k, v in node.value:
-        key = _convert(k, path, errors, depth + 1, text)
-        if k.tag == "tag:yaml.org,2002:merge":
-            errors.append(
-                Diagnostic(path, key.line, key.column, "YAML merge keys (<<) are not supported")
+    def mapping(self, node: yaml.MappingNode, line: int, col: int, depth: int) -> tuple[YMap, int]:
+        path, errors = self.path, self.errors
+        items: list[tuple[YScalar, YNode]] = []
+        seen: set[Any] = set()
+        size = 1
+        for k, v in node.value:
+            key, ks = self.convert(k, depth + 1)
+            size += ks
+            if k.tag == "tag:yaml.org,2002:merge":
+                errors.append(
+                    Diagnostic(path, key.line, key.column, "YAML merge keys (<<) are not supported")
+                )
+                continue
+            if not isinstance(key, YScalar):
+                errors.append(
+                    Diagnostic(path, key.line, key.column, "a mapping key must be a scalar")
+                )
+                continue
+            # Keys are names: keep their text (`on`, `1`, `true` are all names).
+            key = YScalar(
+                k.value if isinstance(k, yaml.ScalarNode) else key.value, key.line, key.column
             )
-            continue
-        if not isinstance(key, YScalar):
-            errors.append(Diagnostic(path, key.line, key.column, "a mapping key must be a scalar"))
-            continue
-        # Keys are names: keep their text (`on`, `1`, `true` are all names).
-        key = YScalar(
-            k.value if isinstance(k, yaml.ScalarNode) else key.value, key.line, key.column
-        )
-        value = _convert(v, path, errors, depth + 1, text)
-        if key.value in seen:
-            errors.append(
-                Diagnostic(path, key.line, key.column, f"'{key.value}' is already defined")
-            )
-            continue  # the first value stands (and is the one validated)
-        seen.add(key.value)
-        items.append((key, value))
-    return YMap(tuple(items), line, col)
+            value, vs = self.convert(v, depth + 1)
+            size += vs
+            if key.value in seen:
+                errors.append(
+                    Diagnostic(path, key.line, key.column, f"'{key.value}' is already defined")
+                )
+                continue  # the first value stands (and is the one validated)
+            seen.add(key.value)
+            items.append((key, value))
+        return YMap(tuple(items), line, col), size
 
 
 def _explicit(node: yaml.Node, text: str) -> bool:
@@ -286,20 +297,19 @@ def compose(text: str, path: str) -> tuple[YNode | None, list[Diagnostic]]:
         return None, errors
     if node is None:
         return None, errors
-    growth = _alias_growth(node)
-    if growth is None or growth > MAX_ALIAS_EXPANSION:
-        reason = "an alias contains itself" if growth is None else "they expand too much"
-        errors.append(
+    try:
+        root, _ = _Converter(path, errors, text).convert(node)
+    except _AliasBomb as exc:
+        errors[:] = [
             Diagnostic(
                 path,
                 1,
                 1,
-                f"YAML aliases: {reason} (at most {MAX_ALIAS_EXPANSION} values may come "
-                "from aliases)",
+                f"YAML aliases: {exc} (at most {MAX_ALIAS_EXPANSION} values may come from aliases)",
             )
-        )
+        ]
         return None, errors
-    return _convert(node, path, errors, 0, text), errors
+    return root, errors
 
 
 def plain(node: YNode) -> Any:

@@ -40,7 +40,7 @@ CALLEE = """\
               echo "token=[${{ secrets.token }}] other=[${{ secrets.OTHER }}]"
               echo "said=hi" >> "$GITHUB_OUTPUT"
       legs:
-        if: ${{ !inputs.flag }}
+        if: ${{ !inputs.flag || inputs.count == 2 }}
         runs-on: ubuntu-latest
         strategy:
           matrix:
@@ -105,7 +105,10 @@ def test_with_from_needs_and_matrix_typed_inputs_secrets_outputs(
     )
     r = results(outcome)
     assert r["call#0/speak"] == "success", h.all_text()
-    assert r["call#0/legs"] == "skipped"
+    # A matrix over inputs that waited for the caller's needs (deferred).
+    assert r["call#0/legs#0"] == "success"
+    assert "leg 2" in "\n".join(h.lines["call#0/legs#0"])
+    assert [r[k] for k in r if k.startswith("none/legs")] == ["skipped"], r
     assert r["inherit/speak"] == "skipped"
     assert r["inherit/legs#0"] == "success" and len([k for k in r if "inherit/legs#" in k]) == 1
     assert r["none/speak"] == "success"

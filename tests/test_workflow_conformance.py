@@ -730,3 +730,18 @@ def test_uses_syntax_functions(tmp_path: Path) -> None:
     assert local_path_error("./in/../in", tmp_path) is None
     assert local_path_error("./../x", tmp_path) is not None
     assert local_path_error("./in/escape", tmp_path) is not None
+
+
+def test_at_most_50_unique_reusable_workflows(repo: Path) -> None:
+    from preloop.workflow.loader import MAX_REUSABLE_WORKFLOWS
+
+    wf_dir = repo / ".github" / "workflows"
+    n = MAX_REUSABLE_WORKFLOWS + 1
+    for i in range(n):
+        (wf_dir / f"c{i}.yml").write_text("on: workflow_call\njobs:\n  j:\n" + JOB)
+    jobs = "".join(f"  call{i}:\n    uses: ./.github/workflows/c{i}.yml\n" for i in range(n))
+    # The same workflow called twice counts once.
+    again = "  again:\n    uses: ./.github/workflows/c0.yml\n"
+    assert first_error(repo, "on: push\njobs:\n" + jobs[: jobs.index("  call50:")] + again) is None
+    got = first_error(repo, "on: push\njobs:\n" + jobs)
+    assert got is not None and got[:2] == (2 + 2 * n, 11), got

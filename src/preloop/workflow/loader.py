@@ -45,6 +45,8 @@ __all__ = ["MAX_REUSABLE_DEPTH", "WorkflowError", "load_workflow", "workflow_fil
 
 #: GitHub: reusable workflows nest at most ten levels, the top-level caller included.
 MAX_REUSABLE_DEPTH = 10
+#: GitHub: at most 50 unique reusable workflows in one workflow's tree of calls.
+MAX_REUSABLE_WORKFLOWS = 50
 #: GitHub: a value holding `${{ }}` is at most this long (it is one expression).
 MAX_EXPRESSION_LENGTH = 21000
 
@@ -183,6 +185,7 @@ class _State:
     errors: list[Diagnostic] = field(default_factory=list)
     cache: dict[Path, Workflow | None] = field(default_factory=dict)
     stack: list[Path] = field(default_factory=list)
+    called: set[Path] = field(default_factory=set)  # every reusable workflow in the tree
 
 
 def _load(state: _State, p: Path, depth: int, display: str) -> Workflow | None:
@@ -1276,6 +1279,14 @@ class _Reader:
             return None
         if target in self.state.stack:
             self.err2(node, f"reusable workflow '{uses}' calls itself (directly or indirectly)")
+            return None
+        self.state.called.add(target)
+        if len(self.state.called) > MAX_REUSABLE_WORKFLOWS:
+            self.err2(
+                node,
+                f"a workflow may call at most {MAX_REUSABLE_WORKFLOWS} unique reusable workflows "
+                f"(nested ones included); '{uses}' is one more",
+            )
             return None
         before = len(self.state.errors)
         callee = _load(self.state, target, self.depth + 1, uses[2:])

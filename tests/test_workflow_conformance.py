@@ -21,9 +21,12 @@ import time
 from pathlib import Path
 
 import pytest
+from tests.run_support import make_repo, results, run_engine, workflow
 
 from preloop.workflow import WorkflowError, load_workflow
 from preloop.workflow.uses import local_path_error, step_uses_error, workflow_uses_error
+
+pytest_plugins = ["preloop.testing.control_fixtures"]
 
 ROOT = Path(__file__).resolve().parent.parent
 ORACLE = ROOT / "tests" / "js" / "workflow_oracle.mjs"
@@ -745,3 +748,29 @@ def test_at_most_50_unique_reusable_workflows(repo: Path) -> None:
     assert first_error(repo, "on: push\njobs:\n" + jobs[: jobs.index("  call50:")] + again) is None
     got = first_error(repo, "on: push\njobs:\n" + jobs)
     assert got is not None and got[:2] == (2 + 2 * n, 11), got
+
+
+def test_huge_numbers_run_on_both_stores(tmp_path: Path, store_url: str) -> None:
+    big = "1" * 400
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            f"""\
+            on: push
+            jobs:
+              a:
+                runs-on: ubuntu-latest
+                timeout-minutes: {big}
+                strategy:
+                  matrix:
+                    n: [0xFFFFFFFFFFFFFFFFFFFFFFFF, 12345678901234567890, {big}]
+                steps:
+                  - run: echo "n=${{{{ matrix.n }}}} j=${{{{ toJSON(matrix.n) }}}}"
+            """
+        ),
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert set(results(outcome).values()) == {"success"}, h.all_text()
+    text = h.all_text()
+    assert "n=12345678901234567000 j=12345678901234567000" in text
+    assert "n=7.922816251426434e+28" in text and "n=Infinity" in text

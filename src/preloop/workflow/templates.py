@@ -47,7 +47,7 @@ def template_contexts(value: Any) -> frozenset[str]:
     """The contexts the `${{ }}` inside plain data name (keys included)."""
     out: set[str] = set()
     if isinstance(value, str):
-        if "${{" in value and not is_insert(value):
+        if "${{" in value and not ("insert" in value and is_insert(value)):
             for expr in ex.expressions_in(value):
                 out |= ex.parse(expr).contexts
     elif isinstance(value, Mapping):

@@ -175,7 +175,7 @@ class _Converter:
 
     def convert(self, node: yaml.Node, depth: int = 0) -> tuple[YNode, int]:
         key = id(node)
-        hit = self.done.get(key)
+        hit = self.done.get(key) if self.done else None
         if hit is not None:
             self.growth += hit[1]
             if self.growth > MAX_ALIAS_EXPANSION:
@@ -200,7 +200,7 @@ class _Converter:
                 out = YScalar(resolve_plain(node.value), line, col, False, start, end)
             else:
                 out = YScalar(node.value, line, col, True, start, end)
-            self.done[key] = (out, 1)
+            # Not memoised: an alias to a scalar costs what its text costs.
             return out, 1
         self.active.add(key)
         size = 1

@@ -153,3 +153,60 @@ def test_with_value_of_the_wrong_type_fails_the_caller(tmp_path: Path, store_url
     assert r["call"] == "failure"
     assert r["call/speak"] == "skipped" and "call/speak" not in h.started
     assert not outcome.ok
+
+
+def test_nested_callers_pass_inputs_and_secrets_down(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            ".github/workflows/ci.yml": """\
+                on: push
+                jobs:
+                  setup:
+                    runs-on: ubuntu-latest
+                    outputs:
+                      v: ${{ steps.o.outputs.v }}
+                    steps:
+                      - id: o
+                        run: echo "v=from-needs" >> "$GITHUB_OUTPUT"
+                  outer:
+                    needs: setup
+                    uses: ./.github/workflows/middle.yml
+                    with:
+                      v: ${{ needs.setup.outputs.v }}
+                    secrets:
+                      s: outer-${{ secrets.TOP }}
+                """,
+            ".github/workflows/middle.yml": """\
+                on:
+                  workflow_call:
+                    inputs:
+                      v: {type: string, required: true}
+                    secrets:
+                      s: {required: true}
+                jobs:
+                  inner:
+                    uses: ./.github/workflows/leaf.yml
+                    with:
+                      w: ${{ inputs.v }}-middle
+                    secrets: inherit
+                """,
+            ".github/workflows/leaf.yml": """\
+                on:
+                  workflow_call:
+                    inputs:
+                      w: {type: string, required: true}
+                jobs:
+                  leaf:
+                    if: ${{ inputs.w == 'from-needs-middle' }}
+                    runs-on: ubuntu-latest
+                    steps:
+                      - run: echo "w=${{ inputs.w }} s=[${{ secrets.s }}] top=[${{ secrets.TOP }}]"
+                """,
+        },
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state", secrets={"TOP": "t0p"})
+    r = results(outcome)
+    assert r["outer/inner/leaf"] == "success", (r, h.all_text())
+    text = "\n".join(h.lines["outer/inner/leaf"])
+    assert "w=from-needs-middle s=[***] top=[]" in text

@@ -397,6 +397,24 @@ CASES: list[tuple[str, str, tuple[int, int] | None, bool]] = [
         True,
     ),
     (
+        "literal-expressions-where-no-context-is-available",
+        wf("""
+            name: ${{ 'x' }}
+            on: push
+            defaults:
+              run:
+                shell: ${{ 'bash' }}
+            jobs:
+              a:
+                runs-on: x
+                steps:
+                  - run: echo
+                    shell: ${{ 'bash' }}
+            """),
+        None,
+        True,
+    ),
+    (
         "no-expression-in-step-uses",
         wf("""
             on: push

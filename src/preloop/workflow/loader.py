@@ -308,9 +308,6 @@ class _Reader:
     def check_template(self, node: YNode, text: str) -> None:
         if "${{" not in text:
             return
-        if not self.allowed and not self.functions:
-            self.err(node, "a template expression (${{ }}) is not allowed here")
-            return
         if len(text) > MAX_EXPRESSION_LENGTH:
             self.err(
                 node, f"the value exceeds GitHub's expression limit of {MAX_EXPRESSION_LENGTH}"
@@ -344,11 +341,15 @@ class _Reader:
             return
         unavailable = sorted(parsed.contexts - self.allowed)
         if unavailable:
+            only = (
+                f"only {', '.join(sorted(self.allowed))}"
+                if self.allowed
+                else "no context may be used here"
+            )
             self.err_at(
                 node,
                 k,
-                f"context '{unavailable[0]}' is not available here (only "
-                f"{', '.join(sorted(self.allowed))}) in expression `{expr}`",
+                f"context '{unavailable[0]}' is not available here ({only}) in expression `{expr}`",
                 phase,
             )
             return

@@ -344,6 +344,15 @@ def test_hand_written_cases_match_github_engine() -> None:
         "0.1 == '0.1'",
         "'ı' == 'I'",
         "'ß' == 'SS'",
+        # Numbers between 2^53 and 1e21 print as JavaScript prints them (issue 14).
+        "format('{0}|{1}|{2}', 12345678901234567890, 9007199254740993, 123456789012345678)",
+        "toJSON(12345678901234567890)",
+        "toJSON(fromJSON('[12345678901234567890, 99999999999999999999, 1e20]'))",
+        "join(fromJSON('[9007199254740993, 18014398509481985, 999999999999999999999]'), ' ')",
+        "format('{0}', 0xFFFFFFFFFFFFFFFFFFFF)",
+        "0xFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFF == 340282366920938463463374607431768211455",
+        "format('{0}', -12345678901234567890)",
+        "12345678901234567890 == '12345678901234567000'",
     ]
     cases = [{"expr": e, "context": 0} for e in exprs]
     expected = run_oracle(cases, [ctx])

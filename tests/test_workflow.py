@@ -511,9 +511,9 @@ def test_reusable_workflow_input_and_secret_errors(repo: Path) -> None:
         "which `with` does not provide",
         ".github/workflows/w.yml:4:11: './.github/workflows/callee.yml' requires secret 'token', "
         "which `secrets` does not pass",
-        ".github/workflows/w.yml:6:7: input 'whom' is not declared by "
+        ".github/workflows/w.yml:6:13: input 'whom' is not declared by "
         "'./.github/workflows/callee.yml' (on.workflow_call.inputs)",
-        ".github/workflows/w.yml:8:7: secret 'other' is not declared by "
+        ".github/workflows/w.yml:8:14: secret 'other' is not declared by "
         "'./.github/workflows/callee.yml'",
     ]
 

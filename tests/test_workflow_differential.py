@@ -88,6 +88,8 @@ class Job:
 
 
 class Doc:
+    extra = False  # also use EXTRA_MUTATIONS (issue 14's false accepts)
+
     def __init__(self, r: random.Random) -> None:
         self.r = r
         self.root: list[str] = [f"on: {r.choice(['push', '[push, pull_request]'])}"]
@@ -129,7 +131,7 @@ class Doc:
 
     def mutate(self) -> None:
         r = self.r
-        k = r.randrange(32)
+        k = r.randrange(32 + len(EXTRA_MUTATIONS)) if self.extra else r.randrange(32)
         job = self.job()
         if k == 0:
             self.root[0] = "on: " + r.choice(["pushh", "[push, nope]"])
@@ -208,8 +210,43 @@ class Doc:
             self.add_step(job, ["uses: " + r.choice(['""', "[x]"])])
         elif k == 30:
             self.add_step(job, ["run: echo", "timeout-minutes: " + q(r, "x")])
+        elif k >= 32:
+            EXTRA_MUTATIONS[k - 32](self, job)
         else:
             job.set("strategy", r.choice(["3", "\n  matrix: 3", "\n  matrix:\n    include: 3"]), r)
+
+
+def _dup_job_id(doc: Doc, job: Job) -> None:
+    key = next(iter(doc.jobs))
+    twin = Job()
+    twin.set("runs-on", "x")
+    assert twin.steps is not None
+    twin.steps.append(["run: echo"])
+    doc.jobs[key.upper()] = twin
+
+
+def _reserved_job_id(doc: Doc, job: Job) -> None:
+    twin = Job()
+    twin.set("runs-on", "x")
+    assert twin.steps is not None
+    twin.steps.append(["run: echo"])
+    doc.jobs["__reserved"] = twin
+
+
+EXTRA_MUTATIONS = [
+    _dup_job_id,
+    _reserved_job_id,
+    lambda doc, job: job.set("container", "\n  options: --cpus 1", doc.r),
+    lambda doc, job: job.set("services", "\n  db:\n    image: ''", doc.r),
+    lambda doc, job: job.set("container", "\n  image: i\n  credentials:\n    user: u", doc.r),
+    lambda doc, job: (job.drop("runs-on"), job.set("runs-on", "\n  group: asdf/g", doc.r)),
+    lambda doc, job: doc.root.__setitem__(0, "on:\n  pull_request:\n    types: [bogus]"),
+    lambda doc, job: doc.root.__setitem__(0, "on:\n  merge_group:\n    tags: [v1]"),
+    lambda doc, job: doc.add_step(job, ["id: __x", "run: echo"]),
+    lambda doc, job: doc.add_step(job, ["uses: ${{ matrix.a }}"]),
+    lambda doc, job: doc.root.insert(1, "defaults:\n  run:\n    shell: ${{ github.sha }}"),
+    lambda doc, job: job.set("environment", "\n  name: e\n  url: ${{ secrets.URL }}", doc.r),
+]
 
 
 def ours(repo: Path, text: str) -> list[tuple[int, int, str]]:
@@ -279,15 +316,88 @@ def test_generated_invalid_workflows_match_github_parser(repo: Path) -> None:
     assert checked > 150  # the mutations really are errors GitHub reports
 
 
+def test_generated_issue14_invalid_workflows_match_github_parser(repo: Path) -> None:
+    r = random.Random(14)
+    texts = []
+    for _ in range(150):
+        doc = Doc(r)
+        doc.extra = True
+        doc.mutate()
+        while r.random() < 0.3:
+            doc.mutate()
+        texts.append(doc.render())
+    checked, problems = compare(repo, texts)
+    assert not problems, "\n\n".join(problems[:5]) + f"\n({len(problems)} total)"
+    assert checked > 100
+
+
 def test_hand_written_invalid_workflows_match_github_parser(repo: Path) -> None:
     checked, problems = compare(repo, HAND_WRITTEN)
     assert not problems, "\n\n".join(problems)
     assert checked == len(HAND_WRITTEN)
 
 
+def enrich(doc: Doc) -> Doc:
+    """Valid features real workflows use (issue 14's false rejects among them):
+    per-key contexts, event filters, containers, runs-on groups, insert,
+    expression matrix keys and spliced vector items."""
+    r = doc.r
+    if r.random() < 0.4:
+        doc.root[0] = "on:\n" + r.choice(
+            [
+                "  merge_group:\n    branches: [main]\n    types: [checks_requested]",
+                "  image_version:\n    names: [img]\n    versions: ['1.*']",
+                "  pull_request:\n    types: [opened, ready_for_review]\n    paths: ['**.py']",
+                "  workflow_run:\n    workflows: [CI]\n    types: [completed]",
+                "  release:\n    types: [published]\n  registry_package:",
+                "  workflow_dispatch:\n    inputs:\n      level: {type: choice, options: [a, b]}",
+            ]
+        )
+    for job in doc.jobs.values():
+        k = r.randrange(10)
+        if k == 0:
+            job.set(
+                "environment",
+                "\n  name: github-pages\n  url: ${{ steps.deployment.outputs.page_url }}",
+                r,
+            )
+        elif k == 1:
+            job.set(
+                "container",
+                "\n  image: ghcr.io/o/i:1\n  credentials:\n    username: ${{ github.actor }}"
+                "\n    password: ${{ secrets.GHCR }}\n  env:\n    T: ${{ secrets.T }}",
+                r,
+            )
+        elif k == 2:
+            job.set(
+                "services",
+                "\n  db:\n    image: postgres:16\n    credentials:\n      username: u"
+                "\n      password: ${{ secrets.DB }}\n    ports: ['5432:5432']",
+                r,
+            )
+        elif k == 3:
+            job.drop("runs-on")
+            group = r.choice(["my-group", "organization/g", "enterprise/g"])
+            job.set("runs-on", f"\n  group: {group}\n  labels: [linux]", r)
+        elif k == 4:
+            job.set("env", '\n  A: a\n  ${{ insert }}: ${{ fromJSON(\'{"B":"b"}\') }}', r)
+        elif k == 5:
+            job.drop("strategy")
+            job.set(
+                "strategy",
+                "\n  matrix:\n    ${{ github.event_name == 'push' && 'os' || 'x' }}: "
+                '[linux, "${{ fromJSON(\'[\\"mac\\"]\') }}"]',
+                r,
+            )
+        elif k == 6:
+            job.set("defaults", "\n  run:\n    working-directory: ${{ github.workspace }}", r)
+    return doc
+
+
 def test_valid_workflows_are_valid_for_both(repo: Path) -> None:
     r = random.Random(7)
     texts = [Doc(r).render() for _ in range(40)]
+    texts += [enrich(Doc(r)).render() for _ in range(60)]
     for text, errs in zip(texts, theirs(texts), strict=True):
         assert errs == [], text
         assert ours(repo, text) == [], text

@@ -97,7 +97,9 @@ def plan_command(file: Path | None, event: str, inputs: tuple[str, ...], as_json
     run in. Nothing is executed. Invalid workflows are reported as
     `path:line:col: message`, every problem at once."""
     given = _parse_inputs(inputs)
-    root = _find_root(Path.cwd() if file is None else file.resolve().parent)
+    # The file's own directory, not its target: a symlink (or a symlink loop,
+    # reported by the loader as `file:1:1`) must not break the lookup.
+    root = _find_root(Path.cwd() if file is None else file.absolute().parent)
     github = local_github_context(root)
     if file is not None:
         paths = [file]

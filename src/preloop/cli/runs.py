@@ -27,13 +27,37 @@ _state_option = click.option(
 )
 
 
+class _RunId(click.ParamType[int]):
+    """A run id: a positive integer that fits the stores' 64-bit ids (a larger
+    one names no run, and is said so instead of overflowing the database)."""
+
+    name = "run_id"
+
+    def convert(
+        self, value: object, param: click.Parameter | None, ctx: click.Context | None
+    ) -> int:
+        if isinstance(value, int):
+            n = value
+        else:
+            try:
+                n = int(str(value), 10)
+            except ValueError:
+                self.fail(f"{value!r} is not a run id (a positive integer)", param, ctx)
+        if not 0 < n < 2**63:
+            self.fail(f"no run {n}: run ids are positive 64-bit integers", param, ctx)
+        return n
+
+
+RUN_ID = _RunId()
+
+
 def _open(store: str | None, state_dir: Path | None) -> tuple[Store, Path]:
     state = state_dir or config.state_dir()
     return open_store(default_store_url(state, store)), state
 
 
 @cli.command("status")
-@click.argument("run_id", type=int, required=False)
+@click.argument("run_id", type=RUN_ID, required=False)
 @_store_option
 @_state_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
@@ -93,7 +117,7 @@ def _run_dict(r: object) -> dict[str, object]:
 
 
 @cli.command("logs")
-@click.argument("run_id", type=int)
+@click.argument("run_id", type=RUN_ID)
 @click.argument("job", required=False)
 @_store_option
 @_state_option
@@ -128,7 +152,7 @@ def logs_command(run_id: int, job: str | None, store: str | None, state_dir: Pat
 
 
 @cli.command("cancel")
-@click.argument("run_id", type=int)
+@click.argument("run_id", type=RUN_ID)
 @_store_option
 @_state_option
 def cancel_command(run_id: int, store: str | None, state_dir: Path | None) -> None:

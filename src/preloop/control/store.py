@@ -66,6 +66,7 @@ from preloop.control.conditions import (
 )
 from preloop.control.counters import Counters
 from preloop.control.db import Backend, LiteBackend, PgBackend, Row, StoreError, Tx
+from preloop.control.reusable import callee_inputs, scoped_inputs, start_caller
 from preloop.errors import PreloopError
 from preloop.workflow.plan import Cohort, ConcurrencySpec, Plan, PlannedJob
 from preloop.workflow.planner import PlanError, expand_deferred
@@ -417,7 +418,8 @@ class Store:
 
         def tx_fn(tx: Tx) -> dict[str, Any]:
             job = tx.one(
-                "SELECT needs, matrix, strategy, caller FROM jobs WHERE run_id = ? AND id = ?",
+                "SELECT run_id, id, kind, needs, matrix, strategy, caller FROM jobs "
+                "WHERE run_id = ? AND id = ?",
                 (run_id, job_id),
             )
             run = tx.one("SELECT context FROM runs WHERE id = ?", (run_id,))
@@ -427,6 +429,8 @@ class Store:
             ctx["needs"] = _needs_view(tx, run_id, json.loads(job["needs"]), job["caller"])
             ctx["matrix"] = _loads(job["matrix"]) or {}
             ctx["strategy"] = _loads(job["strategy"]) or {}
+            if (inputs := scoped_inputs(tx, job)) is not None:
+                ctx["inputs"] = inputs  # inside a reusable workflow: the callee's
             return ctx
 
         return self._db.transaction("job_context", tx_fn)
@@ -1034,6 +1038,8 @@ class _Cascade:
         )
         ctx["matrix"] = _loads(job["matrix"]) or {}
         ctx["strategy"] = _loads(job["strategy"]) or {}
+        if (inputs := scoped_inputs(self.tx, job)) is not None:
+            ctx["inputs"] = inputs  # inside a reusable workflow: the callee's
         return ctx
 
     # -- driving
@@ -1398,8 +1404,15 @@ class _Cascade:
             self.caller_started(row)
 
     def caller_started(self, row: Row) -> None:
-        """A caller now folding: its inner root jobs may start."""
+        """A caller now folding: its `with:` is evaluated, its inner root jobs
+        may start."""
         run_id = int(row["run_id"])
+        try:
+            start_caller(self.tx, row, self.job_contexts(row))
+        except (ExpressionError, PlanError) as exc:
+            self.skip_inner(run_id, row["id"], "skipped")
+            self.conclude(row, "failure", {}, f"caller {row['id']!r}: with: {exc}")
+            return
         if int(row["remaining_inner"]) == 0:
             self.work.append(("fold", (row,)))
             return
@@ -1436,6 +1449,8 @@ class _Cascade:
         )
         ctx = dict(self.context(run_id))
         ctx["jobs"] = inner
+        if (inputs := callee_inputs(self.tx, caller)) is not None:
+            ctx["inputs"] = inputs
         outputs: dict[str, Any] = {}
         reason = None
         for name, expr in json.loads(caller["outputs_expr"]).items():

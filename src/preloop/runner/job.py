@@ -57,6 +57,7 @@ from preloop.runner.masking import Masker, mask_json
 from preloop.runner.stream import run_streaming
 from preloop.workflow import expressions as ex
 from preloop.workflow.hashfiles import hash_files
+from preloop.workflow.templates import mapping_items
 
 __all__ = [
     "SUPPORTED_USES",
@@ -281,9 +282,12 @@ class _Execution:
         # template evaluated once at job start, as GitHub does.
         self.job_env: dict[str, str] = {}
         env_ctx: dict[str, str] = {}
-        for name, value in dict(spec.get("env") or {}).items():
+        env_items = mapping_items(
+            dict(spec.get("env") or {}), lambda v: self.value(v, {**self.base, "env": env_ctx})
+        )
+        for name, value, evaluated in env_items:
             ctx = {**self.base, "env": env_ctx}
-            env_ctx[name] = self.template(value, ctx)
+            env_ctx[name] = _str(value) if evaluated else self.template(value, ctx)
         self.job_env = env_ctx
         self.defaults = dict(spec.get("defaults") or {})
 
@@ -386,8 +390,11 @@ class _Execution:
         try:
             env = dict(pre_env)
             step_ctx = {**ctx, "env": env}
-            for key, value in dict(step.get("env") or {}).items():
-                env[key] = self.template(value, step_ctx)
+            items = mapping_items(
+                dict(step.get("env") or {}), lambda v: self.value(v, {**ctx, "env": env})
+            )
+            for key, value, evaluated in items:
+                env[key] = _str(value) if evaluated else self.template(value, step_ctx)
                 step_ctx = {**ctx, "env": env}
             coe = step.get("continue-on-error", False)
             continue_on_error = ex.truthy(self.value(coe, step_ctx))

@@ -27,6 +27,7 @@ from urllib.parse import quote
 import anyio
 
 from preloop.control import Lease, Store, StoreError
+from preloop.control.reusable import passed_secrets
 from preloop.errors import PreloopError
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_dir
 from preloop.runner.commands import Annotation
@@ -284,6 +285,17 @@ class Runner:
             if "inputs" in spec:
                 # An inner job of a reusable workflow sees the caller's inputs.
                 contexts["inputs"] = spec["inputs"]
+            secrets = dict(opts.secrets)
+            if spec.get("secrets_chain"):
+                # ... and only the secrets its callers pass on.
+                secrets = await store_call(
+                    self.store,
+                    lambda: passed_secrets(
+                        spec["secrets_chain"],
+                        secrets,
+                        lambda caller: self.store.job_context(lease.run_id, caller),
+                    ),
+                )
             workspace = job_dir / "workspace"
             temp = job_dir / "temp"
             job_dir.mkdir(parents=True)
@@ -316,7 +328,7 @@ class Runner:
             contexts,
             host,
             log=line,
-            secrets=opts.secrets,
+            secrets=secrets,
             timeout_minutes=lease.timeout_minutes,
             control=control,
             masker=masker,

@@ -33,7 +33,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Context, Decimal
 from typing import Any, NamedTuple
 
@@ -167,8 +167,8 @@ def _js_number_string(x: float) -> str:
         return "Infinity" if x > 0 else "-Infinity"
     if x < 0:
         return "-" + _js_number_string(-x)
-    if x.is_integer() and x < 1e21:
-        return str(int(x))
+    if x.is_integer() and x <= 2**53:
+        return str(int(x))  # exact; above 2^53 JavaScript prints the shortest digits
     _, digit_tuple, exp = Decimal(repr(x)).as_tuple()
     digits = "".join(map(str, digit_tuple)).rstrip("0") or "0"
     assert isinstance(exp, int)
@@ -585,8 +585,10 @@ _FUNCTIONS: dict[str, _Func] = {
     "fromjson": _Func(1, 1),
     "hashfiles": _Func(1, 255),
     "case": _Func(3, 2**53),
-    "success": _Func(0, 0),
-    "failure": _Func(0, 0),
+    # A job's `if:` may name jobs (`success('build')`); where arguments are
+    # allowed is the schema's business (see `Parsed.arity`).
+    "success": _Func(0, 2**53),
+    "failure": _Func(0, 2**53),
     "always": _Func(0, 0),
     "cancelled": _Func(0, 0),
 }
@@ -601,6 +603,8 @@ class Parsed:
     contexts: frozenset[str]
     functions: frozenset[str]
     root: _Node
+    # The most arguments each function is called with.
+    arity: Mapping[str, int] = field(default_factory=dict)
 
     def evaluate(
         self,
@@ -637,6 +641,7 @@ class _Parser:
         self.depth = 0
         self.contexts: set[str] = set()
         self.functions: set[str] = set()
+        self.arity: dict[str, int] = {}
 
     # token helpers -----------------------------------------------------------
     def peek(self) -> _Token:
@@ -787,6 +792,7 @@ class _Parser:
                 ident,
             )
         self.functions.add(name)
+        self.arity[name] = max(self.arity.get(name, 0), len(args))
         return _make_call(name, tuple(args), ident.start), True
 
     def primary(self) -> tuple[_Node, bool]:
@@ -1030,7 +1036,7 @@ def parse(expr: str) -> Parsed:
     """Parses an expression (text without `${{ }}`); raises ExpressionError."""
     p = _Parser(expr)
     root = p.parse()
-    return Parsed(expr, frozenset(p.contexts), frozenset(p.functions), root)
+    return Parsed(expr, frozenset(p.contexts), frozenset(p.functions), root, p.arity)
 
 
 def evaluate(

@@ -8,17 +8,18 @@ Every problem is collected (nothing stops at the first) and reported as
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
+from preloop.workflow.availability import EVENTS as SCHEMA_EVENTS
+from preloop.workflow.availability import allowed_at, child
 from preloop.workflow.matrix import MatrixError, expand_matrix
 from preloop.workflow.model import (
     Concurrency,
@@ -30,54 +31,27 @@ from preloop.workflow.model import (
     WorkflowCall,
     frozen_map,
 )
+from preloop.workflow.permissions import permission_problems
+from preloop.workflow.templates import is_insert
+from preloop.workflow.uses import (
+    is_local,
+    local_path_error,
+    step_uses_error,
+    workflow_uses_error,
+)
 from preloop.workflow.yamltree import Diagnostic, YMap, YNode, YScalar, YSeq, compose, plain
 
 __all__ = ["MAX_REUSABLE_DEPTH", "WorkflowError", "load_workflow", "workflow_files"]
 
 #: GitHub: reusable workflows nest at most ten levels, the top-level caller included.
 MAX_REUSABLE_DEPTH = 10
+#: GitHub: at most 50 unique reusable workflows in one workflow's tree of calls.
+MAX_REUSABLE_WORKFLOWS = 50
+#: GitHub: a value holding `${{ }}` is at most this long (it is one expression).
+MAX_EXPRESSION_LENGTH = 21000
 
-EVENTS = frozenset(
-    [
-        "branch_protection_rule",
-        "check_run",
-        "check_suite",
-        "create",
-        "delete",
-        "deployment",
-        "deployment_status",
-        "discussion",
-        "discussion_comment",
-        "fork",
-        "gollum",
-        "image_version",
-        "issue_comment",
-        "issues",
-        "label",
-        "merge_group",
-        "milestone",
-        "page_build",
-        "project",
-        "project_card",
-        "project_column",
-        "public",
-        "pull_request",
-        "pull_request_comment",
-        "pull_request_review",
-        "pull_request_review_comment",
-        "pull_request_target",
-        "push",
-        "registry_package",
-        "release",
-        "repository_dispatch",
-        "schedule",
-        "status",
-        "watch",
-        "workflow_call",
-        "workflow_dispatch",
-        "workflow_run",
-    ]
-)
+#: Every event GitHub's schema knows (its filters and activity types: `availability.EVENTS`).
+EVENTS = frozenset(SCHEMA_EVENTS)
 ROOT_KEYS = frozenset(
     [
         "on",
@@ -133,35 +107,15 @@ STEP_KEYS = frozenset(
     ]
 )
 _CONTAINER_KEYS = frozenset(["image", "options", "env", "ports", "volumes", "credentials"])
+_SERVICE_KEYS = _CONTAINER_KEYS | {"entrypoint", "command"}
+_STEP_PATHS = {k: f"jobs.*.steps[].{k}" for k in STEP_KEYS}
 _DISPATCH_TYPES = ("boolean", "choice", "number", "environment", "string")
 _CALLER_ONLY = CALLER_KEYS - JOB_KEYS
 _JOB_ONLY = JOB_KEYS - CALLER_KEYS
 RUN_ONLY = ("shell", "working-directory")
 USES_ONLY = ("with",)
-_REF_FILTERS = frozenset(
-    ["branches", "branches-ignore", "tags", "tags-ignore", "paths", "paths-ignore"]
-)
-_TYPES_ONLY = frozenset(["types"])
-_PR_FILTERS = (_REF_FILTERS - {"tags", "tags-ignore"}) | _TYPES_ONLY
-_EVENT_FILTERS = {
-    "push": _REF_FILTERS,
-    "pull_request": _PR_FILTERS,
-    "pull_request_target": _PR_FILTERS,
-    "workflow_dispatch": frozenset(["inputs"]),
-    "workflow_run": frozenset(["workflows", "types", "branches", "branches-ignore"]),
-}
-# Which contexts (and special functions) each kind of value may use: GitHub's
-# workflow schema ("Context availability" in the docs).
-_PLAN = frozenset(["github", "inputs", "vars"])
-_WF_ENV = _PLAN | {"secrets"}
-_WF_OUTPUT = _PLAN | {"jobs"}
-_STRATEGY = _PLAN | {"needs"}
-_JOB_IF = _STRATEGY
-_LEG = _STRATEGY | {"strategy", "matrix"}
-_JOB_ENV = _LEG | {"secrets"}
-_JOB_DEFAULTS = _LEG | {"env"}
-_RUNNER = _LEG | {"secrets", "steps", "job", "runner", "env"}
-_STEP_IF = _RUNNER - {"secrets"}
+# Which contexts (and special functions) each value may use comes from GitHub's
+# workflow schema: see `availability.allowed_at` (paths like `jobs.*.env`).
 _STATUS = frozenset(["success", "failure", "always", "cancelled"])
 _SPECIAL_FUNCTIONS = _STATUS | {"hashfiles"}
 _JOB_ID = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
@@ -204,9 +158,14 @@ def load_workflow(
     """Loads and validates one workflow file (and the local reusable workflows
     it calls). Raises WorkflowError listing every problem."""
     p = Path(path)
-    repo = Path(root) if root is not None else _repo_root(p)
-    state = _State(repo=repo.resolve())
-    display = _display(p, repo)
+    try:
+        repo = Path(root) if root is not None else _repo_root(p)
+        state = _State(repo=repo.resolve())
+        display = _display(p, repo)
+        p.resolve(strict=True)
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise WorkflowError([Diagnostic(str(p), 1, 1, f"cannot read workflow: {reason}")]) from None
     wf = _load(state, p, depth=1, display=display)
     if state.errors or wf is None:
         raise WorkflowError(state.errors or [Diagnostic(display, 1, 1, "empty workflow")], display)
@@ -226,6 +185,7 @@ class _State:
     errors: list[Diagnostic] = field(default_factory=list)
     cache: dict[Path, Workflow | None] = field(default_factory=dict)
     stack: list[Path] = field(default_factory=list)
+    called: set[Path] = field(default_factory=set)  # every reusable workflow in the tree
 
 
 def _load(state: _State, p: Path, depth: int, display: str) -> Workflow | None:
@@ -248,6 +208,28 @@ def _load(state: _State, p: Path, depth: int, display: str) -> Workflow | None:
     return wf
 
 
+class _Using:
+    """`with reader.using(...)`: a plain class (cheaper than a generator-based
+    context manager; the loader enters one per value)."""
+
+    __slots__ = ("contexts", "functions", "reader", "saved")
+
+    def __init__(
+        self, reader: _Reader, contexts: frozenset[str], functions: Mapping[str, int]
+    ) -> None:
+        self.reader = reader
+        self.contexts = contexts
+        self.functions = functions
+
+    def __enter__(self) -> None:
+        r = self.reader
+        self.saved = r.allowed, r.functions
+        r.allowed, r.functions = self.contexts, self.functions
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.allowed, self.reader.functions = self.saved
+
+
 class _Reader:
     def __init__(self, state: _State, path: str, depth: int) -> None:
         self.state = state
@@ -256,19 +238,37 @@ class _Reader:
         self.errors: list[Diagnostic] = []
         self.source = ""
         self.allowed: frozenset[str] = ex.CONTEXT_NAMES
-        self.functions: frozenset[str] = _SPECIAL_FUNCTIONS
+        self.functions: Mapping[str, int] = dict.fromkeys(_SPECIAL_FUNCTIONS, 0)
+        self.wf_permissions: Any = None
 
-    @contextlib.contextmanager
-    def using(
-        self, contexts: frozenset[str], functions: frozenset[str] = frozenset()
-    ) -> Iterator[None]:
+    def using(self, contexts: frozenset[str], functions: Mapping[str, int] | None = None) -> _Using:
         """Values read inside may use only these contexts and special functions."""
-        saved = self.allowed, self.functions
-        self.allowed, self.functions = contexts, functions
-        try:
-            yield
-        finally:
-            self.allowed, self.functions = saved
+        return _Using(self, contexts, functions or {})
+
+    def at(self, path: str) -> _Using:
+        """Values read inside sit at schema path `path` (`jobs.*.env`)."""
+        contexts, functions = allowed_at(path)
+        return _Using(self, contexts, functions)
+
+    def check_tree(self, node: YNode, path: str) -> None:
+        """Checks every template under `node`, each against its own path."""
+        with self.at(path):
+            if isinstance(node, YScalar):
+                if isinstance(node.value, str):
+                    self.check_template(node, node.value)
+            elif isinstance(node, YSeq):
+                for n in node.items:
+                    self.check_tree(n, path + "[]")
+            else:
+                for k, v in node.items:
+                    if isinstance(k.value, str) and "${{" in k.value:
+                        if not is_insert(k.value):
+                            self.check_template(k, k.value)
+                        # An inserted mapping (or an expression key) stands
+                        # for the mapping's own entries.
+                        self.check_tree(v, child(path, "*"))
+                    else:
+                        self.check_tree(v, child(path, str(k.value)))
 
     # -- helpers ------------------------------------------------------------
     def err(self, node: YNode | YScalar, message: str) -> None:
@@ -308,6 +308,11 @@ class _Reader:
     def check_template(self, node: YNode, text: str) -> None:
         if "${{" not in text:
             return
+        if len(text) > MAX_EXPRESSION_LENGTH:
+            self.err(
+                node, f"the value exceeds GitHub's expression limit of {MAX_EXPRESSION_LENGTH}"
+            )
+            return
         try:
             segments = ex.template_segments(text)
         except ex.ExpressionError as exc:
@@ -336,19 +341,28 @@ class _Reader:
             return
         unavailable = sorted(parsed.contexts - self.allowed)
         if unavailable:
+            only = (
+                f"only {', '.join(sorted(self.allowed))}"
+                if self.allowed
+                else "no context may be used here"
+            )
             self.err_at(
                 node,
                 k,
-                f"context '{unavailable[0]}' is not available here (only "
-                f"{', '.join(sorted(self.allowed))}) in expression `{expr}`",
+                f"context '{unavailable[0]}' is not available here ({only}) in expression `{expr}`",
                 phase,
             )
             return
-        functions = sorted((parsed.functions & _SPECIAL_FUNCTIONS) - self.functions)
+        functions = sorted((parsed.functions & _SPECIAL_FUNCTIONS) - set(self.functions))
         if functions:
             self.err_at(
                 node, k, f"function {functions[0]}() is not available here: `{expr}`", phase
             )
+            return
+        for name in sorted(parsed.functions & _SPECIAL_FUNCTIONS):
+            if parsed.arity.get(name, 0) > self.functions[name]:
+                self.err_at(node, k, f"too many arguments to {name}() here: `{expr}`", phase)
+                return
 
     def err_at(self, node: YNode, k: int, message: str, phase: int = 0) -> None:
         """An error about the k-th `${{` of a scalar, placed where that `${{`
@@ -403,6 +417,14 @@ class _Reader:
             return frozen_map(None)
         out: dict[str, Any] = {}
         for k, v in m.items:
+            if isinstance(k.value, str) and "${{" in k.value:
+                if is_insert(k.value):
+                    # `${{ insert }}: ${{ <a mapping> }}` merges that mapping here.
+                    if not (isinstance(v, YScalar) and _has_expression(v)):
+                        self.err(v, "`${{ insert }}` needs an expression giving a mapping")
+                        continue
+                else:
+                    self.check_template(k, k.value)
             if isinstance(v, YScalar):
                 if isinstance(v.value, str):
                     self.check_template(v, v.value)
@@ -411,17 +433,6 @@ class _Reader:
             else:
                 self.err(v, f"{what} value '{k.value}' must be a string, not {_kind(v)}")
         return frozen_map(out)
-
-    def check_all_templates(self, node: YNode) -> None:
-        if isinstance(node, YScalar):
-            if isinstance(node.value, str):
-                self.check_template(node, node.value)
-        elif isinstance(node, YSeq):
-            for n in node.items:
-                self.check_all_templates(n)
-        else:
-            for _, v in node.items:
-                self.check_all_templates(v)
 
     # -- workflow -----------------------------------------------------------
     def read(self, text: str) -> Workflow | None:
@@ -450,15 +461,17 @@ class _Reader:
             self.err(m, "the workflow has no `on:` (which events trigger it)")
         else:
             on, call, dispatch = self.on(on_node)
-        with self.using(frozenset()):
+        with self.at("name"):
             name = self.string(m.get("name"), "`name`") or Path(self.path).name
-        with self.using(_PLAN):
+        with self.at("run-name"):
             run_name = self.string(m.get("run-name"), "`run-name`")
+        with self.at("defaults.run"):
             defaults = self.defaults(m.get("defaults"))
+        with self.at("concurrency"):
             conc = self.concurrency(m.get("concurrency"))
-        with self.using(_WF_ENV):
+        with self.at("env"):
             env = self.env(m.get("env"), "`env`")
-        permissions = self.permissions(m.get("permissions"))
+        permissions = self.wf_permissions = self.permissions(m.get("permissions"))
         jobs_node = m.get("jobs")
         jobs: tuple[Job, ...] = ()
         if jobs_node is None:
@@ -517,15 +530,38 @@ class _Reader:
                 self.err(value, f"the filters of event '{event}' must be a mapping")
                 continue
             if isinstance(value, YMap) and event != "workflow_call":
-                self.keys(value, _EVENT_FILTERS.get(event, _TYPES_ONLY), f"event '{event}'")
+                self.event_filters(event, value)
+            elif isinstance(value, YSeq):
+                self.err(value, f"the filters of event '{event}' must be a mapping, not a list")
             events[event] = plain(value) if value is not None else None
         return events, call, dispatch
+
+    def event_filters(self, event: str, value: YMap) -> None:
+        """An event's filters and activity types, as GitHub's schema lists them."""
+        filters, types, forms = SCHEMA_EVENTS[event]
+        if "mapping" not in forms:
+            self.err(value, f"event '{event}' takes no filters")
+            return
+        if event != "workflow_dispatch":  # GitHub ignores unknown keys there
+            self.keys(value, frozenset(filters), f"event '{event}'")
+        for k, v in value.items:
+            if k.value == "inputs" or k.value not in filters:
+                continue
+            items = v.items if isinstance(v, YSeq) else (v,)
+            for item in items:
+                if not (isinstance(item, YScalar) and isinstance(item.value, str)):
+                    self.err(item, f"event '{event}' `{k.value}` must be strings")
+                elif k.value == "types" and types and item.value not in types:
+                    self.err(
+                        item,
+                        f"unknown activity type '{item.value}' for event '{event}' "
+                        f"(one of: {', '.join(types)})",
+                    )
 
     def dispatch_inputs(self, inputs: YMap) -> None:
         allowed = frozenset(["description", "type", "required", "default", "options"])
         for k, v in inputs.items:
-            if isinstance(v, YScalar) and v.value is None:
-                continue
+            # A null input (`x:`) is refused by GitHub's parser, like any non-mapping.
             dm = self.mapping(v, f"input '{k.value}'")
             if dm is None:
                 continue
@@ -592,8 +628,7 @@ class _Reader:
                 self.keys(dm, allowed[section], f"`on.workflow_call.{section}.{k.value}`")
                 d = {str(dk.value): plain(dv) for dk, dv in dm.items}
                 if section == "inputs" and (default := dm.get("default")) is not None:
-                    with self.using(_PLAN):
-                        self.check_all_templates(default)
+                    self.check_tree(default, "on.workflow_call.inputs.*.default")
                 if section == "inputs":
                     t = d.get("type")
                     if t not in ("boolean", "number", "string"):
@@ -606,7 +641,7 @@ class _Reader:
                     if value is None:
                         self.err(dm, f"output '{k.value}' has no `value`")
                     else:
-                        with self.using(_WF_OUTPUT):
+                        with self.at("on.workflow_call.outputs.*.value"):
                             self.string(value, f"output '{k.value}' value")
                 out[str(k.value)] = d
         return WorkflowCall(
@@ -673,14 +708,22 @@ class _Reader:
             return ()
         jobs: list[Job] = []
         need_nodes: dict[str, list[YScalar]] = {}
+        seen: set[str] = set()
         for k, v in m.items:
             job_id = str(k.value)
+            if job_id.lower() in seen:
+                # GitHub's job ids are case-insensitive: `build` and `BUILD` collide.
+                self.err(k, f"'{job_id}' is already defined (job ids ignore case)")
+                continue
+            seen.add(job_id.lower())
             if not _JOB_ID.fullmatch(job_id):
                 self.err(
                     k,
                     f"invalid job id '{job_id}': it must start with a letter or '_' and "
                     "contain only letters, digits, '-' and '_'",
                 )
+            elif job_id.startswith("__"):
+                self.err(k, f"invalid job id '{job_id}': ids starting with '__' are reserved")
             job = self.job(k, v, need_nodes)
             if job is not None:
                 jobs.append(job)
@@ -782,13 +825,19 @@ class _Reader:
                     need_nodes.setdefault(job_id, []).append(n)
                 else:
                     self.err(n, f"`needs` must name jobs (strings), not {_kind(n)}")
-        with self.using(_JOB_IF, _STATUS):
-            if_ = self.condition(m.get("if"))
-        with self.using(_LEG):
-            name = self.string(m.get("name"), "`name`")
-            conc = self.concurrency(m.get("concurrency"))
-        with self.using(_STRATEGY):
-            strategy = self.strategy(m.get("strategy"), job_id)
+        if_ = name = conc = strategy = None
+        if (got := m.get("if")) is not None:
+            with self.at("jobs.*.if"):
+                if_ = self.condition(got)
+        if (got := m.get("name")) is not None:
+            with self.at("jobs.*.name"):
+                name = self.string(got, "`name`")
+        if (got := m.get("concurrency")) is not None:
+            with self.at("jobs.*.concurrency"):
+                conc = self.concurrency(got)
+        if (got := m.get("strategy")) is not None:
+            with self.at("jobs.*.strategy"):
+                strategy = self.strategy(got, job_id)
         common: dict[str, Any] = dict(
             id=job_id,
             name=name,
@@ -802,17 +851,30 @@ class _Reader:
         )
         if is_caller:
             return self.caller(m, common)
-        with self.using(_LEG):
+        with self.at("jobs.*.runs-on"):
             runs_on = self.runs_on(m.get("runs-on"), m)
-            coe = self.bool_or_expr(m.get("continue-on-error"), "`continue-on-error`", False)
-            timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
-            for extra in ("container", "services", "environment"):
-                if (extra_node := m.get(extra)) is not None:
-                    self.check_all_templates(extra_node)
-        with self.using(_JOB_ENV):
-            env = self.env(m.get("env"), "`env`")
-        with self.using(_JOB_DEFAULTS):
-            defaults = self.defaults(m.get("defaults"))
+        coe: bool | str = False
+        timeout: float | str | None = None
+        if (got := m.get("continue-on-error")) is not None:
+            with self.at("jobs.*.continue-on-error"):
+                coe = self.bool_or_expr(got, "`continue-on-error`", False)
+        if (got := m.get("timeout-minutes")) is not None:
+            with self.at("jobs.*.timeout-minutes"):
+                timeout = self.number_or_expr(got, "`timeout-minutes`")
+        if (got := m.get("cancel-timeout-minutes")) is not None:
+            with self.at("jobs.*.cancel-timeout-minutes"):
+                self.number_or_expr(got, "`cancel-timeout-minutes`")
+        for extra in ("container", "services", "environment", "snapshot"):
+            if (extra_node := m.get(extra)) is not None:
+                self.check_tree(extra_node, f"jobs.*.{extra}")
+        env: Mapping[str, Any] = frozen_map(None)
+        defaults: Mapping[str, Any] = frozen_map(None)
+        if (got := m.get("env")) is not None:
+            with self.at("jobs.*.env"):
+                env = self.env(got, "`env`")
+        if (got := m.get("defaults")) is not None:
+            with self.at("jobs.*.defaults.run"):
+                defaults = self.defaults(got)
         steps_node = m.get("steps")
         steps: tuple[Step, ...] = ()
         if steps_node is None:
@@ -823,13 +885,10 @@ class _Reader:
         out_node = m.get("outputs")
         if out_node is not None and (om := self.mapping(out_node, "`outputs`")) is not None:
             for k, v in om.items:
-                with self.using(_RUNNER):
+                with self.at("jobs.*.outputs.*"):
                     s = self.string(v, f"output '{k.value}'")
                 if s is not None:
                     outputs[str(k.value)] = s
-        services = m.get("services")
-        if services is not None:
-            self.mapping(services, "`services`")
         return Job(
             **common,
             runs_on=runs_on,
@@ -840,24 +899,55 @@ class _Reader:
             defaults_run=defaults,
             steps=steps,
             container=self.container(m.get("container")),
-            services=frozen_map(plain(services))
-            if isinstance(services, YMap)
-            else frozen_map(None),
+            services=self.services(m.get("services")),
             environment=plain(e) if (e := m.get("environment")) is not None else None,
         )
 
-    def container(self, node: YNode | None) -> Any:
+    def container(self, node: YNode | None, what: str = "`container`") -> Any:
         if node is None:
             return None
         if isinstance(node, YSeq):
-            self.err(node, f"`container` must be an image name or a mapping, not {_kind(node)}")
+            self.err(node, f"{what} must be an image name or a mapping, not {_kind(node)}")
             return None
+        service = what != "`container`"
         if isinstance(node, YMap):
-            self.keys(node, _CONTAINER_KEYS, "`container`")
+            self.keys(node, _SERVICE_KEYS if service else _CONTAINER_KEYS, what)
+            if _has_expression(node):
+                return plain(node)  # GitHub checks the shape once it is evaluated
+            image = node.get("image")
+            if image is None:
+                self.err2(node, f"{what} needs an `image`")
+            elif not (isinstance(image, YScalar) and isinstance(image.value, str)):
+                self.err(image, f"{what} `image` must be a non-empty string")
+            elif not image.value.strip():
+                self.err(image, f"{what} `image` must not be empty")
+            creds = node.get("credentials")
+            if creds is not None and (cm := self.mapping(creds, f"{what} `credentials`")):
+                self.keys(cm, frozenset({"username", "password"}), f"{what} `credentials`")
+                for key in ("username", "password"):
+                    value = cm.get(key)
+                    if value is None:
+                        self.err2(cm, f"{what} `credentials` needs a `{key}`")
+                    elif not (isinstance(value, YScalar) and isinstance(value.value, str)):
+                        self.err(value, f"{what} `credentials.{key}` must be a string")
+                    elif not value.value:
+                        self.err(value, f"{what} `credentials.{key}` must not be empty")
+        elif isinstance(node, YScalar) and node.value == "":
+            self.err(node, f"{what} must be a non-empty image name")
         return plain(node)
 
-    def condition(self, node: YNode | None) -> str | None:
+    def services(self, node: YNode | None) -> Mapping[str, Any]:
         if node is None:
+            return frozen_map(None)
+        m = self.mapping(node, "`services`")
+        if m is None:
+            return frozen_map(None)
+        for k, v in m.items:
+            self.container(v, f"service '{k.value}'")
+        return frozen_map(plain(m))
+
+    def condition(self, node: YNode | None) -> str | None:
+        if node is None or (isinstance(node, YScalar) and node.value is None):
             return None
         if isinstance(node, YScalar) and isinstance(node.value, bool | int | float):
             return ex.coerce_string(node.value)
@@ -895,7 +985,11 @@ class _Reader:
         self.keys(node, frozenset({"group", "labels"}), "`runs-on`")
         out: dict[str, Any] = {}
         if (g := node.get("group")) is not None:
-            out["group"] = self.string(g, "`runs-on.group`")
+            group = out["group"] = self.string(g, "`runs-on.group`", allow_empty=False)
+            if group is not None and "${{" not in group:
+                problem = _runner_group_error(group)
+                if problem:
+                    self.err2(g, problem)
         if (lab := node.get("labels")) is not None:
             if isinstance(lab, YSeq):
                 out["labels"] = [self.string(n, "a `runs-on` label") for n in lab.items]
@@ -940,7 +1034,7 @@ class _Reader:
         if m is None:
             return None
         if _has_expression(m):
-            self.check_all_templates(m)
+            self.check_tree(m, "jobs.*.strategy.matrix")
             return Matrix(template=plain(m))
         vectors: list[tuple[str, tuple[Any, ...]]] = []
         include: tuple[Mapping[str, Any], ...] = ()
@@ -995,16 +1089,29 @@ class _Reader:
             step = self.step(n)
             if step is None:
                 continue
-            if step.id is not None:
-                if step.id in ids:
-                    self.err2(n, f"step id '{step.id}' is used twice in this job")
-                ids.add(step.id)
+            if step.id is not None and _JOB_ID.fullmatch(step.id):
+                id_node = n.get("id") if isinstance(n, YMap) else None
+                where = id_node if id_node is not None else n
+                if step.id.lower() in ids:
+                    self.err2(where, f"step id '{step.id}' is used twice in this job")
+                elif step.id.startswith("__"):
+                    self.err2(
+                        where, f"invalid step id '{step.id}': ids starting with '__' are reserved"
+                    )
+                ids.add(step.id.lower())
             steps.append(step)
         return tuple(steps)
 
     def step(self, node: YNode) -> Step | None:
-        with self.using(_RUNNER, frozenset({"hashfiles"})):
+        with self.at("jobs.*.steps[]"):
             return self.read_step(node)
+
+    def step_value(self, m: YMap, key: str, what: str, **kw: Any) -> str | None:
+        node = m.get(key)
+        if node is None:
+            return None
+        with self.at(_STEP_PATHS[key]):
+            return self.string(node, what, **kw)
 
     def read_step(self, node: YNode) -> Step | None:
         m = self.mapping(node, "a step")
@@ -1030,38 +1137,55 @@ class _Reader:
             for k, v in wm.items:
                 if isinstance(v, YScalar):
                     if isinstance(v.value, str):
-                        self.check_template(v, v.value)
+                        with self.at("jobs.*.steps[].with.*"):
+                            self.check_template(v, v.value)
                     with_[str(k.value)] = v.value
                 else:
                     self.err(v, f"`with` value '{k.value}' must be a string, not {_kind(v)}")
         uses_node = m.get("uses")
         if isinstance(uses_node, YScalar) and isinstance(uses_node.value, str):
-            self.local_action(uses_node, uses_node.value)
-        step_id = self.string(m.get("id"), "step `id`")
+            problem = step_uses_error(uses_node.value)
+            if problem is None and is_local(uses_node.value):
+                problem = local_path_error(uses_node.value, self.state.repo)
+            if problem is not None:
+                self.err2(uses_node, f"invalid `uses`: {problem}")
+            else:
+                self.local_action(uses_node, uses_node.value)
+        step_id = self.step_value(m, "id", "step `id`")
         if step_id is not None and not _JOB_ID.fullmatch(step_id):
             id_node = m.get("id")
             assert id_node is not None
-            self.err(
+            self.err2(  # GitHub checks ids with the other step-id rules (second pass)
                 id_node,
                 f"invalid step id '{step_id}': it must start with a letter or '_' and contain "
                 "only letters, digits, '-' and '_'",
             )
-        timeout = self.number_or_expr(m.get("timeout-minutes"), "`timeout-minutes`")
-        with self.using(_STEP_IF, _SPECIAL_FUNCTIONS):
-            if_ = self.condition(m.get("if"))
+        timeout = if_ = None
+        env: Mapping[str, Any] = frozen_map(None)
+        coe: bool | str = False
+        if (n := m.get("timeout-minutes")) is not None:
+            with self.at("jobs.*.steps[].timeout-minutes"):
+                timeout = self.number_or_expr(n, "`timeout-minutes`")
+        if (n := m.get("if")) is not None:
+            with self.at("jobs.*.steps[].if"):
+                if_ = self.condition(n)
+        if (n := m.get("env")) is not None:
+            with self.at("jobs.*.steps[].env"):
+                env = self.env(n, "`env`")
+        if (n := m.get("continue-on-error")) is not None:
+            with self.at("jobs.*.steps[].continue-on-error"):
+                coe = self.bool_or_expr(n, "`continue-on-error`", False)
         return Step(
             id=step_id,
-            name=self.string(m.get("name"), "step `name`"),
+            name=self.step_value(m, "name", "step `name`"),
             if_=if_,
-            run=self.string(m.get("run"), "`run`"),
-            uses=self.string(m.get("uses"), "`uses`", allow_empty=False),
+            run=self.step_value(m, "run", "`run`"),
+            uses=self.step_value(m, "uses", "`uses`", allow_empty=False),
             with_=frozen_map(with_),
-            shell=self.string(m.get("shell"), "`shell`"),
-            working_directory=self.string(m.get("working-directory"), "`working-directory`"),
-            env=self.env(m.get("env"), "`env`"),
-            continue_on_error=self.bool_or_expr(
-                m.get("continue-on-error"), "`continue-on-error`", False
-            ),
+            shell=self.step_value(m, "shell", "`shell`"),
+            working_directory=self.step_value(m, "working-directory", "`working-directory`"),
+            env=env,
+            continue_on_error=coe,
             timeout_minutes=timeout,
         )
 
@@ -1087,10 +1211,10 @@ class _Reader:
             for k, v in wm.items:
                 if isinstance(v, YScalar):
                     if isinstance(v.value, str):
-                        with self.using(_LEG):
+                        with self.at("jobs.*.with.*"):
                             self.check_template(v, v.value)
                     with_[str(k.value)] = v.value
-                    with_keys[str(k.value)] = k
+                    with_keys[str(k.value)] = v
                 else:
                     self.err(v, f"input '{k.value}' must be a scalar, not {_kind(v)}")
         secrets: Mapping[str, Any] | str | None = None
@@ -1099,13 +1223,26 @@ class _Reader:
             if isinstance(s, YScalar) and s.value == "inherit":
                 secrets = "inherit"
             elif (sm := self.mapping(s, "`secrets`")) is not None:
-                with self.using(_LEG | {"secrets"}):
-                    self.check_all_templates(sm)
+                self.check_tree(sm, "jobs.*.secrets")
                 secrets = frozen_map({str(k.value): plain(v) for k, v in sm.items})
-                secret_keys = {str(k.value): k for k, _ in sm.items}
+                secret_keys = {str(k.value): v for k, v in sm.items if isinstance(v, YScalar)}
         callee = None
         if uses is not None:
             callee = self.callee(uses_node, uses, with_, with_keys, secrets, secret_keys)
+        if callee is not None:
+            granted = common["permissions"]
+            if granted is None:
+                granted = self.wf_permissions
+            for problem in permission_problems(callee, granted):
+                self.errors.append(
+                    Diagnostic(
+                        self.path,
+                        common["line"],
+                        common["column"],
+                        f"error calling workflow '{uses}': {problem}",
+                        phase=1,
+                    )
+                )
         return Job(**common, uses=uses, with_=frozen_map(with_), secrets=secrets, callee=callee)
 
     def callee(
@@ -1117,15 +1254,18 @@ class _Reader:
         secrets: Mapping[str, Any] | str | None,
         secret_keys: dict[str, YScalar],
     ) -> Workflow | None:
-        if not uses.startswith("./"):
+        problem = workflow_uses_error(uses)
+        if problem is None and is_local(uses):
+            problem = local_path_error(uses, self.state.repo)
+        if problem is not None:
+            self.err2(node, f"invalid `uses`: {problem}")
+            return None
+        if not is_local(uses):
             self.err2(
                 node,
                 f"reusable workflow '{uses}' is not local: preloop runs workflows from this "
                 "repository (`uses: ./.github/workflows/<file>.yml`)",
             )
-            return None
-        if "@" in uses:
-            self.err2(node, f"a local reusable workflow takes no `@ref`: '{uses}'")
             return None
         if self.depth + 1 > MAX_REUSABLE_DEPTH:
             self.err2(
@@ -1134,12 +1274,20 @@ class _Reader:
                 f"(calling '{uses}' would be level {self.depth + 1})",
             )
             return None
-        target = (self.state.repo / uses[2:]).resolve()
+        target = (self.state.repo / uses[2:].replace("\\", "/")).resolve()
         if not target.is_file():
             self.err2(node, f"reusable workflow '{uses}' does not exist ({target})")
             return None
         if target in self.state.stack:
             self.err2(node, f"reusable workflow '{uses}' calls itself (directly or indirectly)")
+            return None
+        self.state.called.add(target)
+        if len(self.state.called) > MAX_REUSABLE_WORKFLOWS:
+            self.err2(
+                node,
+                f"a workflow may call at most {MAX_REUSABLE_WORKFLOWS} unique reusable workflows "
+                f"(nested ones included); '{uses}' is one more",
+            )
             return None
         before = len(self.state.errors)
         callee = _load(self.state, target, self.depth + 1, uses[2:])
@@ -1156,6 +1304,15 @@ class _Reader:
                 self.err2(
                     key, f"input '{name}' is not declared by '{uses}' (on.workflow_call.inputs)"
                 )
+                continue
+            kind = decl.inputs[name].get("type")
+            value = key.value
+            if isinstance(value, str) and "${{" in value:
+                continue  # typed when evaluated, as the caller starts
+            if (kind == "boolean" and not isinstance(value, bool)) or (
+                kind == "number" and not _is_number(value)
+            ):
+                self.err2(key, f"input '{name}' of '{uses}' is a {kind}, not {value!r}")
         for name, spec in decl.inputs.items():
             if spec.get("required") is True and name not in with_ and "default" not in spec:
                 self.err2(node, f"'{uses}' requires input '{name}', which `with` does not provide")
@@ -1171,12 +1328,26 @@ class _Reader:
         return callee
 
 
+def _runner_group_error(group: str) -> str | None:
+    """GitHub's rule for `runs-on.group`: a name, or `organization/<name>` or
+    `enterprise/<name>` (also `org/`, `ent/`)."""
+    names = group.split("/")
+    if len(names) == 1:
+        return None
+    if len(names) == 2 and names[0] in ("org", "organization", "ent", "enterprise"):
+        return None if names[1] else f"invalid runs-on group name '{group}'"
+    return (
+        f"invalid runs-on group name '{group}': use an 'organization/' or 'enterprise/' "
+        "prefix to target one runner group"
+    )
+
+
 def _has_expression(node: YNode) -> bool:
     if isinstance(node, YScalar):
         return isinstance(node.value, str) and "${{" in node.value
     if isinstance(node, YSeq):
         return any(_has_expression(n) for n in node.items)
-    return any(_has_expression(v) for _, v in node.items)
+    return any(_has_expression(k) or _has_expression(v) for k, v in node.items)
 
 
 def _is_number(v: Any) -> bool:

@@ -60,9 +60,16 @@ Concurrency
 Reusable callers
 - An inner job's `needs` name base ids inside the same caller
   (`caller/inner`); an inner job without needs waits for its caller to start
-  (the caller's own needs). The caller's `spec["inputs"]` is its `inputs`
-  context as far as known at plan time; inputs that use `needs` are listed
-  in `spec["with_pending"]` and kept as written in `spec["with"]`.
+  (the caller's own needs). The caller's `spec["inputs"]` is its callee's
+  `inputs` context as far as known at plan time; inputs that use `needs` are
+  listed in `spec["with_pending"]` and kept as written in `spec["with"]`.
+  When the caller starts, the scheduler evaluates them
+  (`preloop.workflow.planner.caller_inputs`, typed by `spec["decl"]`, in the
+  caller's contexts with `spec["scope_inputs"]` as its own `inputs`) and hands
+  them to its direct inner jobs (`preloop.control.reusable`).
+- An inner job's `spec["secrets_chain"]` lists its enclosing callers,
+  outermost first, with what each passes as `secrets:` (a mapping of
+  templates, "inherit" or None): the runner gives the job only those.
 - A caller's `inner_job_ids` may name a deferred job; once expanded, its legs
   (same `base_id`, same `caller`) stand in for it.
 """

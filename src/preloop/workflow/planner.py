@@ -42,8 +42,17 @@ from preloop.workflow.model import (
     to_data,
 )
 from preloop.workflow.plan import Cohort, ConcurrencySpec, Plan, PlannedJob
+from preloop.workflow.templates import evaluate_data, template_contexts
 
-__all__ = ["DeferredExpansion", "PlanError", "expand_deferred", "plan", "template_expression"]
+__all__ = [
+    "DeferredExpansion",
+    "PlanError",
+    "caller_inputs",
+    "expand_deferred",
+    "plan",
+    "template_expression",
+    "typed_caller_input",
+]
 
 # Contexts known while planning; anything else (needs, steps, jobs, ...) waits.
 _PLAN_CONTEXTS = frozenset({"github", "inputs", "vars"})
@@ -82,20 +91,7 @@ def template_expression(text: str) -> str:
     return f"format({', '.join([literal, *args])})"
 
 
-def _template_contexts(value: Any) -> frozenset[str]:
-    """The contexts the `${{ }}` inside `value` (any plain data) name."""
-    out: set[str] = set()
-    if isinstance(value, str):
-        if "${{" in value:
-            for expr in ex.expressions_in(value):
-                out |= ex.parse(expr).contexts
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            out |= _template_contexts(v)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            out |= _template_contexts(v)
-    return frozenset(out)
+_template_contexts = template_contexts
 
 
 def _evaluable(value: Any, available: frozenset[str]) -> bool:
@@ -103,14 +99,9 @@ def _evaluable(value: Any, available: frozenset[str]) -> bool:
 
 
 def _eval_data(value: Any, ctx: Mapping[str, Any]) -> Any:
-    """Evaluates every template inside plain data (a lone `${{ }}` keeps its type)."""
-    if isinstance(value, str):
-        return ex.evaluate_template(value, ctx) if "${{" in value else value
-    if isinstance(value, Mapping):
-        return {k: _eval_data(v, ctx) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_eval_data(v, ctx) for v in value]
-    return value
+    """Evaluates a matrix as written: templates (a lone `${{ }}` keeps its
+    type), expression keys, `${{ insert }}`, array items spliced into vectors."""
+    return evaluate_data(value, ctx, splice=True)
 
 
 def _typed_input(value: Any, kind: Any) -> Any:
@@ -122,6 +113,43 @@ def _typed_input(value: Any, kind: Any) -> Any:
     return value
 
 
+def typed_caller_input(name: str, value: Any, kind: Any) -> Any:
+    """A reusable workflow's input as its declared type, as GitHub checks it
+    when the caller starts: a boolean takes true/false (or their strings), a
+    number a number (or a numeric string); anything becomes a string input.
+    Raises PlanError naming the input otherwise."""
+    if kind == "boolean":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            return value.strip().lower() == "true"
+        raise PlanError(f"input '{name}' is a boolean, not {ex.to_json(value)}")
+    if kind == "number":
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return value
+        n = ex.string_to_number(value) if isinstance(value, str) and value.strip() else math.nan
+        if math.isnan(n):
+            raise PlanError(f"input '{name}' is a number, not {ex.to_json(value)}")
+        return int(n) if n.is_integer() and abs(n) <= 2**53 else n
+    if kind == "string" and not isinstance(value, str):
+        return ex.coerce_string(value)
+    return value
+
+
+def caller_inputs(spec: Mapping[str, Any], contexts: Mapping[str, Any]) -> dict[str, Any]:
+    """A reusable caller's `inputs` for its callee, evaluated when it starts:
+    its `with:` (templates over the caller's `needs`, `matrix`, `inputs`, ...)
+    typed by the callee's declarations over the declared defaults. `spec` is
+    the caller's PlannedJob spec. Raises PlanError or ExpressionError."""
+    decl: Mapping[str, Any] = spec.get("decl") or {}
+    inputs = dict(spec.get("inputs") or {})
+    for name, value in (spec.get("with") or {}).items():
+        if isinstance(value, str) and "${{" in value:
+            value = ex.evaluate_template(value, contexts)
+        inputs[name] = typed_caller_input(name, value, (decl.get(name) or {}).get("type"))
+    return inputs
+
+
 @dataclass(slots=True)
 class _Scope:
     """Where jobs are being planned: the top-level workflow or one caller leg."""
@@ -131,6 +159,9 @@ class _Scope:
     caller: str | None
     contexts: dict[str, Any]  # github, inputs, vars
     available: frozenset[str]  # which of those are really known
+    # The reusable callers around this scope, outermost first: {caller, secrets}
+    # (what each passes on: a mapping of templates, "inherit" or None).
+    chain: tuple[dict[str, Any], ...] = ()
 
 
 class _Planner:
@@ -295,6 +326,8 @@ class _Planner:
             "environment": thaw(job.environment),
             "permissions": thaw(job.permissions),
         }
+        if scope.chain:
+            spec["secrets_chain"] = list(scope.chain)
         self.jobs.append(
             PlannedJob(
                 **common,
@@ -396,7 +429,13 @@ class _Planner:
                 else:
                     inputs_known = False
                     pending.append(name)
-            inputs[name] = _typed_input(value, decl.inputs.get(name, {}).get("type"))
+                    inputs[name] = value
+                    continue
+            kind = (decl.inputs.get(name) or {}).get("type")
+            try:
+                inputs[name] = typed_caller_input(name, value, kind)
+            except PlanError as exc:
+                raise self.fail(job, scope, str(exc)) from exc
         caller_id = common["id"]
         inner_scope = _Scope(
             workflow=callee,
@@ -409,11 +448,13 @@ class _Planner:
                 "_caller_name": common["name"],
             },
             available=_PLAN_CONTEXTS if inputs_known else _PLAN_CONTEXTS - {"inputs"},
+            chain=(*scope.chain, {"caller": caller_id, "secrets": thaw(job.secrets)}),
         )
         placeholder = len(self.jobs)
         self.jobs.append(PlannedJob(id=caller_id, seq=common["seq"], base_id="", name=""))
         inner_ids = self.plan_scope(inner_scope)
-        outputs = {k: str(v.get("value", "")) for k, v in decl.outputs.items()}
+        # One expression each (a template such as `${{ a }}-${{ b }}` included).
+        outputs = {k: _output_expression(v.get("value", "")) for k, v in decl.outputs.items()}
         spec = {
             "workflow": scope.workflow.path,
             "job": job.id,
@@ -423,10 +464,16 @@ class _Planner:
             "with": thaw(job.with_),
             "with_pending": pending,
             "inputs": thaw(inputs),
+            # What the caller evaluates `with:` in (the inputs of its own scope)
+            # and how its callee types the results, for `caller_inputs`.
+            "scope_inputs": thaw(scope.contexts.get("inputs") or {}),
+            "decl": {k: {"type": v.get("type")} for k, v in decl.inputs.items()},
             "secrets": thaw(job.secrets),
             "outputs": outputs,
             "permissions": thaw(job.permissions),
         }
+        if scope.chain:
+            spec["secrets_chain"] = list(scope.chain)
         self.jobs[placeholder] = PlannedJob(
             **common,
             kind="caller",
@@ -464,6 +511,7 @@ class _Planner:
                 "contexts": thaw(contexts),
                 "available": sorted(scope.available),
                 "seq_block": block,
+                "chain": list(scope.chain),
             },
         }
         name = job.name if job.name and "${{" not in job.name else job.id
@@ -489,6 +537,16 @@ class _Planner:
             )
         )
         return base
+
+
+def _output_expression(value: Any) -> str:
+    """A callee output's `value` as the caller folds it: a lone `${{ x }}` as
+    written, anything else (`${{ a }}-${{ b }}`, a literal) as one expression."""
+    text = ex.coerce_string(value)
+    segs = ex.template_segments(text)
+    if len(segs) == 1 and segs[0][0]:
+        return text
+    return template_expression(text)
 
 
 def _static_timeout(value: float | str) -> float:
@@ -547,6 +605,7 @@ def plan(
         declared = dict(workflow.workflow_call.inputs)
     all_inputs: dict[str, Any] = {}
     for name, spec in declared.items():
+        spec = spec or {}  # `inputs: {x: }` declares x with nothing else
         if name in given:
             all_inputs[name] = _typed_input(given[name], spec.get("type"))
         elif "default" in spec:
@@ -608,7 +667,7 @@ def expand_deferred(job: PlannedJob, contexts: Mapping[str, Any]) -> DeferredExp
     if d.get("caller_name"):
         ctx["_caller_name"] = d["caller_name"]
     available = frozenset(d["available"]) | {"needs"} | (frozenset(contexts) & _PLAN_CONTEXTS)
-    scope = _Scope(workflow, d["prefix"], d["caller"], ctx, available)
+    scope = _Scope(workflow, d["prefix"], d["caller"], ctx, available, tuple(d.get("chain") or ()))
     planner = _Planner(workflow.path, seq=job.seq)
     strategy = model.strategy
     assert strategy is not None and strategy.matrix is not None

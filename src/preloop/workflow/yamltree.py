@@ -122,11 +122,11 @@ def resolve_plain(text: str) -> Any:
     if _FALSE.fullmatch(text):
         return False
     if _INT.fullmatch(text):
-        return int(text)
+        return _number(int(text))
     if _OCT.fullmatch(text):
-        return int(text[2:], 8)
+        return _number(int(text[2:], 8))
     if _HEX.fullmatch(text):
-        return int(text[2:], 16)
+        return _number(int(text[2:], 16))
     if _FLOAT.fullmatch(text):
         return float(text)
     if _INF.fullmatch(text):
@@ -136,44 +136,148 @@ def resolve_plain(text: str) -> Any:
     return text
 
 
-def _convert(node: yaml.Node, path: str, errors: list[Diagnostic], depth: int = 0) -> YNode:
-    line, col = node.start_mark.line + 1, node.start_mark.column + 1
-    if depth > 200:
-        errors.append(Diagnostic(path, line, col, "YAML nesting is too deep"))
-        return YScalar(None, line, col)
+def _number(n: int) -> int | float:
+    """An integer as JavaScript (GitHub's parser) holds it: exact up to 2^53,
+    a double beyond (infinity past the largest double), never an overflow."""
+    if -_SAFE <= n <= _SAFE:
+        return n
+    try:
+        return float(n)
+    except OverflowError:
+        return math.inf if n > 0 else -math.inf
+
+
+_SAFE = 2**53
+#: YAML aliases may add at most this many values to a document (billion laughs).
+MAX_ALIAS_EXPANSION = 100_000
+_EXPLICIT_TAG = re.compile(r"(?:&\S+\s+)?!")
+_CORE = "tag:yaml.org,2002:"
+_TYPED_SCALARS = {_CORE + "null": type(None), _CORE + "bool": bool, _CORE + "int": int}
+
+
+class _AliasBomb(Exception):
+    """Aliases expand too much, or an alias contains itself."""
+
+
+class _Converter:
+    """yaml.Node -> YNode. An aliased node is converted once and shared (the
+    tree is immutable); what aliases add to the expanded document is counted
+    as it goes, so a billion-laughs file stops after MAX_ALIAS_EXPANSION
+    values instead of expanding."""
+
+    def __init__(self, path: str, errors: list[Diagnostic], text: str) -> None:
+        self.path = path
+        self.errors = errors
+        self.text = text
+        self.done: dict[int, tuple[YNode, int]] = {}
+        self.active: set[int] = set()
+        self.growth = 0
+
+    def convert(self, node: yaml.Node, depth: int = 0) -> tuple[YNode, int]:
+        key = id(node)
+        hit = self.done.get(key) if self.done else None
+        if hit is not None:
+            self.growth += hit[1]
+            if self.growth > MAX_ALIAS_EXPANSION:
+                raise _AliasBomb("they expand too much")
+            return hit
+        if key in self.active:
+            raise _AliasBomb("an alias contains itself")
+        line, col = node.start_mark.line + 1, node.start_mark.column + 1
+        if depth > 200:
+            self.errors.append(Diagnostic(self.path, line, col, "YAML nesting is too deep"))
+            return YScalar(None, line, col), 1
+        text = self.text
+        at = node.start_mark.index
+        tagged = text[at : at + 1] in ("!", "&")  # an explicit tag (maybe after an anchor)
+        if tagged and (problem := _tag_problem(node, text)) is not None:
+            self.errors.append(Diagnostic(self.path, line, col, problem))
+        out: YNode
+        if isinstance(node, yaml.ScalarNode):
+            start, end = node.start_mark.index, node.end_mark.index
+            explicit_str = tagged and node.tag == _CORE + "str" and _explicit(node, text)
+            if not node.style and not explicit_str:  # plain (C composer: '', Python: None)
+                out = YScalar(resolve_plain(node.value), line, col, False, start, end)
+            else:
+                out = YScalar(node.value, line, col, True, start, end)
+            # Not memoised: an alias to a scalar costs what its text costs.
+            return out, 1
+        self.active.add(key)
+        size = 1
+        if isinstance(node, yaml.SequenceNode):
+            items = []
+            for n in node.value:
+                y, k = self.convert(n, depth + 1)
+                items.append(y)
+                size += k
+            out = YSeq(tuple(items), line, col)
+        else:
+            assert isinstance(node, yaml.MappingNode)
+            out, size = self.mapping(node, line, col, depth)
+        self.active.discard(key)
+        self.done[key] = (out, size)
+        return out, size
+
+    def mapping(self, node: yaml.MappingNode, line: int, col: int, depth: int) -> tuple[YMap, int]:
+        path, errors = self.path, self.errors
+        items: list[tuple[YScalar, YNode]] = []
+        seen: set[Any] = set()
+        size = 1
+        for k, v in node.value:
+            key, ks = self.convert(k, depth + 1)
+            size += ks
+            if k.tag == "tag:yaml.org,2002:merge":
+                errors.append(
+                    Diagnostic(path, key.line, key.column, "YAML merge keys (<<) are not supported")
+                )
+                continue
+            if not isinstance(key, YScalar):
+                errors.append(
+                    Diagnostic(path, key.line, key.column, "a mapping key must be a scalar")
+                )
+                continue
+            # Keys are names: keep their text (`on`, `1`, `true` are all names).
+            key = YScalar(
+                k.value if isinstance(k, yaml.ScalarNode) else key.value, key.line, key.column
+            )
+            value, vs = self.convert(v, depth + 1)
+            size += vs
+            if key.value in seen:
+                errors.append(
+                    Diagnostic(path, key.line, key.column, f"'{key.value}' is already defined")
+                )
+                continue  # the first value stands (and is the one validated)
+            seen.add(key.value)
+            items.append((key, value))
+        return YMap(tuple(items), line, col), size
+
+
+def _explicit(node: yaml.Node, text: str) -> bool:
+    return bool(text) and _EXPLICIT_TAG.match(text, node.start_mark.index) is not None
+
+
+def _tag_problem(node: yaml.Node, text: str) -> str | None:
+    """GitHub's YAML reader takes explicit tags of the core schema only, and a
+    typed one (`!!int`) only on a plain scalar of that type."""
+    if not _explicit(node, text):
+        return None
+    tag = node.tag
     if isinstance(node, yaml.ScalarNode):
-        start, end = node.start_mark.index, node.end_mark.index
-        if not node.style:  # plain (the C composer says '', the Python one None)
-            return YScalar(resolve_plain(node.value), line, col, False, start, end)
-        return YScalar(node.value, line, col, True, start, end)
-    if isinstance(node, yaml.SequenceNode):
-        return YSeq(tuple(_convert(n, path, errors, depth + 1) for n in node.value), line, col)
-    assert isinstance(node, yaml.MappingNode)
-    items: list[tuple[YScalar, YNode]] = []
-    seen: set[Any] = set()
-    for k, v in node.value:
-        key = _convert(k, path, errors, depth + 1)
-        if k.tag == "tag:yaml.org,2002:merge":
-            errors.append(
-                Diagnostic(path, key.line, key.column, "YAML merge keys (<<) are not supported")
+        if tag == _CORE + "str":
+            return None
+        if tag in _TYPED_SCALARS or tag == _CORE + "float":
+            if node.style:
+                return f"the quoted scalar is not valid with the tag '{tag}'"
+            value = resolve_plain(node.value)
+            ok = (
+                isinstance(value, int | float) and not isinstance(value, bool)
+                if tag in (_CORE + "int", _CORE + "float")
+                else type(value) is _TYPED_SCALARS[tag]
             )
-            continue
-        if not isinstance(key, YScalar):
-            errors.append(Diagnostic(path, key.line, key.column, "a mapping key must be a scalar"))
-            continue
-        # Keys are names: keep their text (`on`, `1`, `true` are all names).
-        key = YScalar(
-            k.value if isinstance(k, yaml.ScalarNode) else key.value, key.line, key.column
-        )
-        value = _convert(v, path, errors, depth + 1)
-        if key.value in seen:
-            errors.append(
-                Diagnostic(path, key.line, key.column, f"'{key.value}' is already defined")
-            )
-            continue  # the first value stands (and is the one validated)
-        seen.add(key.value)
-        items.append((key, value))
-    return YMap(tuple(items), line, col)
+            return None if ok else f"'{node.value}' is not valid with the tag '{tag}'"
+    elif tag in (_CORE + "seq", _CORE + "map"):
+        return None
+    return f"unexpected YAML tag '{tag}'"
 
 
 def compose(text: str, path: str) -> tuple[YNode | None, list[Diagnostic]]:
@@ -193,7 +297,19 @@ def compose(text: str, path: str) -> tuple[YNode | None, list[Diagnostic]]:
         return None, errors
     if node is None:
         return None, errors
-    return _convert(node, path, errors), errors
+    try:
+        root, _ = _Converter(path, errors, text).convert(node)
+    except _AliasBomb as exc:
+        errors[:] = [
+            Diagnostic(
+                path,
+                1,
+                1,
+                f"YAML aliases: {exc} (at most {MAX_ALIAS_EXPANSION} values may come from aliases)",
+            )
+        ]
+        return None, errors
+    return root, errors
 
 
 def plain(node: YNode) -> Any:

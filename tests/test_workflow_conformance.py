@@ -1,0 +1,794 @@
+"""Conformance with GitHub's workflow parser, case by case.
+
+Each case is a workflow GitHub accepts (expected None) or rejects (expected
+`(line, col)` of the first error), written from GitHub's schema
+(workflow-v1.0.json), its reader test data (actions/languageservices,
+workflow-parser/testdata/reader) and its documentation. Cases marked `ts`
+are also checked against `@actions/workflow-parser` with node; the others are
+rules GitHub's service applies that the TypeScript parser does not (uses
+syntax, YAML tags, credentials, typed reusable-workflow inputs, permissions,
+local paths).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from tests.run_support import make_repo, results, run_engine, workflow
+
+from preloop.workflow import WorkflowError, load_workflow
+from preloop.workflow.uses import local_path_error, step_uses_error, workflow_uses_error
+
+pytest_plugins = ["preloop.testing.control_fixtures"]
+
+ROOT = Path(__file__).resolve().parent.parent
+ORACLE = ROOT / "tests" / "js" / "workflow_oracle.mjs"
+HAVE_ORACLE = shutil.which("node") is not None and (ROOT / "node_modules" / "@actions").is_dir()
+
+JOB = "    runs-on: x\n    steps: [{run: echo}]\n"
+
+
+def wf(text: str) -> str:
+    return textwrap.dedent(text).lstrip("\n")
+
+
+# (name, workflow, expected first error (line, col) or None, checked against TS too)
+CASES: list[tuple[str, str, tuple[int, int] | None, bool]] = [
+    # -- no false rejects: contexts per key, as the schema says ---------------
+    (
+        "pages-environment-url-uses-steps",
+        wf("""
+            on: push
+            jobs:
+              deploy:
+                environment:
+                  name: github-pages
+                  url: ${{ steps.deployment.outputs.page_url }}${{ env.X }}${{ runner.os }}
+                runs-on: x
+                steps:
+                  - id: deployment
+                    uses: actions/deploy-pages@v4
+            """),
+        None,
+        True,
+    ),
+    (
+        "container-and-service-credentials-use-secrets-and-env",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                container:
+                  image: ghcr.io/o/i:${{ matrix.v }}
+                  credentials:
+                    username: ${{ github.actor }}
+                    password: ${{ secrets.GHCR }}${{ env.X }}
+                  env:
+                    TOKEN: ${{ secrets.T }}
+                services:
+                  db:
+                    image: postgres
+                    credentials:
+                      username: u
+                      password: ${{ secrets.DB }}
+                    env:
+                      P: ${{ secrets.P }}
+                steps: [{run: echo}]
+            """),
+        None,
+        True,
+    ),
+    (
+        "job-defaults-run-may-use-contexts",
+        wf("""
+            on: push
+            jobs:
+              a:
+                defaults:
+                  run:
+                    working-directory: ${{ github.workspace }}/sub
+            """)
+        + JOB,
+        None,
+        True,
+    ),
+    (
+        "event-filters-from-the-schema",
+        wf("""
+            on:
+              merge_group:
+                branches: [main]
+                types: [checks_requested]
+              image_version:
+                names: [img]
+                versions: ['1.*']
+              registry_package:
+                types: [published]
+              workflow_run:
+                workflows: [CI]
+                types: [completed]
+                branches-ignore: [x]
+              pull_request_target:
+                types: [opened, synchronize]
+                paths-ignore: [docs/**]
+            jobs:
+              a:
+            """)
+        + JOB,
+        None,
+        True,
+    ),
+    (
+        "null-if",
+        wf("""
+            on: push
+            jobs:
+              a:
+                if:
+            """)
+        + JOB
+        + "  b:\n    if: null\n"
+        + JOB,
+        None,
+        True,
+    ),
+    (
+        "null-dispatch-inputs",  # reader test data; npm 0.3.61 still refuses it
+        wf("""
+            on:
+              workflow_dispatch:
+                inputs:
+            jobs:
+              a:
+            """)
+        + JOB,
+        None,
+        False,
+    ),
+    (
+        "job-if-may-name-jobs-in-status-functions",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                steps: [{run: echo}]
+              b:
+                needs: a
+                if: ${{ success('a') || failure('a', 'b') }}
+            """)
+        + JOB,
+        None,
+        True,
+    ),
+    (
+        "step-if-status-functions-take-no-arguments",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                steps:
+                  - run: echo
+                    if: ${{ success('a') }}
+            """),
+        (7, 13),
+        True,
+    ),
+    (
+        "a-null-dispatch-input-is-refused",
+        wf("""
+            on:
+              workflow_dispatch:
+                inputs:
+                  x:
+            jobs:
+              a:
+            """)
+        + JOB,
+        (4, 9),
+        True,
+    ),
+    (
+        "huge-integers-are-numbers",
+        wf("""
+            on: push
+            jobs:
+              a:
+                timeout-minutes: 123456789012345678901234567890123456789012345678901234567890
+                strategy:
+                  matrix:
+                    n: [0xFFFFFFFFFFFFFFFFFFFFFFFF, 99999999999999999999999]
+                runs-on: x
+                steps:
+                  - run: echo ${{ 0xFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFF }}
+            """),
+        None,
+        True,
+    ),
+    (
+        "workflow-dispatch-ignores-unknown-keys",  # GitHub's service; TS rejects
+        wf("""
+            on:
+              workflow_dispatch:
+                unknown-key: x
+            jobs:
+              a:
+            """)
+        + JOB,
+        None,
+        False,
+    ),
+    # -- no false accepts ------------------------------------------------------
+    (
+        "unknown-activity-type",
+        wf("""
+            on:
+              pull_request:
+                types: [opened, bogus]
+            jobs:
+              a:
+            """)
+        + JOB,
+        (3, 21),
+        True,
+    ),
+    (
+        "unknown-event-filter",
+        wf("""
+            on:
+              merge_group:
+                tags: [v1]
+            jobs:
+              a:
+            """)
+        + JOB,
+        (3, 5),
+        True,
+    ),
+    (
+        "job-ids-are-case-insensitive",
+        wf("""
+            on: push
+            jobs:
+              build:
+                runs-on: x
+                steps: [{run: echo}]
+              BUILD:
+            """)
+        + JOB,
+        (6, 3),
+        True,
+    ),
+    (
+        "job-id-reserved-prefix",
+        wf("""
+            on: push
+            jobs:
+              __a:
+            """)
+        + JOB,
+        (3, 3),
+        True,
+    ),
+    (
+        "step-ids-are-case-insensitive",  # reader test data; npm 0.3.61 does not check
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                steps:
+                  - id: step1
+                    run: echo
+                  - id: STEP1
+                    run: echo
+            """),
+        (8, 13),
+        False,
+    ),
+    (
+        "step-id-reserved-prefix",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                steps:
+                  - id: __x
+                    run: echo
+            """),
+        (6, 13),
+        True,
+    ),
+    (
+        "container-needs-an-image",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                container:
+                  options: --cpus 1
+                steps: [{run: echo}]
+            """),
+        (6, 7),
+        True,
+    ),
+    (
+        "service-image-empty",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                services:
+                  db:
+                    image: ''
+                steps: [{run: echo}]
+            """),
+        (7, 16),
+        True,
+    ),
+    (
+        "credentials-unknown-key",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                container:
+                  image: i
+                  credentials:
+                    user: u
+                steps: [{run: echo}]
+            """),
+        (8, 9),
+        True,
+    ),
+    (
+        "credentials-need-username-and-password",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                container:
+                  image: i
+                  credentials:
+                    username: u
+                steps: [{run: echo}]
+            """),
+        (8, 9),
+        False,
+    ),
+    (
+        "runs-on-group-prefix",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on:
+                  group: asdf/my-group
+                steps: [{run: echo}]
+            """),
+        (5, 14),
+        True,
+    ),
+    (
+        "runs-on-group-empty-name",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on:
+                  group: ent/
+                steps: [{run: echo}]
+            """),
+        (5, 14),
+        True,
+    ),
+    (
+        "literal-expressions-where-no-context-is-available",
+        wf("""
+            name: ${{ 'x' }}
+            on: push
+            defaults:
+              run:
+                shell: ${{ 'bash' }}
+            jobs:
+              a:
+                runs-on: x
+                steps:
+                  - run: echo
+                    shell: ${{ 'bash' }}
+            """),
+        None,
+        True,
+    ),
+    (
+        "no-expression-in-step-uses",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                steps:
+                  - uses: ${{ matrix.action }}
+            """),
+        (6, 15),
+        True,
+    ),
+    (
+        "no-expression-in-workflow-defaults",
+        wf("""
+            on: push
+            defaults:
+              run:
+                shell: ${{ github.event_name }}
+            jobs:
+              a:
+            """)
+        + JOB,
+        (4, 12),
+        True,
+    ),
+    (
+        "expression-length-limit",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                steps:
+                  - run: echo ${{ github.sha }} """)
+        + "x" * 21000
+        + "\n",
+        (6, 14),
+        False,  # reader test data; npm 0.3.61 does not check
+    ),
+    (
+        "step-uses-syntax",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                steps:
+                  - uses: docker://alpine:3.8
+                  - uses: actions/aws/ec2@main
+                  - uses: badrepo@v1
+            """),
+        (8, 15),
+        False,
+    ),
+    (
+        "step-uses-leaves-the-repository",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                steps:
+                  - uses: ./../outside
+            """),
+        (6, 15),
+        False,
+    ),
+    (
+        "reusable-workflow-leaves-the-repository",
+        wf("""
+            on: push
+            jobs:
+              a:
+                uses: ./.github/workflows/../../../w.yml
+            """),
+        (4, 11),
+        False,
+    ),
+    (
+        "reusable-workflow-uses-syntax",
+        wf("""
+            on: push
+            jobs:
+              a:
+                uses: owner/repo@v1
+            """),
+        (4, 11),
+        False,
+    ),
+    (
+        "explicit-unsupported-yaml-tag",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                steps:
+                  - uses: a/b@v1
+                    with:
+                      when: !!timestamp 2022-10-26T00:00:00Z
+            """),
+        (8, 17),
+        False,
+    ),
+    (
+        "explicit-tag-on-a-quoted-scalar",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                timeout-minutes: !!int "300"
+                steps: [{run: echo}]
+            """),
+        (5, 22),
+        False,
+    ),
+    (
+        "billion-laughs",
+        "x0: &x0 [a, a, a, a, a, a, a, a, a, a]\n"
+        + "".join(f"x{i}: &x{i} [{', '.join([f'*x{i - 1}'] * 10)}]\n" for i in range(1, 10))
+        + "on: push\njobs:\n  a:\n    runs-on: x\n    env: {A: *x9}\n    steps: [{run: echo}]\n",
+        (1, 1),
+        False,
+    ),
+    (
+        "alias-containing-itself",
+        "a: &a [1, *a]\non: push\njobs:\n  j:\n" + JOB,
+        (1, 1),
+        False,
+    ),
+]
+
+CALLEE = """\
+permissions:
+  contents: read
+on:
+  workflow_call:
+    inputs:
+      flag: {type: boolean}
+      n: {type: number}
+      s: {type: string}
+jobs:
+  j:
+    permissions:
+      actions: write
+    runs-on: x
+    steps: [{run: echo}]
+"""
+
+# Workflows with a local callee (the TypeScript oracle cannot read other files).
+CALLER_CASES: list[tuple[str, str, tuple[int, int] | None]] = [
+    (
+        "typed-inputs-coerce-strings-not-booleans",
+        wf("""
+            on: push
+            permissions: write-all
+            jobs:
+              call:
+                uses: ./.github/workflows/callee.yml
+                with:
+                  flag: not-a-boolean
+                  n: 3
+                  s: 3
+            """),
+        (7, 13),
+    ),
+    (
+        "typed-inputs-number",
+        wf("""
+            on: push
+            permissions: write-all
+            jobs:
+              call:
+                uses: ./.github/workflows/callee.yml
+                with:
+                  flag: true
+                  n: not-a-number
+            """),
+        (8, 10),
+    ),
+    (
+        "typed-inputs-ok-and-expressions-wait",
+        wf("""
+            on: push
+            permissions: write-all
+            jobs:
+              call:
+                uses: ./.github/workflows/callee.yml
+                with:
+                  flag: ${{ github.event_name == 'push' }}
+                  n: 1.5
+                  s: true
+            """),
+        None,
+    ),
+    (
+        "callee-asks-more-permissions-than-the-caller-job-grants",
+        wf("""
+            on: push
+            permissions: write-all
+            jobs:
+              call:
+                permissions:
+                  actions: read
+                  contents: read
+                uses: ./.github/workflows/callee.yml
+            """),
+        (4, 3),
+    ),
+    (
+        "callee-asks-more-permissions-than-the-caller-workflow-grants",
+        wf("""
+            on: push
+            permissions: read-all
+            jobs:
+              call:
+                uses: ./.github/workflows/callee.yml
+            """),
+        (4, 3),
+    ),
+    (
+        "caller-without-permissions-uses-the-repository-default",
+        wf("""
+            on: push
+            jobs:
+              call:
+                uses: ./.github/workflows/callee.yml
+            """),
+        None,
+    ),
+]
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    (tmp_path / ".github" / "workflows").mkdir(parents=True)
+    (tmp_path / ".github" / "workflows" / "callee.yml").write_text(CALLEE)
+    return tmp_path
+
+
+def first_error(repo: Path, text: str) -> tuple[int, int, str] | None:
+    path = repo / ".github" / "workflows" / "w.yml"
+    path.write_text(text)
+    try:
+        load_workflow(path)
+    except WorkflowError as exc:
+        d = exc.diagnostics[0]
+        assert d.path.endswith("w.yml"), str(exc)
+        return d.line, d.column, d.message
+    return None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_case(repo: Path, text: str, expected: tuple[int, int] | None) -> None:
+    got = first_error(repo, text)
+    if expected is None:
+        assert got is None
+    else:
+        assert got is not None and got[:2] == expected, got
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [(c[1], c[2]) for c in CALLER_CASES],
+    ids=[c[0] for c in CALLER_CASES],
+)
+def test_caller_case(repo: Path, text: str, expected: tuple[int, int] | None) -> None:
+    got = first_error(repo, text)
+    if expected is None:
+        assert got is None
+    else:
+        assert got is not None and got[:2] == expected, got
+
+
+@pytest.mark.skipif(not HAVE_ORACLE, reason="needs node and `npm ci` (the CI installs both)")
+def test_cases_agree_with_githubs_parser() -> None:
+    cases = [c for c in CASES if c[3]]
+    files = [{"name": ".github/workflows/w.yml", "content": c[1]} for c in cases]
+    proc = subprocess.run(
+        ["node", str(ORACLE)],
+        input=json.dumps(files),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    problems = []
+    for (name, _, expected, _), errs in zip(cases, json.loads(proc.stdout), strict=True):
+        theirs = min(((e["line"], e["column"]) for e in errs), default=None)
+        if theirs != expected:
+            problems.append(
+                f"{name}: GitHub's parser gives {theirs} ({errs}), we expect {expected}"
+            )
+    assert not problems, "\n".join(problems)
+
+
+def test_billion_laughs_is_fast_and_small(repo: Path) -> None:
+    text = next(c[1] for c in CASES if c[0] == "billion-laughs").replace("range", "")
+    deeper = text.replace("on: push", "y: &y [*x9, *x9, *x9, *x9, *x9]\non: push")
+    started = time.monotonic()
+    assert first_error(repo, deeper) is not None
+    assert time.monotonic() - started < 5  # exponential expansion would take minutes
+
+
+def test_symlink_loop_is_an_error_not_a_traceback(repo: Path) -> None:
+    loop = repo / ".github" / "workflows" / "loop.yml"
+    os.symlink("loop.yml", loop)
+    with pytest.raises(WorkflowError) as info:
+        load_workflow(loop)
+    (d,) = info.value.diagnostics
+    assert (d.line, d.column) == (1, 1) and "cannot read workflow" in d.message
+
+
+def test_uses_syntax_functions(tmp_path: Path) -> None:
+    for ok in ("docker://alpine:3.8", "actions/aws/ec2@main", "./x", "$/x", "a/b@v1", ".\\x"):
+        assert step_uses_error(ok) is None, ok
+    for bad in ("$$docker://alpine", "...docker://x", "badrepo@invalid", "a/b", "a/b@", "a@b@c"):
+        assert step_uses_error(bad) is not None, bad
+    for ok in (
+        "./.github/workflows/x.yml",
+        "o/r/.github/workflows/x.yaml@v1",
+        "$/.github/workflows/x.yml",
+    ):
+        assert workflow_uses_error(ok) is None, ok
+    for bad in ("o/r@v1", "./x.yml", "o/r/.github/workflows/x.yml", "./.github/workflows/x.yml@v1"):
+        assert workflow_uses_error(bad) is not None, bad
+    (tmp_path / "in").mkdir()
+    os.symlink("/", tmp_path / "in" / "escape")
+    assert local_path_error("./in", tmp_path) is None
+    assert local_path_error("./in/../in", tmp_path) is None
+    assert local_path_error("./../x", tmp_path) is not None
+    assert local_path_error("./in/escape", tmp_path) is not None
+
+
+def test_at_most_50_unique_reusable_workflows(repo: Path) -> None:
+    from preloop.workflow.loader import MAX_REUSABLE_WORKFLOWS
+
+    wf_dir = repo / ".github" / "workflows"
+    n = MAX_REUSABLE_WORKFLOWS + 1
+    for i in range(n):
+        (wf_dir / f"c{i}.yml").write_text("on: workflow_call\njobs:\n  j:\n" + JOB)
+    jobs = "".join(f"  call{i}:\n    uses: ./.github/workflows/c{i}.yml\n" for i in range(n))
+    # The same workflow called twice counts once.
+    again = "  again:\n    uses: ./.github/workflows/c0.yml\n"
+    assert first_error(repo, "on: push\njobs:\n" + jobs[: jobs.index("  call50:")] + again) is None
+    got = first_error(repo, "on: push\njobs:\n" + jobs)
+    assert got is not None and got[:2] == (2 + 2 * n, 11), got
+
+
+def test_huge_numbers_run_on_both_stores(tmp_path: Path, store_url: str) -> None:
+    big = "1" * 400
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            f"""\
+            on: push
+            jobs:
+              a:
+                runs-on: ubuntu-latest
+                timeout-minutes: {big}
+                strategy:
+                  matrix:
+                    n: [0xFFFFFFFFFFFFFFFFFFFFFFFF, 12345678901234567890, {big}]
+                steps:
+                  - run: echo "n=${{{{ matrix.n }}}} j=${{{{ toJSON(matrix.n) }}}}"
+            """
+        ),
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert set(results(outcome).values()) == {"success"}, h.all_text()
+    text = h.all_text()
+    assert "n=12345678901234567000 j=12345678901234567000" in text
+    assert "n=7.922816251426434e+28" in text and "n=Infinity" in text

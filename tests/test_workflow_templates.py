@@ -1,0 +1,93 @@
+"""GitHub's template features: `${{ insert }}` in mappings, matrix vector
+items that evaluate to arrays (spliced), expression matrix keys (evaluated
+when the job starts); validated like GitHub's parser, run on both stores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.run_support import make_repo, results, run_engine, workflow
+
+from preloop.workflow import load_workflow, plan
+from preloop.workflow.templates import evaluate_data, is_insert, mapping_items
+
+pytest_plugins = ["preloop.testing.control_fixtures"]
+
+WORKFLOW = """\
+on: push
+jobs:
+  gen:
+    runs-on: ubuntu-latest
+    outputs:
+      env: ${{ steps.s.outputs.env }}
+      axis: ${{ steps.s.outputs.axis }}
+    steps:
+      - id: s
+        run: |
+          echo 'env={"FROM_NEEDS":"yes","N":3}' >> "$GITHUB_OUTPUT"
+          echo 'axis=flavour' >> "$GITHUB_OUTPUT"
+  use:
+    needs: gen
+    runs-on: ubuntu-latest
+    env:
+      A: a
+      ${{ insert }}: ${{ fromJSON(needs.gen.outputs.env) }}
+    strategy:
+      matrix:
+        ${{ needs.gen.outputs.axis }}: [a, "${{ fromJSON('[\\"b\\", \\"c\\"]') }}"]
+    steps:
+      - run: echo "leg $A $FROM_NEEDS $N ${{ matrix.flavour }} $S"
+        env:
+          ${{ insert }}: ${{ fromJSON('{"S":"s1"}') }}
+"""
+
+
+def test_insert_spliced_vector_and_expression_key_run(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(tmp_path / "repo", workflow(WORKFLOW))
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    r = results(outcome)
+    legs = sorted(k for k in r if k.startswith("use#"))
+    assert legs == ["use#0", "use#1", "use#2"] and all(r[k] == "success" for k in legs), r
+    text = h.all_text()
+    for v in ("a", "b", "c"):
+        assert f"leg a yes 3 {v} s1" in text
+
+
+def test_static_parts_plan_without_needs(tmp_path: Path) -> None:
+    wf = tmp_path / ".github" / "workflows" / "w.yml"
+    wf.parent.mkdir(parents=True)
+    wf.write_text(
+        """\
+on: push
+jobs:
+  m:
+    runs-on: x
+    strategy:
+      matrix:
+        ${{ github.event_name == 'push' && 'os' || 'no' }}: [linux, "${{ fromJSON('[1, 2]') }}"]
+        include:
+          - ${{ insert }}: ${{ fromJSON('{"extra":true}') }}
+    steps: [{run: echo}]
+"""
+    )
+    p = plan(load_workflow(wf), "push")
+    assert [j.matrix for j in p.jobs] == [
+        {"os": "linux", "extra": True},
+        {"os": 1, "extra": True},
+        {"os": 2, "extra": True},
+    ]
+
+
+def test_helpers() -> None:
+    assert is_insert("${{ insert }}") and is_insert("${{insert}}") and not is_insert("insert")
+    ctx = {"inputs": {"k": "key", "more": [2, 3]}}
+    data = {"${{ inputs.k }}": [1, "${{ inputs.more }}", "x-${{ inputs.k }}"]}
+    assert evaluate_data(data, ctx, splice=True) == {"key": [1, 2, 3, "x-key"]}
+    assert evaluate_data(data, ctx) == {"key": [1, [2, 3], "x-key"]}
+    items = list(
+        mapping_items(
+            {"A": "1", "${{ insert }}": "${{ x }}", "${{ k }}": "v"},
+            lambda v: {"${{ x }}": {"B": 2}, "${{ k }}": "K"}[v],
+        )
+    )
+    assert items == [("A", "1", False), ("B", 2, True), ("K", "v", False)]

@@ -115,10 +115,7 @@ class _Prober:
         key = _probe_key(path)
         if key is None:
             return None
-        if key in self.old:
-            value = self.old[key]
-        else:
-            value = _run(argv)
+        value = self.old[key] if key in self.old else _run(argv)
         self.new[key] = value
         return value
 
@@ -367,7 +364,9 @@ def list_tool_cache(root: Path) -> list[ToolEntry]:
             if first is not None and first.is_symlink():
                 source = os.readlink(first)
         entries.append(
-            ToolEntry(tool, version, arch, str(path), source, "host" if rel in ours else "installed")
+            ToolEntry(
+                tool, version, arch, str(path), source, "host" if rel in ours else "installed"
+            )
         )
     entries.sort(key=lambda e: (e.tool.lower(), [-x for x in _version_key(e.version)]))
     return entries

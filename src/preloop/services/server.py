@@ -336,6 +336,9 @@ class ServiceServer:
                 return web.Response(status=400, text=f"unsupported comp={comp}")
         except StorageError as exc:
             return web.Response(status=400, text=str(exc), headers=headers)
+        except ConnectionError:
+            # the client went away mid-body: the partial block was discarded
+            return web.Response(status=400, text="the upload was interrupted", headers=headers)
         return web.Response(status=201, headers=headers)
 
     async def _blob_get(self, request: web.Request) -> web.StreamResponse:

@@ -261,6 +261,7 @@ class LocalStorage:
         directory, _target = self._uploads.pop(upload, (None, None))
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
+            (directory.parent / f"{upload}.meta").unlink(missing_ok=True)
 
     # -- artifacts ---------------------------------------------------------------
     def _run_dir(self, run: str) -> Path:
@@ -570,6 +571,7 @@ class LocalStorage:
         files go; a pending cache entry is dropped) and closes the index."""
         for upload, (directory, target) in list(self._uploads.items()):
             shutil.rmtree(directory, ignore_errors=True)
+            (directory.parent / f"{upload}.meta").unlink(missing_ok=True)
             target.unlink(missing_ok=True)
             Path(f"{target}.part").unlink(missing_ok=True)
             if self._db is not None:

@@ -72,7 +72,7 @@ def _twirp_error(status: int, code: str, msg: str) -> web.Response:
 
 
 async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
-    async for chunk in request.content.iter_chunked(1 << 20):
+    async for chunk in request.content.iter_any():
         yield chunk
 
 

@@ -245,6 +245,14 @@ def test_tool_cache_find_python_returns_the_hosts_interpreter(
           node $JS/toolcache.cjs 3.x
           node $JS/toolcache.cjs 2.0.1
           echo "tool cache at $RUNNER_TOOL_CACHE"
+      - uses: actions/setup-python@v5
+        continue-on-error: true
+        with:
+          python-version: "2.0"
+      - uses: actions/setup-python@v5
+        continue-on-error: true
+        with:
+          python-version: "3.x"
 """
     repo = make_repo(tmp_path / "repo", _workflow(jobs))
     state = tmp_path / "state"
@@ -271,6 +279,10 @@ def test_tool_cache_find_python_returns_the_hosts_interpreter(
     # the newest 3.x the host has, as setup-python would pick
     assert version == max(host, key=lambda v: tuple(int(x) for x in v.split(".")))
     assert f"tool cache at {state / 'toolcache'}" in text
+    # a setup step asking for a version the host lacks names the versions it has
+    hint = next(ln for ln in lines if "has no Python matching '2.0'" in ln)
+    assert all(v in hint for v in host) and str(state / "toolcache") in hint
+    assert "matching '3.x'" not in text
     shown = _preloop(state, "toolcache", "--json")
     assert shown.returncode == 0, shown.stderr
     entries = json.loads(shown.stdout)["entries"]

@@ -20,7 +20,7 @@ import pytest
 from preloop.services import ServiceAccess, job_environment, run_services
 from preloop.services.storage import LocalStorage, StorageConflict
 from preloop.services.tokens import Claims, mint
-from preloop.services.toolcache import list_tool_cache, refresh_tool_cache
+from preloop.services.toolcache import list_tool_cache, refresh_tool_cache, setup_action_hint
 
 ROOT = Path(__file__).resolve().parents[1]
 ART = "/twirp/github.actions.results.api.v1.ArtifactService/"
@@ -268,3 +268,19 @@ def test_tool_cache_follows_the_host(tmp_path: Path) -> None:
     ]
     assert not (root / "Python" / version).exists()
     assert list_tool_cache(root)[0].path == str(installed)
+
+
+def test_setup_action_hint_names_the_versions_the_host_has(tmp_path: Path) -> None:
+    root = tmp_path / "tc"
+    for version in ("3.12.1", "3.11.7"):
+        (root / "Python" / version / "x64").mkdir(parents=True)
+        (root / "Python" / version / "x64.complete").write_text("")
+    hint = setup_action_hint(root, "actions/setup-python@v5", {"python-version": "3.9"})
+    assert hint is not None and "no Python matching '3.9'" in hint
+    assert "Python 3.12.1, 3.11.7" in hint and "pyenv install 3.9" in hint
+    for spec in ("3.11", "3.x", "3", "3.12.1"):
+        assert setup_action_hint(root, "actions/setup-python@v5", {"python-version": spec}) is None
+    assert setup_action_hint(root, "actions/setup-python@v5", {}) is None
+    assert setup_action_hint(root, "actions/cache@v4", {"python-version": "3.9"}) is None
+    node = setup_action_hint(root, "actions/setup-node@v4", {"node-version": "22"})
+    assert node is not None and "node none" in node

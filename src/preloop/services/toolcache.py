@@ -374,3 +374,44 @@ def list_tool_cache(root: Path) -> list[ToolEntry]:
 
 def entries_as_dicts(entries: Iterable[ToolEntry]) -> list[dict[str, str]]:
     return [asdict(e) for e in entries]
+
+
+#: setup actions served by the tool cache: (tool directory, the input naming the version)
+SETUP_ACTIONS = {
+    "actions/setup-python": ("Python", "python-version"),
+    "actions/setup-node": ("node", "node-version"),
+    "actions/setup-go": ("go", "go-version"),
+    "actions/setup-java": ("Java_Temurin-Hotspot_jdk", "java-version"),
+    "astral-sh/setup-uv": ("uv", "version"),
+}
+
+
+def _matches(version: str, spec: str) -> bool:
+    """`3.11` / `3.11.4` / `3.x` / `v20` style specs against a full version."""
+    want = spec.strip().lstrip("v").split(".")
+    have = version.split(".")
+    return all(w in ("x", "*", "") or (i < len(have) and have[i] == w) for i, w in enumerate(want))
+
+
+def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str | None:
+    """For a failed `uses:` step of a setup action asking for a version the
+    host lacks: a message naming the versions the tool cache has (and what to
+    do). None when the action is not one the tool cache serves, when no plain
+    version was asked for, or when the version is there (the step failed for
+    another reason)."""
+    action = uses.split("@", 1)[0].strip().lower()
+    if action not in SETUP_ACTIONS:
+        return None
+    tool, input_name = SETUP_ACTIONS[action]
+    spec = str(inputs.get(input_name) or "").strip()
+    if not re.fullmatch(r"v?\d+(\.(\d+|x|\*))*", spec):
+        return None
+    versions = [e.version for e in list_tool_cache(root) if e.tool == tool]
+    if any(_matches(v, spec) for v in versions):
+        return None
+    have = ", ".join(versions) if versions else "none"
+    return (
+        f"{action}: this host has no {tool} matching {spec!r}; the tool cache ({root}) has "
+        f"{tool} {have}. Install {spec} on the host (for Python e.g. `pyenv install {spec}` "
+        f"or `uv python install {spec}`) or ask for one of these; `preloop toolcache` lists them"
+    )

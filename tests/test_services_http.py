@@ -284,3 +284,22 @@ def test_setup_action_hint_names_the_versions_the_host_has(tmp_path: Path) -> No
     assert setup_action_hint(root, "actions/cache@v4", {"python-version": "3.9"}) is None
     node = setup_action_hint(root, "actions/setup-node@v4", {"node-version": "22"})
     assert node is not None and "node none" in node
+
+
+def test_uploads_of_a_dead_service_are_swept_a_day_later(tmp_path: Path) -> None:
+    dead = LocalStorage(tmp_path)
+    dead.create_artifact("3", "j", "a", None)
+    dead.reserve_cache("r", "refs/heads/main", "k", "v")
+    # the process dies: nothing closes `dead`
+    leftovers = [
+        *tmp_path.glob("artifacts/3/.uploads/*"),
+        *tmp_path.glob("actions-cache/uploads/*"),
+    ]
+    assert leftovers
+    fresh = LocalStorage(tmp_path)
+    assert fresh.sweep_abandoned_uploads() == 0  # too young: maybe a live service's
+    for p in leftovers:
+        os.utime(p, (time.time() - 2 * 86400,) * 2)
+    assert fresh.sweep_abandoned_uploads(older_than=86400) == len(leftovers)
+    assert list(tmp_path.glob("artifacts/3/.uploads/*")) == []
+    assert list(tmp_path.glob("actions-cache/uploads/*")) == []

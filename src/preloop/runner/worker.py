@@ -262,6 +262,8 @@ class Runner:
             service_env = await anyio.to_thread.run_sync(
                 job_environment, opts.state_dir, opts.services, str(lease.run_id), lease.job_id
             )
+            if "ACTIONS_RUNTIME_TOKEN" in service_env:
+                masker.add(service_env["ACTIONS_RUNTIME_TOKEN"])  # as GitHub's runner does
             wrap = (
                 bubblewrap_wrapper(job_dir, opts.state_dir, job_dir / "tmp")
                 if opts.sandbox

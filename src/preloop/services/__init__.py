@@ -92,9 +92,15 @@ def open_storage(state_dir: Path) -> ServiceStorage:
 
 
 def remove_expired_artifacts(state_dir: Path) -> list[str]:
-    """Removes the artifacts of runs older than PRELOOP_ARTIFACT_RETENTION_DAYS."""
+    """Removes the artifacts of runs older than PRELOOP_ARTIFACT_RETENTION_DAYS,
+    and what uploads of dead services left a day ago or earlier."""
     days = int(config.get("PRELOOP_ARTIFACT_RETENTION_DAYS"))
-    return LocalStorage(state_dir).remove_expired_artifacts(days)
+    storage = LocalStorage(state_dir)
+    try:
+        storage.sweep_abandoned_uploads()
+        return storage.remove_expired_artifacts(days)
+    finally:
+        storage.close()
 
 
 @contextlib.contextmanager

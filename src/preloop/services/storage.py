@@ -379,6 +379,32 @@ class LocalStorage:
         """Removes what unfinished uploads of `run` left (a killed client, a dead service)."""
         shutil.rmtree(self._run_dir(run) / ".uploads", ignore_errors=True)
 
+    def sweep_abandoned_uploads(self, older_than: float = 86400.0) -> int:
+        """Removes what uploads of dead services left (blocks, partial files,
+        pending cache rows) once older than `older_than` seconds: a live
+        service's uploads are younger. Returns how many were removed."""
+        cutoff = time.time() - older_than
+        removed = 0
+        leftovers = list(self.artifacts.glob("*/.uploads/*")) if self.artifacts.is_dir() else []
+        if self.cache_dir.is_dir():
+            leftovers += list((self.cache_dir / "uploads").glob("*"))
+            leftovers += list((self.cache_dir / "blobs").glob(".*.part"))
+        for path in leftovers:
+            try:
+                if path.lstat().st_mtime >= cutoff:
+                    continue
+            except FileNotFoundError:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed += 1
+        if (self.cache_dir / "index.db").exists():
+            with self._tx() as db:
+                db.execute("DELETE FROM entries WHERE state='pending' AND created < ?", (cutoff,))
+        return removed
+
     def remove_expired_artifacts(self, retention_days: int, now: float | None = None) -> list[str]:
         """Removes every run's artifacts whose newest artifact is older than
         `retention_days` (0 keeps everything). Returns the runs removed."""

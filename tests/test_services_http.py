@@ -303,3 +303,15 @@ def test_uploads_of_a_dead_service_are_swept_a_day_later(tmp_path: Path) -> None
     assert fresh.sweep_abandoned_uploads(older_than=86400) == len(leftovers)
     assert list(tmp_path.glob("artifacts/3/.uploads/*")) == []
     assert list(tmp_path.glob("actions-cache/uploads/*")) == []
+
+
+def test_an_artifact_goes_when_its_retention_days_pass(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    for name, expires in (("short", "2026-01-01T00:00:00.000Z"), ("kept", None)):
+        upload = storage.create_artifact("4", "j", name, expires)
+        target = storage._uploads[upload][1]
+        target.write_bytes(b"zip")
+        storage.finalize_artifact("4", "j", name, 3, "")
+    now = time.mktime((2026, 6, 1, 0, 0, 0, 0, 0, 0))
+    assert storage.remove_expired_artifacts(0, now=now) == []
+    assert [r.name for r in storage.list_artifacts("4")] == ["kept"]

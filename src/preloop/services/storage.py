@@ -405,12 +405,29 @@ class LocalStorage:
                 db.execute("DELETE FROM entries WHERE state='pending' AND created < ?", (cutoff,))
         return removed
 
+    def _remove_past_their_expiry(self, now: float) -> None:
+        """Artifacts uploaded with `retention-days` (their `expires_at`) go when it passes."""
+        with contextlib.suppress(FileNotFoundError):
+            for run in os.listdir(self.artifacts):
+                for record in self._records(run):
+                    if not record.expires_at:
+                        continue
+                    try:
+                        when = dt.datetime.fromisoformat(record.expires_at).timestamp()
+                    except ValueError:
+                        continue
+                    if when < now:
+                        directory = self._run_dir(run)
+                        (directory / f"{record.id}.json").unlink(missing_ok=True)
+                        (directory / f"{record.id}.zip").unlink(missing_ok=True)
+
     def remove_expired_artifacts(self, retention_days: int, now: float | None = None) -> list[str]:
         """Removes every run's artifacts whose newest artifact is older than
         `retention_days` (0 keeps everything). Returns the runs removed."""
+        now = time.time() if now is None else now
+        self._remove_past_their_expiry(now)
         if retention_days <= 0:
             return []
-        now = time.time() if now is None else now
         removed: list[str] = []
         with contextlib.suppress(FileNotFoundError):
             for run in os.listdir(self.artifacts):

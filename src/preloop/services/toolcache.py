@@ -11,8 +11,10 @@ toolchains and lays each out there as links, never copies:
   that holds its own `bin/python` (pyenv, uv) is linked whole; a system
   interpreter gets a directory whose `bin/` links `python`, `python3` and
   `python3.X` to it (the interpreter finds its prefix through the link);
-- `node` (setup-node), `go` (setup-go: the GOROOT), `uv` (astral-sh/setup-uv)
-  and `Java_Temurin-Hotspot_jdk` (setup-java's Temurin JDK: the JAVA_HOME).
+- `node` (setup-node), `go` (setup-go: the GOROOT), `uv` (astral-sh/setup-uv,
+  which names the architecture `x86_64`/`aarch64` and wants `uv` and `uvx` in
+  the version directory itself) and `Java_Temurin-Hotspot_jdk` (setup-java's
+  Temurin JDK: the JAVA_HOME).
 
 Each entry preloop made is listed in `<root>/.preloop-host.json`, with the
 probe result of each interpreter keyed by its path, size and mtime, so a
@@ -264,6 +266,13 @@ def _describe(f: _Found) -> str:
     return f.target or json.dumps(list(f.binaries))
 
 
+def _arch_for(tool: str, arch: str) -> str:
+    """astral-sh/setup-uv names architectures as uv's release files do."""
+    if tool == "uv":
+        return {"x64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
+    return arch
+
+
 def _lay_out(root: Path, arch: str, f: _Found) -> None:
     version_dir = root / f.tool / f.version
     version_dir.mkdir(parents=True, exist_ok=True)
@@ -301,7 +310,7 @@ def refresh_tool_cache(root: Path, env: Mapping[str, str] | None = None) -> list
         old: dict[str, str] = dict(manifest.get("entries") or {})
         new: dict[str, str] = {}
         for f in found:
-            rel = f"{f.tool}/{f.version}/{arch}"
+            rel = f"{f.tool}/{f.version}/{_arch_for(f.tool, arch)}"
             desc = _describe(f)
             dest = root / rel
             ours = rel in old
@@ -309,7 +318,7 @@ def refresh_tool_cache(root: Path, env: Mapping[str, str] | None = None) -> list
                 continue  # installed there by a setup action: leave it alone
             complete = (root / f"{rel}.complete").exists()
             if not ours or old[rel] != desc or not complete or not dest.exists():
-                _lay_out(root, arch, f)
+                _lay_out(root, _arch_for(f.tool, arch), f)
             new[rel] = desc
         for rel in set(old) - set(new):  # the toolchain left the host
             (root / f"{rel}.complete").unlink(missing_ok=True)

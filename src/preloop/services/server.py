@@ -329,7 +329,8 @@ class ServiceServer:
                 await self.storage.write_block(upload, block, _chunks(request), MAX_BLOCK)
             elif comp == "blocklist":
                 blocks = _block_list(await request.read())
-                self.storage.commit_blocks(upload, blocks)
+                # joining 200 MB of blocks must not stall the other jobs' requests
+                await asyncio.to_thread(self.storage.commit_blocks, upload, blocks)
             elif comp is None:
                 await self.storage.write_block(upload, None, _chunks(request), MAX_BLOB)
             else:

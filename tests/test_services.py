@@ -78,8 +78,7 @@ def test_artifacts_upload_then_download_in_a_dependent_job(tmp_path: Path, store
   up:
     runs-on: ubuntu-latest
     steps:
-      - run: node $JS/artifacts_up.cjs basic
-      - run: node $JS/artifacts_up.cjs forged
+      - run: node $JS/artifacts_up.cjs basic forged
   down:
     needs: up
     runs-on: ubuntu-latest

@@ -1,5 +1,5 @@
 // Uploads with GitHub's own client (@actions/artifact), as upload-artifact@v4 does.
-// argv: mode; see each case. Prints one line per result for the test to read.
+// argv: modes, run in order; see each case. Prints one line per result for the test to read.
 const fs = require('fs');
 const path = require('path');
 const crypto = require('crypto');
@@ -22,8 +22,11 @@ async function upload(client, name, root, options) {
 }
 
 async function main() {
+  for (const mode of process.argv.slice(2)) await run(mode);
+}
+
+async function run(mode) {
   const client = new DefaultArtifactClient();
-  const mode = process.argv[2];
   const ws = process.env.GITHUB_WORKSPACE;
   if (mode === 'basic') {
     await upload(client, 'data', path.join(ws, 'data'));

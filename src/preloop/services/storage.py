@@ -47,7 +47,7 @@ __all__ = [
     "StorageError",
 ]
 
-_BLOCK_ID = re.compile(r"^[A-Za-z0-9+/=_-]{1,128}$")
+_BLOCK_ID = re.compile(r"^[A-Za-z0-9+/=_-]{1,100}$")  # Azure: <= 64 bytes, base64
 _COPY_CHUNK = 1 << 20
 
 

@@ -150,6 +150,19 @@ KNOBS: dict[str, Knob] = {
             "Scheduler store: postgresql://... for a shared PostgreSQL, sqlite:///path, "
             "or empty for the lite store at $PRELOOP_STATE_DIR/preloop.db.",
         ),
+        Knob(
+            "PRELOOP_ACTIONS_CACHE_MAX_BYTES",
+            "10GiB",
+            parse_bytes,
+            "Byte cap of the actions cache (actions/cache entries, least recently used "
+            "evicted first); 0 disables the cap.",
+        ),
+        Knob(
+            "PRELOOP_ARTIFACT_RETENTION_DAYS",
+            "90",
+            parse_nonnegative_int,
+            "Days a run's artifacts are kept (removed when `preloop run` starts); 0 keeps them.",
+        ),
     ]
 }
 

@@ -51,6 +51,12 @@ from preloop.runner.checkout import (
     work_dir,
 )
 from preloop.runner.job import kill_tracked, tracking_prefix
+from preloop.services import (
+    ServiceAccess,
+    default_branch_ref,
+    remove_expired_artifacts,
+    run_services,
+)
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
 from preloop.snapshot.holders import hold_run_repository, release_run_repository
 from preloop.snapshot.owner import ProcessIdentity
@@ -321,6 +327,7 @@ class Engine:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
         await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir)
+        await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir)
         run_key = f"run-{uuid.uuid4().hex[:16]}"
         # Held before the capture, released after the removal: a crash in
         # between leaves a dead holder that the next sweep or prune cleans.
@@ -361,7 +368,10 @@ class Engine:
             if self.events.on_submitted is not None:
                 self.events.on_submitted(run_id, planned)
             if not self._interrupted:
-                await self._drive(store, run_id, _plan_labels(planned))
+                default_ref = await anyio.to_thread.run_sync(default_branch_ref, root)
+                ref = str(gh.get("ref") or "")
+                with run_services(self.state_dir, str(root), ref, default_ref) as services:
+                    await self._drive(store, run_id, _plan_labels(planned), services)
             if self._interrupted:
                 await settle_cancelled(store, run_id, "cancelled by Ctrl-C")
             info = await anyio.to_thread.run_sync(store.get_run, run_id)
@@ -424,7 +434,13 @@ class Engine:
         info = await anyio.to_thread.run_sync(store.get_run, run_id)
         return info.status == "completed"
 
-    async def _drive(self, store: Store, run_id: int, labels: list[str]) -> None:
+    async def _drive(
+        self,
+        store: Store,
+        run_id: int,
+        labels: list[str],
+        services: ServiceAccess | None = None,
+    ) -> None:
         req = self.request
         count = req.local_runners if req.local_runners is not None else (os.cpu_count() or 1)
         done = anyio.Event()
@@ -442,6 +458,7 @@ class Engine:
                     sandbox=req.sandbox,
                     sandbox_network=req.sandbox_network,
                     run_id=run_id,
+                    services=services,
                 ),
                 events,
                 templates,

@@ -9,6 +9,7 @@ from preloop.cli import (  # noqa: F401  (registration)
     run,
     runner,
     runs,
+    services,
     snapshot,
 )
 from preloop.cli import fingerprint as _fingerprint  # noqa: F401  (registration)

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from preloop import config
 from preloop.cli.app import cli, emit_json, fail
+from preloop.cli.services import actions_cache_document, print_actions_cache
 from preloop.errors import UsageError
 from preloop.snapshot import layout
 from preloop.snapshot.prune import (
@@ -55,7 +56,8 @@ state_dir_option = click.option(
 
 @cli.group("cache")
 def cache_group() -> None:
-    """The shared snapshot object cache (<state>/snapshot-object-cache).
+    """The shared snapshot object cache (<state>/snapshot-object-cache); `status`
+    also shows the actions cache (actions/cache entries, <state>/actions-cache).
 
     Entries are <key>.git with their .last-head and .index sidecars. The cap is
     PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES (default 100GiB, 0 disables).
@@ -101,6 +103,7 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
                 "total_bytes": total,
                 "entries": entries,
                 "references_error": refs_error,
+                "actions_cache": actions_cache_document(state),
             }
         )
         return
@@ -124,6 +127,7 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
     )
     if refs_error:
         console.print(f"references unknown: {refs_error}", highlight=False)
+    print_actions_cache(console, actions_cache_document(state))
 
 
 def _report_document(report: PruneReport) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from preloop.runner.commands import (
 from preloop.runner.limits import explain_e2big, limit_job_outputs
 from preloop.runner.masking import Masker, mask_json
 from preloop.runner.stream import run_streaming
+from preloop.services.toolcache import setup_action_hint
 from preloop.workflow import expressions as ex
 from preloop.workflow.hashfiles import hash_files
 from preloop.workflow.templates import mapping_items
@@ -418,12 +419,29 @@ class _Execution:
         if outcome != "success":
             suffix = " (continue-on-error)" if conclusion == "success" else ""
             self.log(f"✖ {name}: {outcome}{suffix}")
+            if step.get("uses"):
+                self.setup_hint(step, scope, pre_env, name)
         self.record(scope, step_id, name, outcome, conclusion, outputs, elapsed)
         if conclusion == "failure":
             scope.failed = True
             self.status = "failure"
         elif conclusion == "cancelled":
             self.status = "cancelled"
+
+    def setup_hint(
+        self, step: Mapping[str, Any], scope: _Scope, env: Mapping[str, str], name: str
+    ) -> None:
+        """A failed setup-python/node/go/java/uv step asking for a version the
+        host lacks: say which versions the tool cache has."""
+        ctx = self.contexts(scope, env)
+        try:
+            inputs = {k: self.template(v, ctx) for k, v in dict(step.get("with") or {}).items()}
+        except ex.ExpressionError:
+            return
+        hint = setup_action_hint(Path(self.runner_ctx["tool_cache"]), str(step["uses"]), inputs)
+        if hint:
+            self.log(hint)
+            self.annotations.append(Annotation("error", hint, self.job_key, name))
 
     def record(
         self,

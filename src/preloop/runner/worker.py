@@ -36,6 +36,7 @@ from preloop.runner.limits import RUN_OUTPUTS_MAX_BYTES, output_bytes
 from preloop.runner.logs import JobLog
 from preloop.runner.masking import Masker
 from preloop.runner.sandbox import bubblewrap_wrapper
+from preloop.services import ServiceAccess, job_environment
 from preloop.workflow import PlanError, PlannedJob, expand_deferred
 
 __all__ = ["DEFAULT_LABELS", "JobEvents", "Runner", "RunnerOptions"]
@@ -77,6 +78,8 @@ class RunnerOptions:
     idle_poll: float = 0.5
     # Serve only this run (the local runners of `preloop run`); None serves any.
     run_id: int | None = None
+    # The run's artifact and cache services (`preloop run`); None: tool cache only.
+    services: ServiceAccess | None = None
 
 
 T = TypeVar("T")
@@ -305,6 +308,11 @@ class Runner:
             line(
                 f"checked out snapshot {location.commit[:12]} in {time.monotonic() - started:.2f}s"
             )
+            service_env = await anyio.to_thread.run_sync(
+                job_environment, opts.state_dir, opts.services, str(lease.run_id), lease.job_id
+            )
+            if "ACTIONS_RUNTIME_TOKEN" in service_env:
+                masker.add(service_env["ACTIONS_RUNTIME_TOKEN"])  # as GitHub's runner does
             wrap = (
                 bubblewrap_wrapper(
                     job_dir, opts.state_dir, workspace=workspace, network=opts.sandbox_network
@@ -321,6 +329,8 @@ class Runner:
             run_id=str(lease.run_id),
             runner_name=opts.name,
             wrap=wrap,
+            base_env={**os.environ, **service_env},
+            tool_cache=Path(service_env["RUNNER_TOOL_CACHE"]),
             tracking_key=str(tracking_key) if tracking_key else None,
         )
         return await execute_job(

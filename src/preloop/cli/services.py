@@ -1,0 +1,210 @@
+"""`preloop toolcache` and `preloop artifacts`: the runner's services seen from the shell.
+
+`preloop cache status` shows the actions cache beside the snapshot object
+cache through `actions_cache_document` / `print_actions_cache` here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from preloop import config
+from preloop.cli.app import cli, emit_json
+from preloop.errors import UsageError
+from preloop.services.storage import LocalStorage
+from preloop.services.toolcache import default_tool_cache, list_tool_cache, refresh_tool_cache
+
+__all__ = ["actions_cache_document", "print_actions_cache"]
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _iso(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, tz=dt.UTC).isoformat(timespec="seconds")
+
+
+state_dir_option = click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="State directory (default: $PRELOOP_STATE_DIR, i.e. $PRELOOP_HOME/state).",
+)
+
+
+@cli.command("toolcache")
+@state_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
+@click.option("--no-refresh", is_flag=True, help="List what is there without scanning the host.")
+def toolcache_command(state_dir: Path | None, as_json: bool, no_refresh: bool) -> None:
+    """The tool cache jobs see as RUNNER_TOOL_CACHE (default <state>/toolcache).
+
+    It is refreshed from the host's toolchains (Python on PATH, pyenv and
+    uv-managed Pythons; node; go; java; uv) before listing, as before every
+    job, so actions/setup-python, setup-node, setup-go, setup-java (Temurin)
+    and astral-sh/setup-uv find them without a download.
+    """
+    state = state_dir if state_dir is not None else config.state_dir()
+    root = default_tool_cache(state)
+    entries = list_tool_cache(root) if no_refresh else refresh_tool_cache(root)
+    if as_json:
+        emit_json(
+            {
+                "tool_cache": str(root),
+                "entries": [
+                    {
+                        "tool": e.tool,
+                        "version": e.version,
+                        "arch": e.arch,
+                        "path": e.path,
+                        "source": e.source,
+                        "origin": e.origin,
+                    }
+                    for e in entries
+                ],
+            }
+        )
+        return
+    console = Console(file=sys.stdout, soft_wrap=True)
+    table = Table("tool", "version", "arch", "links to", "origin", box=None)
+    for e in entries:
+        table.add_row(e.tool, e.version, e.arch, e.source, e.origin)
+    if entries:
+        console.print(table)
+    console.print(f"{len(entries)} versions in {root}", highlight=False)
+
+
+@cli.command("artifacts")
+@click.argument("run_id", type=int)
+@click.option(
+    "--download",
+    "download",
+    metavar="NAME",
+    default=None,
+    help="Extract artifact NAME into DIR (default: ./NAME), file modes kept.",
+)
+@click.argument("directory", required=False, type=click.Path(path_type=Path, file_okay=False))
+@state_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document for scripts.")
+def artifacts_command(
+    run_id: int,
+    download: str | None,
+    directory: Path | None,
+    state_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """List the artifacts run RUN_ID uploaded, or download one.
+
+    Artifacts are kept under <state>/artifacts/<run> as the zips the
+    upload-artifact action made, for PRELOOP_ARTIFACT_RETENTION_DAYS.
+    """
+    state = state_dir if state_dir is not None else config.state_dir()
+    storage = LocalStorage(state)
+    records = storage.list_artifacts(str(run_id))
+    if download is None:
+        if directory is not None:
+            raise UsageError("DIR is only taken with --download NAME")
+        if as_json:
+            emit_json({"run_id": run_id, "artifacts": [r.to_dict() for r in records]})
+            return
+        if not records:
+            click.echo(f"run {run_id} has no artifacts in {state / 'artifacts'}")
+            return
+        console = Console(file=sys.stdout, soft_wrap=True)
+        table = Table("id", "name", "size", "job", "created (UTC)", box=None)
+        for r in records:
+            table.add_row(str(r.id), r.name, _human(r.size), r.job, r.created_at)
+        console.print(table)
+        return
+    match = [r for r in records if r.name == download]
+    if not match:
+        names = ", ".join(r.name for r in records) or "none"
+        raise UsageError(f"run {run_id} has no artifact named {download!r} (it has: {names})")
+    record = match[0]
+    dest = (directory if directory is not None else Path(download)).absolute()
+    archive = storage.blob_path("artifact", f"{run_id}/{record.id}")
+    extracted = _extract(archive, dest)
+    if as_json:
+        emit_json({"run_id": run_id, "name": download, "directory": str(dest), "files": extracted})
+    else:
+        click.echo(f"extracted {extracted} files of {download!r} into {dest}")
+
+
+def _extract(archive: Path, dest: Path) -> int:
+    """Extracts `archive` into `dest`, refusing paths that leave it, keeping modes."""
+    dest.mkdir(parents=True, exist_ok=True)
+    root = dest.resolve()
+    count = 0
+    with zipfile.ZipFile(archive) as zf:
+        for info in zf.infolist():
+            target = (root / info.filename).resolve()
+            if not target.is_relative_to(root):
+                raise UsageError(f"{archive}: entry {info.filename!r} leaves the directory")
+            if info.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, open(target, "wb") as out:
+                while chunk := src.read(1 << 20):
+                    out.write(chunk)
+            mode = (info.external_attr >> 16) & 0o7777
+            if mode:
+                target.chmod(mode)
+            count += 1
+    return count
+
+
+def actions_cache_document(state: Path) -> dict[str, Any]:
+    """The actions cache (actions/cache entries) of `state` for `preloop cache status`."""
+    cap = int(config.get("PRELOOP_ACTIONS_CACHE_MAX_BYTES"))
+    storage = LocalStorage(state)
+    try:
+        entries = storage.cache_entries()
+    finally:
+        storage.close()
+    return {
+        "cache_dir": str(storage.cache_dir),
+        "max_bytes": cap,
+        "total_bytes": sum(e.size for e in entries),
+        "entries": [
+            {
+                "id": e.id,
+                "repository": e.repo,
+                "ref": e.ref,
+                "key": e.key,
+                "version": e.version,
+                "size_bytes": e.size,
+                "created": _iso(e.created),
+                "last_use": _iso(e.last_used),
+            }
+            for e in entries
+        ],
+    }
+
+
+def print_actions_cache(console: Console, doc: dict[str, Any]) -> None:
+    table = Table("key", "ref", "bytes", "last use (UTC)", "repository", box=None)
+    for e in doc["entries"]:
+        table.add_row(e["key"], e["ref"], _human(e["size_bytes"]), e["last_use"], e["repository"])
+    if doc["entries"]:
+        console.print(table)
+    cap = doc["max_bytes"]
+    console.print(
+        f"actions cache: {len(doc['entries'])} entries, {_human(doc['total_bytes'])} in "
+        f"{doc['cache_dir']} (cap {'disabled' if cap == 0 else _human(cap)})",
+        highlight=False,
+    )

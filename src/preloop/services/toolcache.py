@@ -1,0 +1,426 @@
+"""The runner's tool cache, laid out from the host's toolchains.
+
+GitHub's `setup-*` actions look in `$RUNNER_TOOL_CACHE/<Tool>/<version>/<arch>/`
+(with an `<arch>.complete` marker beside it, `@actions/tool-cache`'s `find`)
+before downloading anything. `refresh_tool_cache(root)` finds the host's
+toolchains and lays each out there as links, never copies:
+
+- `Python`: interpreters on PATH (`python3`, `python3.X`; pyenv shims are
+  skipped), pyenv's (`$PYENV_ROOT/versions/*`, default `~/.pyenv`) and uv's
+  (`$UV_PYTHON_INSTALL_DIR`, default `~/.local/share/uv/python/*`). A prefix
+  that holds its own `bin/python` (pyenv, uv) is linked whole; a system
+  interpreter gets a directory whose `bin/` links `python`, `python3` and
+  `python3.X` to it (the interpreter finds its prefix through the link);
+- `node` (setup-node), `go` (setup-go: the GOROOT), `uv` (astral-sh/setup-uv,
+  which names the architecture `x86_64`/`aarch64` and wants `uv` and `uvx` in
+  the version directory itself) and `Java_Temurin-Hotspot_jdk` (setup-java's
+  Temurin JDK: the JAVA_HOME).
+
+Each entry preloop made is listed in `<root>/.preloop-host.json`, with the
+probe result of each interpreter keyed by its path, size and mtime, so a
+refresh is a handful of `stat`s when nothing changed; an entry whose
+toolchain disappeared is removed, and entries that setup actions installed
+themselves (a download on GitHub's side) are never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = [
+    "ToolEntry",
+    "default_tool_cache",
+    "list_tool_cache",
+    "refresh_tool_cache",
+]
+
+MANIFEST = ".preloop-host.json"
+_PROBE_TIMEOUT = 10.0
+_PY_PROBE = (
+    "import sys, json; print(json.dumps([list(sys.version_info[:3]), "
+    "sys.version_info.releaselevel, sys.prefix, sys.implementation.name]))"
+)
+_VERSION = re.compile(r"^\d+\.\d+\.\d+$")
+
+
+def tool_arch() -> str:
+    """The `<arch>` directory name: node's `os.arch()`, which the actions use."""
+    machine = platform.machine().lower()
+    return {"x86_64": "x64", "amd64": "x64", "aarch64": "arm64", "arm64": "arm64"}.get(
+        machine, machine
+    )
+
+
+def default_tool_cache(state_dir: Path, env: Mapping[str, str] | None = None) -> Path:
+    """`$RUNNER_TOOL_CACHE` when set, else `<state>/toolcache`."""
+    env = os.environ if env is None else env
+    given = env.get("RUNNER_TOOL_CACHE")
+    return Path(given).expanduser().absolute() if given else Path(state_dir) / "toolcache"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolEntry:
+    """One laid-out version: `path` is `<root>/<tool>/<version>/<arch>`."""
+
+    tool: str
+    version: str
+    arch: str
+    path: str
+    source: str  # the host directory or interpreter it links to
+    origin: str  # "host" (preloop's link) or "installed" (put there by an action)
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    tool: str
+    version: str
+    target: str  # link the <arch> dir to this directory ...
+    binaries: tuple[tuple[str, str], ...] = ()  # ... or build bin/ with these links
+
+
+def _probe_key(path: Path) -> str | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _run(argv: list[str]) -> str | None:
+    try:
+        res = subprocess.run(
+            argv, capture_output=True, text=True, timeout=_PROBE_TIMEOUT, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+class _Prober:
+    """Runs each interpreter at most once per (path, size, mtime)."""
+
+    def __init__(self, cache: dict[str, object]) -> None:
+        self.old = cache
+        self.new: dict[str, object] = {}
+
+    def get(self, path: Path, argv: list[str]) -> object:
+        key = _probe_key(path)
+        if key is None:
+            return None
+        value = self.old[key] if key in self.old else _run(argv)
+        self.new[key] = value
+        return value
+
+
+def _path_dirs(env: Mapping[str, str]) -> Iterator[Path]:
+    seen: set[str] = set()
+    for raw in env.get("PATH", "").split(os.pathsep):
+        if not raw or raw in seen or "shims" in Path(raw).parts:
+            continue  # pyenv/asdf shims are dispatchers, not interpreters
+        seen.add(raw)
+        yield Path(raw)
+
+
+def _pythons(env: Mapping[str, str], prober: _Prober) -> Iterator[_Found]:
+    candidates: list[Path] = []
+    for d in _path_dirs(env):
+        with contextlib.suppress(OSError):
+            for name in sorted(os.listdir(d)):
+                if re.fullmatch(r"python3(\.\d+)?", name):
+                    candidates.append(d / name)
+    roots = [
+        Path(env.get("PYENV_ROOT") or Path(env.get("HOME", "~")) / ".pyenv").expanduser()
+        / "versions",
+        Path(
+            env.get("UV_PYTHON_INSTALL_DIR")
+            or Path(env.get("XDG_DATA_HOME") or Path(env.get("HOME", "~")) / ".local/share")
+            / "uv/python"
+        ).expanduser(),
+    ]
+    for root in roots:
+        with contextlib.suppress(OSError):
+            for name in sorted(os.listdir(root)):
+                exe = root / name / "bin" / "python3"
+                if exe.exists():
+                    candidates.append(exe)
+    seen: set[str] = set()
+    for exe in candidates:
+        if not os.access(exe, os.X_OK):
+            continue
+        real = str(exe.resolve())
+        if real in seen:
+            continue
+        seen.add(real)
+        out = prober.get(exe, [str(exe), "-c", _PY_PROBE])
+        if not isinstance(out, str):
+            continue
+        try:
+            (major, minor, micro), level, prefix, impl = json.loads(out)
+        except (ValueError, TypeError):
+            continue
+        if impl != "cpython" or level != "final":
+            continue
+        version = f"{major}.{minor}.{micro}"
+        if (Path(prefix) / "bin" / "python").resolve() == Path(real):
+            yield _Found("Python", version, prefix)
+        else:
+            names = ("python", "python3", f"python{major}.{minor}")
+            yield _Found("Python", version, "", tuple((n, real) for n in names))
+
+
+def _node(env: Mapping[str, str], prober: _Prober) -> Iterator[_Found]:
+    exe = shutil.which("node", path=env.get("PATH"))
+    if not exe:
+        return
+    out = prober.get(Path(exe), [exe, "--version"])
+    if isinstance(out, str) and re.fullmatch(r"v\d+\.\d+\.\d+", out.strip()):
+        real = Path(exe).resolve()
+        links = [("node", str(real))]
+        for extra in ("npm", "npx", "corepack"):
+            other = shutil.which(extra, path=env.get("PATH"))
+            if other:
+                links.append((extra, other))
+        yield _Found("node", out.strip()[1:], "", tuple(links))
+
+
+def _go(env: Mapping[str, str], prober: _Prober) -> Iterator[_Found]:
+    exe = shutil.which("go", path=env.get("PATH"))
+    if not exe:
+        return
+    out = prober.get(Path(exe), [exe, "env", "GOROOT", "GOVERSION"])
+    if isinstance(out, str):
+        lines = out.split()
+        if len(lines) == 2 and (m := re.fullmatch(r"go(\d+\.\d+(?:\.\d+)?)", lines[1])):
+            version = m.group(1) if m.group(1).count(".") == 2 else m.group(1) + ".0"
+            yield _Found("go", version, lines[0])
+
+
+def _uv(env: Mapping[str, str], prober: _Prober) -> Iterator[_Found]:
+    exe = shutil.which("uv", path=env.get("PATH"))
+    if not exe:
+        return
+    out = prober.get(Path(exe), [exe, "--version"])
+    if isinstance(out, str) and (m := re.match(r"uv (\d+\.\d+\.\d+)", out.strip())):
+        real = str(Path(exe).resolve())
+        links = [("uv", real)]
+        uvx = shutil.which("uvx", path=env.get("PATH"))
+        if uvx:
+            links.append(("uvx", str(Path(uvx).resolve())))
+        # setup-uv puts the version directory itself on PATH (no bin/)
+        yield _Found("uv", m.group(1), "", tuple(links))
+
+
+def _java(env: Mapping[str, str], prober: _Prober) -> Iterator[_Found]:
+    exe = shutil.which("java", path=env.get("PATH"))
+    if not exe:
+        return
+    home = Path(exe).resolve().parent.parent
+    release = home / "release"
+    try:
+        text = release.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return
+    m = re.search(r'^JAVA_VERSION="(\d+)(?:\.(\d+))?(?:\.(\d+))?', text, re.M)
+    if m and (home / "bin" / "javac").exists():
+        version = ".".join(x or "0" for x in m.groups())
+        yield _Found("Java_Temurin-Hotspot_jdk", version, str(home))
+
+
+def _discover(env: Mapping[str, str], prober: _Prober) -> list[_Found]:
+    found: dict[tuple[str, str], _Found] = {}
+    for finder in (_pythons, _node, _go, _uv, _java):
+        for f in finder(env, prober):
+            found.setdefault((f.tool, f.version), f)  # first on PATH wins
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / ".preloop-host.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _describe(f: _Found) -> str:
+    return f.target or json.dumps(list(f.binaries))
+
+
+def _arch_for(tool: str, arch: str) -> str:
+    """astral-sh/setup-uv names architectures as uv's release files do."""
+    if tool == "uv":
+        return {"x64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
+    return arch
+
+
+def _lay_out(root: Path, arch: str, f: _Found) -> None:
+    version_dir = root / f.tool / f.version
+    version_dir.mkdir(parents=True, exist_ok=True)
+    dest = version_dir / arch
+    marker = version_dir / f"{arch}.complete"
+    marker.unlink(missing_ok=True)
+    _remove(dest)
+    if f.target:
+        os.symlink(f.target, dest)
+    else:
+        bindir = dest if f.tool == "uv" else dest / "bin"
+        bindir.mkdir(parents=True)
+        for name, target in f.binaries:
+            os.symlink(target, bindir / name)
+    marker.write_text("")
+
+
+def refresh_tool_cache(root: Path, env: Mapping[str, str] | None = None) -> list[ToolEntry]:
+    """Brings `root` in line with the host's toolchains (see the module
+    docstring) and returns what it holds. Safe to call from several
+    processes: one refresh at a time per tool cache."""
+    env = os.environ if env is None else env
+    root = Path(root)
+    arch = tool_arch()
+    with _locked(root):
+        manifest_path = root / MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+            if not isinstance(manifest, dict):
+                manifest = {}
+        except (OSError, ValueError):
+            manifest = {}
+        prober = _Prober(dict(manifest.get("probes") or {}))
+        found = _discover(env, prober)
+        old: dict[str, str] = dict(manifest.get("entries") or {})
+        new: dict[str, str] = {}
+        for f in found:
+            rel = f"{f.tool}/{f.version}/{_arch_for(f.tool, arch)}"
+            desc = _describe(f)
+            dest = root / rel
+            ours = rel in old
+            if not ours and (dest.exists() or dest.is_symlink()):
+                continue  # installed there by a setup action: leave it alone
+            complete = (root / f"{rel}.complete").exists()
+            if not ours or old[rel] != desc or not complete or not dest.exists():
+                _lay_out(root, _arch_for(f.tool, arch), f)
+            new[rel] = desc
+        for rel in set(old) - set(new):  # the toolchain left the host
+            (root / f"{rel}.complete").unlink(missing_ok=True)
+            _remove(root / rel)
+            with contextlib.suppress(OSError):
+                (root / rel).parent.rmdir()
+        tmp = root / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps({"entries": new, "probes": prober.new}, indent=1))
+        os.replace(tmp, manifest_path)
+    return list_tool_cache(root)
+
+
+def _versions(root: Path) -> Iterable[tuple[str, str, str]]:
+    with contextlib.suppress(OSError):
+        for tool in sorted(os.listdir(root)):
+            if tool.startswith(".") or not (root / tool).is_dir():
+                continue
+            for version in sorted(os.listdir(root / tool)):
+                if not _VERSION.match(version.split("-")[0].split("+")[0]):
+                    continue
+                for name in sorted(os.listdir(root / tool / version)):
+                    if name.endswith(".complete"):
+                        arch = name[: -len(".complete")]
+                        if (root / tool / version / arch).exists():
+                            yield tool, version, arch
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version))
+
+
+def list_tool_cache(root: Path) -> list[ToolEntry]:
+    """Every complete `<tool>/<version>/<arch>` in `root`, newest version first per tool."""
+    root = Path(root)
+    try:
+        ours = set(json.loads((root / MANIFEST).read_text(encoding="utf-8")).get("entries") or {})
+    except (OSError, ValueError, AttributeError):
+        ours = set()
+    entries = []
+    for tool, version, arch in _versions(root):
+        rel = f"{tool}/{version}/{arch}"
+        path = root / rel
+        source = os.readlink(path) if path.is_symlink() else str(path)
+        if not path.is_symlink() and (path / "bin" / "python").is_symlink():
+            source = str(Path(os.readlink(path / "bin" / "python")))
+        elif not path.is_symlink():
+            links = sorted(
+                (path / "bin").iterdir() if (path / "bin").is_dir() else path.iterdir(),
+                key=lambda p: (p.name != tool.lower(), p.name),
+            )
+            first = links[0] if links else None
+            if first is not None and first.is_symlink():
+                source = os.readlink(first)
+        entries.append(
+            ToolEntry(
+                tool, version, arch, str(path), source, "host" if rel in ours else "installed"
+            )
+        )
+    entries.sort(key=lambda e: (e.tool.lower(), [-x for x in _version_key(e.version)]))
+    return entries
+
+
+def entries_as_dicts(entries: Iterable[ToolEntry]) -> list[dict[str, str]]:
+    return [asdict(e) for e in entries]
+
+
+#: setup actions served by the tool cache: (tool directory, the input naming the version)
+SETUP_ACTIONS = {
+    "actions/setup-python": ("Python", "python-version"),
+    "actions/setup-node": ("node", "node-version"),
+    "actions/setup-go": ("go", "go-version"),
+    "actions/setup-java": ("Java_Temurin-Hotspot_jdk", "java-version"),
+    "astral-sh/setup-uv": ("uv", "version"),
+}
+
+
+def _matches(version: str, spec: str) -> bool:
+    """`3.11` / `3.11.4` / `3.x` / `v20` style specs against a full version."""
+    want = spec.strip().lstrip("v").split(".")
+    have = version.split(".")
+    return all(w in ("x", "*", "") or (i < len(have) and have[i] == w) for i, w in enumerate(want))
+
+
+def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str | None:
+    """For a failed `uses:` step of a setup action asking for a version the
+    host lacks: a message naming the versions the tool cache has (and what to
+    do). None when the action is not one the tool cache serves, when no plain
+    version was asked for, or when the version is there (the step failed for
+    another reason)."""
+    action = uses.split("@", 1)[0].strip().lower()
+    if action not in SETUP_ACTIONS:
+        return None
+    tool, input_name = SETUP_ACTIONS[action]
+    spec = str(inputs.get(input_name) or "").strip()
+    if not re.fullmatch(r"v?\d+(\.(\d+|x|\*))*", spec):
+        return None
+    versions = [e.version for e in list_tool_cache(root) if e.tool == tool]
+    if any(_matches(v, spec) for v in versions):
+        return None
+    have = ", ".join(versions) if versions else "none"
+    return (
+        f"{action}: this host has no {tool} matching {spec!r}; the tool cache ({root}) has "
+        f"{tool} {have}. Install {spec} on the host (for Python e.g. `pyenv install {spec}` "
+        f"or `uv python install {spec}`) or ask for one of these; `preloop toolcache` lists them"
+    )

@@ -1,0 +1,288 @@
+"""The runner's services driven by GitHub's own npm clients inside `preloop run`.
+
+`@actions/artifact`, `@actions/cache` and `@actions/tool-cache` (installed by
+`npm ci` from package.json) run from `run: node ...` steps of real workflows;
+the scripts are in tests/js/services/. The scheduler-facing runs go through
+both stores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.run_support import git, make_repo, results, run_engine
+
+from preloop.services.toolcache import list_tool_cache
+
+pytest_plugins = ["preloop.testing.control_fixtures"]
+
+ROOT = Path(__file__).resolve().parents[1]
+NODE_MODULES = ROOT / "node_modules"
+JS = ROOT / "tests" / "js" / "services"
+
+
+@pytest.fixture(autouse=True)
+def _npm_clients() -> None:
+    if not (NODE_MODULES / "@actions" / "artifact").is_dir():
+        pytest.fail("GitHub's npm clients are missing: run `npm ci` in the project root")
+
+
+def _workflow(jobs: str) -> dict[str, str]:
+    head = f"on: push\nenv:\n  NODE_PATH: {NODE_MODULES}\n  JS: {JS}\njobs:\n"
+    return {".github/workflows/ci.yml": head + jobs}
+
+
+def _preloop(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "preloop", *args, "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def _tree(root: Path) -> dict[str, tuple[bytes, int]]:
+    out = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            out[str(path.relative_to(root))] = (
+                path.read_bytes(),
+                stat.S_IMODE(path.stat().st_mode),
+            )
+    return out
+
+
+def _data_repo(tmp_path: Path, jobs: str) -> Path:
+    repo = make_repo(tmp_path / "repo", _workflow(jobs), commit=False)
+    data = repo / "data"
+    (data / "nested" / "deeper").mkdir(parents=True)
+    (data / "readme.txt").write_text("hello artifacts\n")
+    (data / "run.sh").write_text("#!/bin/sh\necho run\n")
+    (data / "run.sh").chmod(0o755)
+    (data / "nested" / "blob.bin").write_bytes(os.urandom(200_000))
+    (data / "nested" / "deeper" / "empty").write_bytes(b"")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "init")
+    return repo
+
+
+def test_artifacts_upload_then_download_in_a_dependent_job(tmp_path: Path, store_url: str) -> None:
+    jobs = """
+  up:
+    runs-on: ubuntu-latest
+    steps:
+      - run: node $JS/artifacts_up.cjs basic forged
+  down:
+    needs: up
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          node $JS/artifacts_down.cjs data got
+          diff -r data got/data
+          node $JS/artifacts_down.cjs pattern merged '^part-'
+          test "$(cat merged/sub/one.txt)" = one
+          test "$(cat merged/two.txt)" = "second version"
+          test ! -e merged/other.txt
+"""
+    repo = _data_repo(tmp_path, jobs)
+    state = tmp_path / "state"
+    outcome, h = run_engine(repo, store_url, state)
+    text = h.all_text()
+    assert results(outcome) == {"up": "success", "down": "success"}, text
+    assert "duplicate: refused:" in text and "(409) Conflict" in text
+    assert "forged: refused:" in text and "(401)" in text
+    assert "listed data,other,part-1,part-2" in text
+    assert "downloaded data digestMismatch=false" in text
+
+    listed = _preloop(state, "artifacts", str(outcome.run_id), "--json")
+    assert listed.returncode == 0, listed.stderr
+    names = {a["name"]: a for a in json.loads(listed.stdout)["artifacts"]}
+    assert sorted(names) == ["data", "other", "part-1", "part-2"]
+    assert names["data"]["job"] == "up" and names["data"]["digest"].startswith("sha256:")
+    # the zip as GitHub stores it, extracted with file modes kept
+    out = tmp_path / "downloaded"
+    got = _preloop(state, "artifacts", str(outcome.run_id), "--download", "data", str(out))
+    assert got.returncode == 0, got.stderr
+    assert _tree(out) == _tree(repo / "data")
+    assert _tree(out)["run.sh"][1] == 0o755
+    missing = _preloop(state, "artifacts", str(outcome.run_id), "--download", "nope")
+    assert missing.returncode == 2 and "no artifact named 'nope'" in missing.stderr
+    # nothing half-written is left in the run's directory
+    run_dir = state / "artifacts" / str(outcome.run_id)
+    assert sorted(p.name for p in run_dir.iterdir() if p.suffix == ".zip") == [
+        f"{names[n]['id']}.zip" for n in sorted(names, key=lambda n: names[n]["id"])
+    ]
+    assert not any((run_dir / ".uploads").iterdir())
+
+
+def test_artifacts_of_1000_files_and_one_200_mb_file(tmp_path: Path) -> None:
+    digest = "find . -type f | sort | xargs sha256sum | sha256sum | cut -c1-64"
+    jobs = f"""
+  up:
+    runs-on: ubuntu-latest
+    outputs:
+      many: ${{{{ steps.d.outputs.many }}}}
+      big: ${{{{ steps.d.outputs.big }}}}
+    steps:
+      - run: node $JS/artifacts_up.cjs bulk
+      - id: d
+        run: |
+          echo "many=$(cd many && {digest})" >> "$GITHUB_OUTPUT"
+          echo "big=$(cd big && {digest})" >> "$GITHUB_OUTPUT"
+  down:
+    needs: up
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          node $JS/artifacts_down.cjs many,big got
+          test "$(find got/many -type f | wc -l)" = 1000
+          test "$(cd got/many && {digest})" = "${{{{ needs.up.outputs.many }}}}"
+          test "$(stat -c %s got/big/blob.bin)" = 209715200
+          test "$(cd got/big && {digest})" = "${{{{ needs.up.outputs.big }}}}"
+"""
+    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    state = tmp_path / "state"
+    outcome, h = run_engine(repo, f"sqlite:///{tmp_path / 'p.db'}", state)
+    assert results(outcome) == {"up": "success", "down": "success"}, h.all_text()
+    sizes = {a.name: a.stat().st_size for a in (state / "artifacts" / "1").glob("*.zip")}
+    assert max(sizes.values()) > 200 * 1024 * 1024
+
+
+def test_cache_miss_then_hit_across_runs_with_restore_keys(tmp_path: Path, store_url: str) -> None:
+    jobs = """
+  build:
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          K=deps-${{ github.run_id }}
+          node $JS/cache.cjs "restore:$K,deps-:deps"
+          echo "had $(cat deps/v 2>/dev/null || echo none)"
+          rm -rf deps && mkdir deps && echo "from run ${{ github.run_id }}" > deps/v
+          head -c 300000 /dev/urandom > deps/noise.bin
+          node $JS/cache.cjs "save:$K:deps"
+          cp deps/noise.bin noise.saved && rm -rf deps
+          node $JS/cache.cjs "restore:$K:deps" "save:$K:deps"
+          cmp deps/noise.bin noise.saved
+          rm -rf deps && node $JS/cache.cjs "restore:nothing-here,deps-:deps"
+          echo "newest $(cat deps/v)"
+"""
+    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    state = tmp_path / "state"
+    first, h1 = run_engine(repo, store_url, state)
+    t1 = h1.all_text()
+    assert results(first) == {"build": "success"}, t1
+    k1 = f"deps-{first.run_id}"
+    assert f"restore {k1},deps- -> miss" in t1 and "had none" in t1
+    assert re.search(rf"save {k1} -> [1-9]", t1)
+    assert f"restore {k1} -> {k1}" in t1
+    # an existing key is never overwritten (GitHub: entries are immutable)
+    assert t1.count(f"save {k1} -> -1") == 1
+    assert f"newest from run {first.run_id}" in t1
+
+    second, h2 = run_engine(repo, store_url, state)
+    t2 = h2.all_text()
+    assert results(second) == {"build": "success"}, t2
+    k2 = f"deps-{second.run_id}"
+    assert k1 != k2
+    # restore-keys: the prefix finds the first run's entry ...
+    brief = "\n".join(ln for ln in t2.splitlines() if not ln.startswith("debug:"))
+    assert f"restore {k2},deps- -> {k1}" in t2, brief
+    assert f"had from run {first.run_id}" in t2, brief
+    # ... and, with two entries under the prefix, the newest
+    assert f"restore nothing-here,deps- -> {k2}" in t2
+    status = _preloop(state, "cache", "status", "--json")
+    assert status.returncode == 0, status.stderr
+    keys = [e["key"] for e in json.loads(status.stdout)["actions_cache"]["entries"]]
+    assert sorted(keys) == sorted([k1, k2])
+
+
+def test_cache_evicts_least_recently_used_at_the_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PRELOOP_ACTIONS_CACHE_MAX_BYTES", "2600000")
+    jobs = """
+  build:
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          for k in a b c; do mkdir -p $k && head -c 1000000 /dev/urandom > $k/blob; done
+          node $JS/cache.cjs "save:key-a:a" "save:key-b:b"
+          node $JS/cache.cjs "restore:key-a:a"
+          node $JS/cache.cjs "save:key-c:c"
+          node $JS/cache.cjs "restore:key-b:b" "restore:key-a:a"
+"""
+    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    state = tmp_path / "state"
+    outcome, h = run_engine(repo, f"sqlite:///{tmp_path / 'p.db'}", state)
+    text = h.all_text()
+    assert results(outcome) == {"build": "success"}, text
+    # b was used least recently when c pushed the total over the cap
+    assert "restore key-b -> miss" in text and "restore key-a -> key-a" in text
+    doc = json.loads(_preloop(state, "cache", "status", "--json").stdout)["actions_cache"]
+    assert sorted(e["key"] for e in doc["entries"]) == ["key-a", "key-c"]
+    assert doc["total_bytes"] <= 2600000 and doc["max_bytes"] == 2600000
+    assert sorted(p.name for p in (state / "actions-cache" / "blobs").iterdir()) == [
+        f"{e['id']}.tar" for e in sorted(doc["entries"], key=lambda e: e["id"])
+    ]
+
+
+def test_tool_cache_find_python_returns_the_hosts_interpreter(
+    tmp_path: Path, store_url: str
+) -> None:
+    jobs = """
+  setup:
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          node $JS/toolcache.cjs 3.x
+          node $JS/toolcache.cjs 2.0.1
+          echo "tool cache at $RUNNER_TOOL_CACHE"
+      - uses: actions/setup-python@v5
+        continue-on-error: true
+        with:
+          python-version: "2.0"
+      - uses: actions/setup-python@v5
+        continue-on-error: true
+        with:
+          python-version: "3.x"
+"""
+    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    state = tmp_path / "state"
+    outcome, h = run_engine(repo, store_url, state)
+    text = h.all_text()
+    assert results(outcome) == {"setup": "success"}, text
+    lines = [ln.strip() for ln in text.splitlines()]
+    found = [ln.removeprefix("found ") for ln in lines if ln.startswith("found ")]
+    assert found[1] == "-"  # a version the host lacks
+    path = Path(found[0])
+    assert path.parent.parent.parent == state / "toolcache"
+    version = path.parent.name
+    assert version.startswith("3.")
+    real = subprocess.run(
+        [str(path / "bin" / "python"), "-c", "import platform; print(platform.python_version())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert real == version
+    host = [e.version for e in list_tool_cache(state / "toolcache") if e.tool == "Python"]
+    listed = next(ln for ln in lines if ln.startswith("versions ")).removeprefix("versions ")
+    assert sorted(listed.split(",")) == sorted(host)
+    # the newest 3.x the host has, as setup-python would pick
+    assert version == max(host, key=lambda v: tuple(int(x) for x in v.split(".")))
+    assert f"tool cache at {state / 'toolcache'}" in text
+    # a setup step asking for a version the host lacks names the versions it has
+    hint = next(ln for ln in lines if "has no Python matching '2.0'" in ln)
+    assert all(v in hint for v in host) and str(state / "toolcache") in hint
+    assert "matching '3.x'" not in text
+    shown = _preloop(state, "toolcache", "--json")
+    assert shown.returncode == 0, shown.stderr
+    entries = json.loads(shown.stdout)["entries"]
+    assert any(e["tool"] == "Python" and e["version"] == version for e in entries)

@@ -1,0 +1,317 @@
+"""The services' guarantees at the HTTP boundary: tokens, scopes, killed uploads,
+the legacy cache protocol (GitHub's client), retention, and tool-cache refresh."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from preloop.services import ServiceAccess, job_environment, run_services
+from preloop.services.storage import LocalStorage, StorageConflict
+from preloop.services.tokens import Claims, mint
+from preloop.services.toolcache import list_tool_cache, refresh_tool_cache, setup_action_hint
+
+ROOT = Path(__file__).resolve().parents[1]
+ART = "/twirp/github.actions.results.api.v1.ArtifactService/"
+CACHE = "/twirp/github.actions.results.api.v1.CacheService/"
+
+
+@pytest.fixture
+def services(tmp_path: Path) -> Iterator[ServiceAccess]:
+    with run_services(tmp_path / "state", "/repo/a", "refs/heads/feat", "refs/heads/main") as acc:
+        yield acc
+
+
+def _token(acc: ServiceAccess, run: str, repo: str | None = None, ref: str | None = None) -> str:
+    claims = Claims(run, "job", repo or acc.repo, ref or acc.ref, acc.default_ref)
+    return mint(acc.secret, claims)
+
+
+def _call(
+    acc: ServiceAccess, path: str, body: dict[str, Any], token: str | None
+) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        acc.url.rstrip("/") + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    if token is not None:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def _put(url: str, data: bytes) -> int:
+    req = urllib.request.Request(url, data=data, method="PUT")
+    try:
+        with urllib.request.urlopen(req) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _upload_artifact(acc: ServiceAccess, run: str, name: str, data: bytes) -> int:
+    token = _token(acc, run)
+    status, created = _call(acc, ART + "CreateArtifact", {"name": name, "version": 4}, token)
+    assert status == 200, created
+    assert _put(created["signedUploadUrl"], data) == 201
+    status, done = _call(
+        acc, ART + "FinalizeArtifact", {"name": name, "size": str(len(data))}, token
+    )
+    assert status == 200, done
+    return int(done["artifactId"])
+
+
+def test_a_wrong_token_is_refused(services: ServiceAccess) -> None:
+    for token in (None, "not-a-jwt", mint(b"another secret", Claims("1", "j", "r", "x", "y"))):
+        status, body = _call(services, ART + "ListArtifacts", {}, token)
+        assert status == 401 and body["code"] == "unauthenticated", body
+        status, body = _call(services, CACHE + "GetCacheEntryDownloadURL", {"key": "k"}, token)
+        assert status == 401
+    # a signed URL with its signature changed is refused too
+    token = _token(services, "1")
+    _, created = _call(services, ART + "CreateArtifact", {"name": "x", "version": 4}, token)
+    assert _put(created["signedUploadUrl"].replace("sig=", "sig=0"), b"x") == 403
+
+
+def test_one_runs_token_never_reads_another_runs_artifacts(services: ServiceAccess) -> None:
+    ident = _upload_artifact(services, "1", "secret-stuff", b"PK\x05\x06" + b"\0" * 18)
+    other = _token(services, "2")
+    status, listed = _call(services, ART + "ListArtifacts", {}, other)
+    assert status == 200 and listed == {"artifacts": []}
+    status, _ = _call(services, ART + "GetSignedArtifactURL", {"name": "secret-stuff"}, other)
+    assert status == 404
+    # naming the other run in the request does not help: the token decides
+    status, body = _call(
+        services, ART + "ListArtifacts", {"workflowRunBackendId": "1", "idFilter": ident}, other
+    )
+    assert status == 403, body
+    status, body = _call(services, ART + "DeleteArtifact", {"name": "secret-stuff"}, other)
+    assert status == 404
+    status, listed = _call(services, ART + "ListArtifacts", {}, _token(services, "1"))
+    assert [a["name"] for a in listed["artifacts"]] == ["secret-stuff"]
+
+
+def _save_cache(acc: ServiceAccess, token: str, key: str, data: bytes) -> None:
+    body = {"key": key, "version": "v1"}
+    status, created = _call(acc, CACHE + "CreateCacheEntry", body, token)
+    assert status == 200 and created["ok"], created
+    assert _put(created["signedUploadUrl"], data) == 201
+    body["sizeBytes"] = str(len(data))
+    status, done = _call(acc, CACHE + "FinalizeCacheEntryUpload", body, token)
+    assert done["ok"], done
+
+
+def test_caches_are_scoped_by_repository_and_ref(services: ServiceAccess) -> None:
+    feat = _token(services, "1", ref="refs/heads/feat")
+    main = _token(services, "1", ref="refs/heads/main")
+    _save_cache(services, feat, "on-feat", b"feat")
+    _save_cache(services, main, "on-main", b"main")
+
+    def lookup(token: str, key: str, *restore: str) -> str | None:
+        body = {"key": key, "restoreKeys": list(restore), "version": "v1"}
+        _, got = _call(services, CACHE + "GetCacheEntryDownloadURL", body, token)
+        if not got["ok"]:
+            return None
+        with urllib.request.urlopen(got["signedDownloadUrl"]) as resp:
+            assert resp.read() in (b"feat", b"main")
+        return str(got["matchedKey"])
+
+    # a branch reads its own caches and the default branch's ...
+    assert lookup(feat, "on-feat") == "on-feat"
+    assert lookup(feat, "on-main") == "on-main"
+    # (its own ref first, restore keys included, then the default branch)
+    assert lookup(feat, "on-x", "on-") == "on-feat"
+    # ... the default branch does not read a feature branch's, another branch neither
+    assert lookup(main, "on-feat") is None
+    assert lookup(main, "on-feat", "on-") == "on-main"
+    other = _token(services, "1", ref="refs/heads/other")
+    assert lookup(other, "on-feat") is None
+    assert lookup(other, "on-feat", "on-") == "on-main"
+    # another repository sees none of them
+    assert lookup(_token(services, "1", repo="/repo/b"), "on-feat", "on-") is None
+
+
+def test_a_killed_upload_leaves_nothing_visible(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with run_services(state, "/repo/a", "refs/heads/main", "refs/heads/main") as acc:
+        token = _token(acc, "5")
+        _, created = _call(acc, ART + "CreateArtifact", {"name": "half", "version": 4}, token)
+        url = urllib.request.urlparse(created["signedUploadUrl"])
+        # the client dies after 1 MiB of a 10 MiB body
+        with socket.create_connection((url.hostname, url.port)) as sock:
+            sock.sendall(
+                f"PUT {url.path}?{url.query} HTTP/1.1\r\nHost: x\r\n"
+                f"Content-Length: {10 << 20}\r\n\r\n".encode()
+            )
+            sock.sendall(b"\1" * (1 << 20))
+        _, listed = _call(acc, ART + "ListArtifacts", {}, token)
+        assert listed == {"artifacts": []}
+        status, body = _call(acc, ART + "FinalizeArtifact", {"name": "half", "size": "1"}, token)
+        assert status == 400 and "did not complete" in body["msg"], body
+        # a size that does not match what arrived is refused as well
+        _, created = _call(acc, ART + "CreateArtifact", {"name": "short", "version": 4}, token)
+        assert _put(created["signedUploadUrl"], b"12345") == 201
+        status, body = _call(acc, ART + "FinalizeArtifact", {"name": "short", "size": "9"}, token)
+        assert status == 400 and "5 bytes were uploaded" in body["msg"], body
+        _, listed = _call(acc, ART + "ListArtifacts", {}, token)
+        assert listed == {"artifacts": []}
+        # a cache upload the client never finalized is not found
+        _, created = _call(acc, CACHE + "CreateCacheEntry", {"key": "k", "version": "v"}, token)
+        assert _put(created["signedUploadUrl"], b"tar") == 201
+        _, got = _call(acc, CACHE + "GetCacheEntryDownloadURL", {"key": "k", "version": "v"}, token)
+        assert got["ok"] is False
+    # stopping the service removes what the dead uploads left
+    run_dir = state / "artifacts" / "5"
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", ".uploads"]
+    assert list((run_dir / ".uploads").iterdir()) == []
+    assert [p.name for p in (state / "actions-cache" / "blobs").iterdir()] == []
+    assert LocalStorage(state).cache_entries() == []
+
+
+def test_legacy_cache_protocol_with_githubs_client(tmp_path: Path, services: ServiceAccess) -> None:
+    """actions/cache v3 and @actions/cache without ACTIONS_CACHE_SERVICE_V2:
+    the REST protocol at ACTIONS_CACHE_URL (reserve, PATCH chunks, commit)."""
+    work = tmp_path / "w"
+    (work / "deps").mkdir(parents=True)
+    (work / "deps" / "blob").write_bytes(os.urandom(3 << 20))
+    env = {
+        **os.environ,
+        **job_environment(tmp_path / "state", services, "1", "job"),
+        "NODE_PATH": str(ROOT / "node_modules"),
+        "RUNNER_TEMP": str(tmp_path),
+        "GITHUB_WORKSPACE": str(work),
+    }
+    del env["ACTIONS_CACHE_SERVICE_V2"]
+    script = ROOT / "tests" / "js" / "services" / "cache.cjs"
+    ops = ["restore:v3-1,v3-:deps", "save:v3-1:deps", "restore:v3-2,v3-:deps"]
+    out = subprocess.run(
+        ["node", str(script), *ops], cwd=work, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "restore v3-1,v3- -> miss" in out.stdout
+    assert "save v3-1 -> 1" in out.stdout and "Cache service version: v1" in out.stdout
+    assert "restore v3-2,v3- -> v3-1" in out.stdout
+
+
+def test_artifacts_removed_after_the_retention_days(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    for run in ("1", "2"):
+        storage.create_artifact(run, "j", "a", None)
+    old = tmp_path / "artifacts" / "1"
+    for p in [old, *old.rglob("*")]:
+        os.utime(p, (time.time() - 10 * 86400,) * 2)
+    assert storage.remove_expired_artifacts(0) == []
+    assert storage.remove_expired_artifacts(30) == []
+    assert storage.remove_expired_artifacts(7) == ["1"]
+    assert sorted(p.name for p in (tmp_path / "artifacts").iterdir()) == ["2"]
+
+
+def test_cache_entries_are_immutable(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    storage.reserve_cache("r", "refs/heads/main", "k", "v")
+    with pytest.raises(StorageConflict):
+        storage.reserve_cache("r", "refs/heads/main", "k", "v")
+    storage.reserve_cache("r", "refs/heads/other", "k", "v")  # another ref: its own entry
+
+
+def test_tool_cache_follows_the_host(tmp_path: Path) -> None:
+    """A toolchain that appears is laid out (links, the .complete marker); one
+    that disappears is removed; what an action installed itself stays."""
+    real = Path(sys.executable).resolve()
+    version = subprocess.run(
+        [str(real), "-c", "import platform; print(platform.python_version())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    env = {"PATH": str(bindir), "HOME": str(tmp_path / "home")}
+    root = tmp_path / "toolcache"
+    installed = root / "Python" / "3.99.0" / "x64"
+    installed.mkdir(parents=True)
+    (root / "Python" / "3.99.0" / "x64.complete").write_text("")
+
+    assert [(e.tool, e.version) for e in refresh_tool_cache(root, env)] == [("Python", "3.99.0")]
+    (bindir / "python3").symlink_to(real)
+    entries = refresh_tool_cache(root, env)
+    assert [(e.version, e.origin) for e in entries] == [("3.99.0", "installed"), (version, "host")]
+    laid = root / "Python" / version / "x64"
+    assert (root / "Python" / version / "x64.complete").exists()
+    assert (laid / "bin" / "python").resolve() == real or laid.resolve() == real.parent.parent
+    probe = subprocess.run(
+        [str(laid / "bin" / "python"), "-c", "import sys; print(sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert probe.stdout.strip() == str(tuple(int(x) for x in version.split(".")[:2]))
+    (bindir / "python3").unlink()
+    assert [(e.version, e.origin) for e in refresh_tool_cache(root, env)] == [
+        ("3.99.0", "installed")
+    ]
+    assert not (root / "Python" / version).exists()
+    assert list_tool_cache(root)[0].path == str(installed)
+
+
+def test_setup_action_hint_names_the_versions_the_host_has(tmp_path: Path) -> None:
+    root = tmp_path / "tc"
+    for version in ("3.12.1", "3.11.7"):
+        (root / "Python" / version / "x64").mkdir(parents=True)
+        (root / "Python" / version / "x64.complete").write_text("")
+    hint = setup_action_hint(root, "actions/setup-python@v5", {"python-version": "3.9"})
+    assert hint is not None and "no Python matching '3.9'" in hint
+    assert "Python 3.12.1, 3.11.7" in hint and "pyenv install 3.9" in hint
+    for spec in ("3.11", "3.x", "3", "3.12.1"):
+        assert setup_action_hint(root, "actions/setup-python@v5", {"python-version": spec}) is None
+    assert setup_action_hint(root, "actions/setup-python@v5", {}) is None
+    assert setup_action_hint(root, "actions/cache@v4", {"python-version": "3.9"}) is None
+    node = setup_action_hint(root, "actions/setup-node@v4", {"node-version": "22"})
+    assert node is not None and "node none" in node
+
+
+def test_uploads_of_a_dead_service_are_swept_a_day_later(tmp_path: Path) -> None:
+    dead = LocalStorage(tmp_path)
+    dead.create_artifact("3", "j", "a", None)
+    dead.reserve_cache("r", "refs/heads/main", "k", "v")
+    # the process dies: nothing closes `dead`
+    leftovers = [
+        *tmp_path.glob("artifacts/3/.uploads/*"),
+        *tmp_path.glob("actions-cache/uploads/*"),
+    ]
+    assert leftovers
+    fresh = LocalStorage(tmp_path)
+    assert fresh.sweep_abandoned_uploads() == 0  # too young: maybe a live service's
+    for p in leftovers:
+        os.utime(p, (time.time() - 2 * 86400,) * 2)
+    assert fresh.sweep_abandoned_uploads(older_than=86400) == len(leftovers)
+    assert list(tmp_path.glob("artifacts/3/.uploads/*")) == []
+    assert list(tmp_path.glob("actions-cache/uploads/*")) == []
+
+
+def test_an_artifact_goes_when_its_retention_days_pass(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    for name, expires in (("short", "2026-01-01T00:00:00.000Z"), ("kept", None)):
+        upload = storage.create_artifact("4", "j", name, expires)
+        target = storage._uploads[upload][1]
+        target.write_bytes(b"zip")
+        storage.finalize_artifact("4", "j", name, 3, "")
+    now = time.mktime((2026, 6, 1, 0, 0, 0, 0, 0, 0))
+    assert storage.remove_expired_artifacts(0, now=now) == []
+    assert [r.name for r in storage.list_artifacts("4")] == ["kept"]

@@ -40,6 +40,7 @@ import anyio
 
 import preloop.snapshot.prune  # noqa: F401  (registers the post-capture prune hook)
 from preloop import config
+from preloop.actions.reference import Override
 from preloop.control import JobInfo, Lease, Store, open_store
 from preloop.errors import PreloopError, UsageError
 from preloop.process import CommandFailed, run_command
@@ -85,6 +86,7 @@ class RunRequest:
     secrets: dict[str, str] = field(default_factory=dict)
     sandbox: bool = False
     runner_name: str = "local"
+    action_overrides: tuple[Override, ...] = ()  # `--action owner/repo=DIR|skip`
 
 
 @dataclass(slots=True)
@@ -432,6 +434,7 @@ class Engine:
                     secrets=dict(req.secrets),
                     sandbox=req.sandbox,
                     run_id=run_id,
+                    action_overrides=req.action_overrides,
                 ),
                 events,
                 templates,

@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from preloop import config
+from preloop.actions.reference import Overrides, parse_overrides
 from preloop.cli.app import cli, emit_json
 from preloop.control import JobInfo, Lease
 from preloop.engine import Engine, EngineEvents, RunOutcome, RunRequest
@@ -284,6 +285,13 @@ async def _run(engine: Engine, progress: _Progress) -> RunOutcome | None:
 )
 @click.option("--secret", multiple=True, help="A secret NAME=VALUE (or NAME from the env).")
 @click.option("--sandbox", is_flag=True, help="Run each job under bubblewrap.")
+@click.option(
+    "--action",
+    "actions",
+    multiple=True,
+    metavar="OWNER/REPO[@REF]=DIR|skip[:REASON]",
+    help="Run a local directory in place of a remote action, or skip it (repeatable).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document at the end.")
 def run_command(
     workflow: Path | None,
@@ -294,6 +302,7 @@ def run_command(
     state_dir: Path | None,
     secret: tuple[str, ...],
     sandbox: bool,
+    actions: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """Run this repository's workflow on a snapshot of the work tree.
@@ -313,7 +322,9 @@ def run_command(
         state_dir=state_dir or config.state_dir(),
         secrets=parse_secrets(secret),
         sandbox=sandbox,
+        action_overrides=parse_overrides(actions, "--action"),
     )
+    Overrides.from_env(os.environ)  # a bad PRELOOP_ACTION_OVERRIDES fails here, not per job
     console = Console(highlight=False)
     progress = _Progress(console, live=console.is_terminal, quiet=as_json)
     engine = Engine(request, progress.events())

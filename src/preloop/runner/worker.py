@@ -26,6 +26,8 @@ from urllib.parse import quote
 
 import anyio
 
+from preloop.actions.reference import Override, Overrides
+from preloop.actions.steps import ActionSource
 from preloop.control import Lease, Store, StoreError
 from preloop.errors import PreloopError
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_dir
@@ -73,6 +75,8 @@ class RunnerOptions:
     idle_poll: float = 0.5
     # Serve only this run (the local runners of `preloop run`); None serves any.
     run_id: int | None = None
+    # `--action` overrides; PRELOOP_ACTION_OVERRIDES is added after them.
+    action_overrides: tuple[Override, ...] = ()
 
 
 T = TypeVar("T")
@@ -271,6 +275,9 @@ class Runner:
             runner_name=opts.name,
             wrap=wrap,
             tracking_key=str(tracking_key) if tracking_key else None,
+            actions=ActionSource(
+                opts.state_dir, Overrides.from_env(os.environ, opts.action_overrides)
+            ),
         )
         return await execute_job(
             spec,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from preloop.actions.reference import UsesError, parse_uses
 from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
 from preloop.workflow.matrix import MatrixError, expand_matrix
@@ -1066,12 +1067,15 @@ class _Reader:
         )
 
     def local_action(self, node: YScalar, uses: str) -> None:
-        """A local action (`uses: ./dir`) must have its action.yml."""
-        if not uses.startswith("./") or "${{" in uses:
+        """A step's `uses` must name an action (`./dir`, `owner/repo[/path]@ref`,
+        `docker://image`). A local action's action.yml is read when its step
+        runs, as GitHub does (an earlier step may generate it)."""
+        if "${{" in uses:
             return
-        target = self.state.repo / uses[2:]
-        if not any((target / name).is_file() for name in ("action.yml", "action.yaml")):
-            self.err2(node, f"local action '{uses}' has no action.yml ({target})")
+        try:
+            parse_uses(uses)
+        except UsesError as exc:
+            self.err2(node, str(exc))
 
     # -- reusable workflows -------------------------------------------------
     def caller(self, m: YMap, common: dict[str, Any]) -> Job | None:

@@ -200,7 +200,7 @@ class ActionCache:
         else:
             # GitHub's order: a tag wins over a branch of the same name.
             wanted = [f"refs/tags/{name}^{{}}", f"refs/tags/{name}", f"refs/heads/{name}"]
-        out = await self._git("ls-remote", self.url(ref), *wanted[1:])
+        out = await self._git("ls-remote", self.url(ref), *wanted)
         found: dict[str, str] = {}
         for line in out.splitlines():
             sha, _, refname = line.partition("\t")

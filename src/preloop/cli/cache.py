@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from preloop import config
+from preloop.actions.cache import actions_dir, list_cached_actions
 from preloop.cli.app import cli, emit_json, fail
 from preloop.errors import UsageError
 from preloop.snapshot import layout
@@ -79,6 +80,12 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
     except CacheReferenceError as exc:
         refs, refs_error = None, str(exc)
     total = sum(u.total_bytes for u in usages)
+    cached_actions = list_cached_actions(state)
+    actions: dict[str, Any] = {
+        "dir": str(actions_dir(state)),
+        "entries": len(cached_actions),
+        "total_bytes": sum(a.bytes for a in cached_actions),
+    }
     entries: list[dict[str, Any]] = [
         {
             "key": u.key,
@@ -101,6 +108,7 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
                 "total_bytes": total,
                 "entries": entries,
                 "references_error": refs_error,
+                "actions": actions,
             }
         )
         return
@@ -124,6 +132,11 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
     )
     if refs_error:
         console.print(f"references unknown: {refs_error}", highlight=False)
+    console.print(
+        f"action cache: {actions['entries']} actions, {_human(actions['total_bytes'])} in "
+        f"{actions['dir']} (`preloop actions list`)",
+        highlight=False,
+    )
 
 
 def _report_document(report: PruneReport) -> dict[str, Any]:

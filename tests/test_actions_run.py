@@ -107,3 +107,112 @@ def test_run_action_option_actions_list_prune_and_cache_status(tmp_path: Path) -
     assert json.loads(preloop("actions", "list", "--json").stdout)["entries"] == []
     r = preloop("actions", "prune", "--older-than", "soon")
     assert r.returncode == 2 and "--older-than" in r.stderr
+
+
+REUSABLE = {
+    ".github/workflows/build.yml": """\
+        on:
+          workflow_call:
+            inputs:
+              name: {type: string, required: true}
+            outputs:
+              said:
+                value: ${{ jobs.inner.outputs.said }}
+        jobs:
+          inner:
+            uses: $/.github/workflows/inner.yml
+            with:
+              name: ${{ inputs.name }}
+        """,
+    ".github/workflows/inner.yml": """\
+        on:
+          workflow_call:
+            inputs:
+              name: {type: string, required: true}
+            outputs:
+              said:
+                value: ${{ jobs.say.outputs.said }}
+        jobs:
+          say:
+            runs-on: ubuntu-latest
+            outputs:
+              said: ${{ steps.s.outputs.said }}
+            steps:
+              - id: s
+                run: echo "said=remote-${{ inputs.name }}" >> "$GITHUB_OUTPUT"
+        """,
+}
+
+
+def test_remote_reusable_workflow_and_its_own_repository(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remotes = tmp_path / "remotes"
+    publish_action(remotes, "acme/flows", REUSABLE, node_modules=False)
+    state = tmp_path / "state"
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{remotes}")
+    monkeypatch.setenv("PRELOOP_STATE_DIR", str(state))
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            **workflow(
+                """\
+                on: push
+                jobs:
+                  call:
+                    uses: acme/flows/.github/workflows/build.yml@v1
+                    with:
+                      name: x
+                  mine:
+                    uses: $/.github/workflows/local.yml
+                  after:
+                    needs: [call, mine]
+                    runs-on: ubuntu-latest
+                    steps:
+                      - run: echo "got=${{ needs.call.outputs.said }}"
+                """
+            ),
+            ".github/workflows/local.yml": (
+                "on: workflow_call\njobs:\n  l:\n    runs-on: ubuntu-latest\n"
+                "    steps:\n      - run: echo local-ran\n"
+            ),
+        },
+    )
+    outcome, h = run_engine(repo, store_url, state)
+    assert outcome.conclusion == "success", h.all_text()
+    assert "got=remote-x" in h.lines["after"]
+    assert any("local-ran" in lines for lines in h.lines.values())
+
+
+def test_remote_reusable_workflow_checks_and_failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from preloop.workflow import WorkflowError, load_workflow
+
+    remotes = tmp_path / "remotes"
+    publish_action(remotes, "acme/flows", REUSABLE, node_modules=False)
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{remotes}")
+    monkeypatch.setenv("PRELOOP_STATE_DIR", str(tmp_path / "state"))
+    files = workflow(
+        """\
+        on: push
+        jobs:
+          call:
+            uses: acme/flows/.github/workflows/build.yml@v1
+            with:
+              nme: x
+          gone:
+            uses: acme/nothing/.github/workflows/x.yml@v1
+        """
+    )
+    repo = make_repo(tmp_path / "repo", files)
+    with pytest.raises(WorkflowError) as info:
+        load_workflow(repo / ".github" / "workflows" / "ci.yml")
+    messages = [d.message for d in info.value.diagnostics]
+    assert any("input 'nme' is not declared by" in m for m in messages), messages
+    assert any("requires input 'name'" in m for m in messages), messages
+    assert any(
+        m.startswith("reusable workflow 'acme/nothing/.github/workflows/x.yml@v1': action")
+        and "offline work" in m
+        for m in messages
+    ), messages

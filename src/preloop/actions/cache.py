@@ -217,7 +217,7 @@ class ActionCache:
         with contextlib.suppress(OSError):
             os.utime(root)  # last use, for `preloop actions prune`
         directory = root / ref.path if ref.path else root
-        if not directory.is_dir():
+        if not directory.exists():
             raise ActionFetchError(
                 f"action {ref}: {ref.slug} has no directory {ref.path!r} at {commit[:12]}"
             )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from preloop.actions.reference import UsesError, parse_uses
+from preloop.actions.workflows import fetch_remote_workflow
 from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
 from preloop.workflow.matrix import MatrixError, expand_matrix
@@ -227,6 +228,8 @@ class _State:
     errors: list[Diagnostic] = field(default_factory=list)
     cache: dict[Path, Workflow | None] = field(default_factory=dict)
     stack: list[Path] = field(default_factory=list)
+    # Repository root of each workflow file fetched from another repository.
+    origins: dict[Path, Path] = field(default_factory=dict)
 
 
 def _load(state: _State, p: Path, depth: int, display: str) -> Workflow | None:
@@ -1121,14 +1124,8 @@ class _Reader:
         secrets: Mapping[str, Any] | str | None,
         secret_keys: dict[str, YScalar],
     ) -> Workflow | None:
-        if not uses.startswith("./"):
-            self.err2(
-                node,
-                f"reusable workflow '{uses}' is not local: preloop runs workflows from this "
-                "repository (`uses: ./.github/workflows/<file>.yml`)",
-            )
-            return None
-        if "@" in uses:
+        local = uses.startswith(("./", "$/"))
+        if local and "@" in uses:
             self.err2(node, f"a local reusable workflow takes no `@ref`: '{uses}'")
             return None
         if self.depth + 1 > MAX_REUSABLE_DEPTH:
@@ -1138,7 +1135,20 @@ class _Reader:
                 f"(calling '{uses}' would be level {self.depth + 1})",
             )
             return None
-        target = (self.state.repo / uses[2:]).resolve()
+        if local:
+            # `$/` is the calling file's own repository (see preloop.actions.workflows).
+            origin = self.state.repo
+            if uses.startswith("$/") and self.state.stack:
+                origin = self.state.origins.get(self.state.stack[-1], origin)
+            target, display = (origin / uses[2:]).resolve(), uses[2:]
+        else:
+            try:
+                found, root = fetch_remote_workflow(uses)
+            except PreloopError as exc:
+                self.err2(node, f"reusable workflow '{uses}': {exc}")
+                return None
+            target, display = found.resolve(), uses
+            self.state.origins[target] = root
         if not target.is_file():
             self.err2(node, f"reusable workflow '{uses}' does not exist ({target})")
             return None
@@ -1146,7 +1156,7 @@ class _Reader:
             self.err2(node, f"reusable workflow '{uses}' calls itself (directly or indirectly)")
             return None
         before = len(self.state.errors)
-        callee = _load(self.state, target, self.depth + 1, uses[2:])
+        callee = _load(self.state, target, self.depth + 1, display)
         if callee is None:
             if len(self.state.errors) == before and target not in self.state.cache:
                 self.err2(node, f"reusable workflow '{uses}' could not be loaded")

@@ -1,0 +1,78 @@
+"""Remote reusable workflows, resolved through the action cache at plan time.
+
+`owner/repo/.github/workflows/x.yml@ref` is fetched like an action (same
+cache, same resolution rules) and loaded as the callee; `$/.github/workflows/
+x.yml` names a workflow in the same repository as the calling workflow file
+(the workspace for the top-level workflow, the fetched commit for a workflow
+that came from another repository).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+
+from preloop import config
+from preloop.actions.cache import ActionCache
+from preloop.actions.reference import parse_remote
+from preloop.errors import PreloopError
+
+__all__ = ["RemoteWorkflowError", "fetch_remote_workflow", "is_workflow_path"]
+
+_log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RemoteWorkflowError(PreloopError):
+    """A remote reusable workflow that cannot be fetched or is not a workflow file."""
+
+
+def is_workflow_path(path: str) -> bool:
+    return path.startswith(".github/workflows/") and path.endswith((".yml", ".yaml"))
+
+
+def _run_sync(fn: Callable[[], Awaitable[T]]) -> T:
+    """Runs `fn` on its own event loop in a helper thread: the loader is
+    synchronous and may be called from inside an event loop's worker thread."""
+    box: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = anyio.run(fn)
+        except BaseException as exc:  # handed to the caller below
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name="preloop-remote-workflow")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
+def fetch_remote_workflow(
+    uses: str, *, state_dir: Path | None = None, base_url: str | None = None
+) -> tuple[Path, Path]:
+    """(workflow file, repository root) of `owner/repo/.github/workflows/x.yml@ref`."""
+    ref = parse_remote(uses)
+    if ref is None or not is_workflow_path(ref.path):
+        raise RemoteWorkflowError(
+            f"'{uses}' is not a reusable workflow reference: use "
+            "owner/repo/.github/workflows/<file>.yml@ref, ./.github/workflows/<file>.yml or "
+            "$/.github/workflows/<file>.yml"
+        )
+    cache = ActionCache(
+        state_dir or config.state_dir(), run_key=f"plan-{uuid.uuid4().hex}", base_url=base_url
+    )
+    fetched = _run_sync(lambda: cache.fetch(ref, lambda message: _log.warning("%s", message)))
+    if not fetched.directory.is_file():
+        raise RemoteWorkflowError(
+            f"'{uses}': {ref.slug} has no file {ref.path} at {fetched.commit[:12]}"
+        )
+    return fetched.directory, fetched.root

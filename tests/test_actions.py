@@ -243,8 +243,8 @@ def test_two_runs_fetching_one_action_fetch_once(env: Env, tmp_path: Path) -> No
     real_git = subprocess.run(["which", "git"], capture_output=True, text=True).stdout.strip()
     (bin_dir / "git").write_text(
         "#!/bin/sh\n"
-        'for a in "$@"; do if [ "$a" = fetch ]; then echo fetch >> ' + str(log) + "; "
-        "read _ < " + str(gate) + "; fi; done\n"
+        'for a in "$@"; do case "$a" in fetch|clone) echo fetch >> ' + str(log) + "; "
+        "read _ < " + str(gate) + ";; esac; done\n"
         f'exec {real_git} "$@"\n'
     )
     (bin_dir / "git").chmod(0o755)
@@ -266,8 +266,9 @@ def test_two_runs_fetching_one_action_fetch_once(env: Env, tmp_path: Path) -> No
             async with anyio.create_task_group() as tg:
                 tg.start_soon(fetch, caches[0])
                 tg.start_soon(fetch, caches[1])
-                while not log.exists():  # the first fetch is in git now
-                    await anyio.sleep(0.01)
+                with anyio.fail_after(60):
+                    while not log.exists():  # the first fetch is in git now
+                        await anyio.sleep(0.01)
                 # The other one waits on the lock, not in git.
                 assert log.read_text().count("fetch") == 1
                 with open(gate, "w") as fh:

@@ -27,6 +27,7 @@ import fcntl
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -85,6 +86,15 @@ def _first_line(exc: CommandFailed | CommandTimeout) -> str:
         return f"no answer within {exc.timeout:g}s"
     lines = [ln.strip() for ln in exc.result.stderr_text().splitlines() if ln.strip()]
     return lines[-1] if lines else str(exc)
+
+
+def _discard(path: Path, tmp_root: Path) -> None:
+    """Removes `path` off the caller's critical path: renamed out of the action
+    at once, deleted by a background thread (a crash leaves it under tmp/,
+    where `prune_actions` sweeps directories of dead processes)."""
+    trash = tmp_root / f"{os.getpid()}-trash-{uuid.uuid4().hex[:12]}"
+    os.rename(path, trash)
+    threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}).start()
 
 
 class _RepoLock:
@@ -261,27 +271,51 @@ class ActionCache:
         self._write_record(ref, resolved)
         return resolved
 
-    async def _fetch_into_tmp(self, ref: RemoteRef, what: str) -> tuple[Path, str]:
+    async def _fetch_into_tmp(
+        self, ref: RemoteRef, what: str, *, by_name: bool = False
+    ) -> tuple[Path, str]:
+        """A shallow copy of `what` (a commit, or with `by_name` a branch or
+        tag) in a new directory under tmp/, without its .git; and its commit."""
         tmp = self.root / "tmp" / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         tmp.parent.mkdir(parents=True, exist_ok=True)
+        url = self.url(ref)
         try:
-            await self._git("init", "-q", str(tmp))
             self.fetches += 1
-            await self._git(
-                "-C", str(tmp), "fetch", "-q", "--depth", "1", "--no-tags", self.url(ref), what
-            )
-            commit = (await self._git("-C", str(tmp), "rev-parse", "FETCH_HEAD^{commit}")).strip()
-            await self._git(
-                "-C", str(tmp), "-c", "advice.detachedHead=false", "checkout", "-q", commit
-            )
-            shutil.rmtree(tmp / ".git")
+            if by_name and not what.startswith("refs/"):
+                # One process, as a user's `git clone` (a tag or a branch).
+                await self._git(
+                    "-c",
+                    "advice.detachedHead=false",
+                    "clone",
+                    "-q",
+                    "--depth",
+                    "1",
+                    "--no-tags",
+                    "--branch",
+                    what,
+                    url,
+                    str(tmp),
+                )
+                commit = (await self._git("-C", str(tmp), "rev-parse", "HEAD")).strip()
+            else:
+                await self._git("init", "-q", str(tmp))
+                await self._git(
+                    "-C", str(tmp), "fetch", "-q", "--depth", "1", "--no-tags", url, what
+                )
+                commit = (
+                    await self._git("-C", str(tmp), "rev-parse", "FETCH_HEAD^{commit}")
+                ).strip()
+                await self._git(
+                    "-C", str(tmp), "-c", "advice.detachedHead=false", "checkout", "-q", commit
+                )
+            _discard(tmp / ".git", self.root / "tmp")
         except CommandTimeout as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise self._cant(ref, f"fetching from {self.url(ref)} timed out ({exc})") from None
+            raise self._cant(ref, f"fetching from {url} timed out ({exc})") from None
         except CommandFailed as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise self._cant(
-                ref, f"cannot fetch {what!r} from {self.url(ref)} ({_first_line(exc)})"
+                ref, f"cannot fetch {what!r} from {url} ({_first_line(exc)})"
             ) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -307,7 +341,7 @@ class ActionCache:
 
     async def _fetch_by_name(self, ref: RemoteRef) -> str:
         name = ref.ref
-        tmp, commit = await self._fetch_into_tmp(ref, name)
+        tmp, commit = await self._fetch_into_tmp(ref, name, by_name=True)
         if (self._repo_dir(ref) / commit).is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         else:

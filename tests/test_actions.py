@@ -409,3 +409,16 @@ def test_bad_uses_and_bad_overrides_are_one_line_errors(tmp_path: Path) -> None:
         cache = ActionCache(tmp_path, run_key="r", base_url=f"file://{tmp_path}/none", timeout=30)
         ref = parse_uses("acme/x@v1")
         anyio.run(lambda: cache.fetch(ref, print))  # type: ignore[arg-type]
+
+
+def test_no_usable_node_fails_the_step_with_one_line(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    publish_action(env.remotes, "acme/ver", _echo_action("one"))
+    monkeypatch.setenv("PRELOOP_NODE", str(env.tmp / "no-node"))
+    result, lines = env.run([{"uses": "acme/ver@v1"}, {"run": "echo after", "if": "always()"}])
+    assert _steps(result) == [("Run acme/ver@v1", "failure"), ("Run echo after", "success")]
+    failed = [line for line in lines if "is not a working node" in line]
+    assert len(failed) == 1 and failed[0].startswith(
+        "✖ Run acme/ver@v1: acme/ver@v1: PRELOOP_NODE="
+    )

@@ -89,6 +89,10 @@ def test_run_action_option_actions_list_prune_and_cache_status(tmp_path: Path) -
     assert "use --action acme/setup-thing=DIR for offline work" in r.stdout
     r = preloop("run", "--action", "acme/greet")
     assert r.returncode == 2 and r.stderr.startswith("preloop: error: --action: 'acme/greet'")
+    env["PRELOOP_ACTIONS_URL"] = "github.com"
+    r = preloop("run")
+    assert r.returncode == 2 and r.stderr.startswith("preloop: error: PRELOOP_ACTIONS_URL: ")
+    env["PRELOOP_ACTIONS_URL"] = f"file://{remotes}"
 
     listed = json.loads(preloop("actions", "list", "--json").stdout)
     assert [(e["repository"], e["commit"], e["refs"]) for e in listed["entries"]] == [

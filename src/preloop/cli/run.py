@@ -324,7 +324,10 @@ def run_command(
         sandbox=sandbox,
         action_overrides=parse_overrides(actions, "--action"),
     )
-    Overrides.from_env(os.environ)  # a bad PRELOOP_ACTION_OVERRIDES fails here, not per job
+    # Bad action settings fail here, once, rather than in every job.
+    Overrides.from_env(os.environ)
+    config.get("PRELOOP_ACTIONS_URL")
+    config.get("PRELOOP_ACTIONS_FETCH_TIMEOUT")
     console = Console(highlight=False)
     progress = _Progress(console, live=console.is_terminal, quiet=as_json)
     engine = Engine(request, progress.events())

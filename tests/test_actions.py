@@ -133,7 +133,7 @@ def test_required_input_missing_warns_and_post_runs_after_a_failure(env: Env) ->
         ("Post Run acme/greet@v1", "success"),
     ]
     warnings = [a.message for a in result.annotations if a.level == "warning"]
-    assert any("Input required and not supplied: who" in w for w in warnings)
+    assert warnings == ["acme/greet@v1: Input required and not supplied: who"]
     # core.getInput(required) throws in the action itself: the step fails.
     assert any("Error: Input required and not supplied: who" in line for line in lines)
     assert "post: P- " in lines  # main threw before it saved its state
@@ -194,6 +194,11 @@ def test_refs_tag_branch_sha_and_a_moved_tag(env: Env) -> None:
     _, lines = env.run([{"uses": "acme/ver@v1"}], run_key="r2")
     assert "version three" in lines
     assert (env.state / "actions" / "repos" / "acme" / "ver" / third).is_dir()
+    # A tag and a branch of one name: the tag wins, as on GitHub.
+    publish_action(env.remotes, "acme/ver", _echo_action("tagged"), tags=("v2",))
+    publish_action(env.remotes, "acme/ver", _echo_action("branch"), tags=(), branch="v2")
+    _, lines = env.run([{"uses": "acme/ver@v2"}], run_key="r3")
+    assert "version tagged" in lines
 
 
 def _echo_action(version: str) -> dict[str, str]:

@@ -7,7 +7,8 @@
 <state>/actions/tmp/<nonce>/                     a fetch in progress (renamed into repos/ when done)
 ```
 
-- A ref is resolved once per run (`git ls-remote`; the record names the run),
+- A ref is resolved once per run (`git ls-remote`; the record names the run;
+  a tag wins over a branch of the same name, as on GitHub),
   a full commit SHA never. When the remote is unreachable a previous
   resolution is reused with a warning; with none the action cannot run and
   `ActionFetchError` says what to do.
@@ -203,7 +204,8 @@ class ActionCache:
         )
         return result.stdout.decode(errors="replace")
 
-    async def _ls_remote(self, ref: RemoteRef) -> str | None:
+    async def _ls_remote(self, ref: RemoteRef) -> tuple[str | None, bool]:
+        """(commit the ref names, whether a tag and a branch share its name)."""
         name = ref.ref
         if name.startswith("refs/"):
             wanted = [f"{name}^{{}}", name]
@@ -215,7 +217,8 @@ class ActionCache:
         for line in out.splitlines():
             sha, _, refname = line.partition("\t")
             found[refname.strip()] = sha.strip()
-        return next((found[w] for w in wanted if w in found), None)
+        ambiguous = f"refs/tags/{name}" in found and f"refs/heads/{name}" in found
+        return next((found[w] for w in wanted if w in found), None), ambiguous
 
     async def fetch(self, ref: RemoteRef, warn: Callable[[str], None]) -> FetchedAction:
         """The action's tree at the commit `ref` resolves to, fetched if needed."""
@@ -244,21 +247,14 @@ class ActionCache:
             commit = record["commit"]
             if (self._repo_dir(ref) / commit).is_dir():
                 return commit
-        if record is None:
-            # First sight of this ref: one fetch by name resolves and fetches.
-            return await self._fetch_by_name(ref)
         try:
-            resolved = await self._ls_remote(ref)
+            resolved, ambiguous = await self._ls_remote(ref)
         except (CommandFailed, CommandTimeout) as exc:
+            why = f"{self.url(ref)} is unreachable ({_first_line(exc)})"
+            if record is None or not (self._repo_dir(ref) / record["commit"]).is_dir():
+                raise self._cant(ref, why) from None
             commit = record["commit"]
-            if not (self._repo_dir(ref) / commit).is_dir():
-                raise self._cant(
-                    ref, f"{self.url(ref)} is unreachable ({_first_line(exc)})"
-                ) from None
-            warn(
-                f"action {ref}: {self.url(ref)} is unreachable ({_first_line(exc)}); "
-                f"using {ref.ref} = {commit[:12]} as resolved before"
-            )
+            warn(f"action {ref}: {why}; using {ref.ref} = {commit[:12]} as resolved before")
             self._write_record(ref, commit)
             return commit
         if resolved is None:
@@ -267,7 +263,15 @@ class ActionCache:
                 "(a commit must be given as its full 40-character SHA)"
             )
         if not (self._repo_dir(ref) / resolved).is_dir():
-            await self._fetch_commit(ref, resolved)
+            if ambiguous or ref.ref.startswith("refs/"):
+                await self._fetch_commit(ref, resolved)
+            else:
+                # One shallow clone of the branch or tag, as a user would run.
+                tmp, resolved = await self._fetch_into_tmp(ref, ref.ref, by_name=True)
+                if (self._repo_dir(ref) / resolved).is_dir():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    self._publish(ref, tmp, resolved)
         self._write_record(ref, resolved)
         return resolved
 
@@ -281,7 +285,7 @@ class ActionCache:
         url = self.url(ref)
         try:
             self.fetches += 1
-            if by_name and not what.startswith("refs/"):
+            if by_name:
                 # One process, as a user's `git clone` (a tag or a branch).
                 await self._git(
                     "-c",
@@ -338,16 +342,6 @@ class ActionCache:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ActionFetchError(f"action {ref}: fetched {got} instead of {commit}")
         self._publish(ref, tmp, commit)
-
-    async def _fetch_by_name(self, ref: RemoteRef) -> str:
-        name = ref.ref
-        tmp, commit = await self._fetch_into_tmp(ref, name, by_name=True)
-        if (self._repo_dir(ref) / commit).is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            self._publish(ref, tmp, commit)
-        self._write_record(ref, commit)
-        return commit
 
 
 @dataclass(frozen=True, slots=True)

@@ -207,6 +207,7 @@ class ActionSteps:
         self, step: Mapping[str, Any], meta: ActionMetadata, ctx: Mapping[str, Any], name: str
     ) -> dict[str, str]:
         given = dict(step.get("with") or {})
+        label = str(step.get("uses", ""))  # pre and main warn once, naming the action
         values: dict[str, str] = {}
         for key, decl in meta.inputs.items():
             if key in given:
@@ -216,13 +217,13 @@ class ActionSteps:
             else:
                 values[key] = ""
                 if decl.get("required") is True:
-                    self.warn(f"Input required and not supplied: {key} ({name})", name)
+                    self.warn(f"{label}: Input required and not supplied: {key}", name)
         declared = {k.lower() for k in meta.inputs}
         unexpected = [k for k in given if k.lower() not in declared]
         if unexpected and meta.inputs:
             self.warn(
-                f"Unexpected input(s) {', '.join(repr(k) for k in unexpected)}, valid inputs "
-                f"are {sorted(meta.inputs)} ({name})",
+                f"{label}: Unexpected input(s) {', '.join(repr(k) for k in unexpected)}, valid "
+                f"inputs are {sorted(meta.inputs)}",
                 name,
             )
         for key in unexpected:

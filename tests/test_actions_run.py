@@ -220,3 +220,32 @@ def test_remote_reusable_workflow_checks_and_failures(
         and "offline work" in m
         for m in messages
     ), messages
+
+
+def test_remote_reusable_workflow_from_an_override(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from preloop.workflow import load_workflow
+
+    local = tmp_path / "flows"
+    for rel, text in REUSABLE.items():
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        (local / rel).write_text(text)
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path}/offline")
+    monkeypatch.setenv("PRELOOP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("PRELOOP_ACTION_OVERRIDES", f"acme/flows={local}")
+    files = workflow(
+        """\
+        on: push
+        jobs:
+          call:
+            uses: acme/flows/.github/workflows/build.yml@v1
+            with:
+              name: x
+        """
+    )
+    repo = make_repo(tmp_path / "repo", files)
+    wf = load_workflow(repo / ".github" / "workflows" / "ci.yml")
+    inner = next(j for j in wf.jobs if j.id == "call").callee
+    assert inner is not None  # and $/ inside it, from the same directory:
+    assert next(j for j in inner.jobs if j.id == "inner").callee is not None

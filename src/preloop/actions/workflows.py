@@ -4,12 +4,14 @@
 cache, same resolution rules) and loaded as the callee; `$/.github/workflows/
 x.yml` names a workflow in the same repository as the calling workflow file
 (the workspace for the top-level workflow, the fetched commit for a workflow
-that came from another repository).
+that came from another repository). `PRELOOP_ACTION_OVERRIDES` entries naming
+a directory apply here too (`owner/repo=DIR` reads `DIR/.github/workflows/x.yml`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Awaitable, Callable
@@ -20,7 +22,7 @@ import anyio
 
 from preloop import config
 from preloop.actions.cache import ActionCache
-from preloop.actions.reference import parse_remote
+from preloop.actions.reference import Overrides, parse_remote
 from preloop.errors import PreloopError
 
 __all__ = ["RemoteWorkflowError", "fetch_remote_workflow", "is_workflow_path"]
@@ -67,6 +69,17 @@ def fetch_remote_workflow(
             "owner/repo/.github/workflows/<file>.yml@ref, ./.github/workflows/<file>.yml or "
             "$/.github/workflows/<file>.yml"
         )
+    override = Overrides.from_env(os.environ).find(ref)
+    if override is not None:
+        if override.directory is None:
+            raise RemoteWorkflowError(
+                f"'{uses}': a reusable workflow cannot be skipped (its jobs are planned); "
+                f"override it with {ref.slug}=DIR instead"
+            )
+        found = override.directory / ref.path
+        if not found.is_file():
+            raise RemoteWorkflowError(f"'{uses}': the override has no {ref.path} ({found})")
+        return found, override.directory
     cache = ActionCache(
         state_dir or config.state_dir(), run_key=f"plan-{uuid.uuid4().hex}", base_url=base_url
     )

@@ -245,11 +245,13 @@ def test_two_runs_fetching_one_action_fetch_once(env: Env, tmp_path: Path) -> No
     log = tmp_path / "fetches"
     gate = tmp_path / "gate"
     os.mkfifo(gate)
+    started = tmp_path / "started"
+    os.mkfifo(started)
     real_git = subprocess.run(["which", "git"], capture_output=True, text=True).stdout.strip()
     (bin_dir / "git").write_text(
         "#!/bin/sh\n"
         'for a in "$@"; do case "$a" in fetch|clone) echo fetch >> ' + str(log) + "; "
-        "read _ < " + str(gate) + ";; esac; done\n"
+        "echo started > " + str(started) + "; read _ < " + str(gate) + ";; esac; done\n"
         f'exec {real_git} "$@"\n'
     )
     (bin_dir / "git").chmod(0o755)
@@ -271,9 +273,10 @@ def test_two_runs_fetching_one_action_fetch_once(env: Env, tmp_path: Path) -> No
             async with anyio.create_task_group() as tg:
                 tg.start_soon(fetch, caches[0])
                 tg.start_soon(fetch, caches[1])
-                with anyio.fail_after(60):
-                    while not log.exists():  # the first fetch is in git now
-                        await anyio.sleep(0.01)
+                with anyio.fail_after(60):  # until the first fetch is in git
+                    await anyio.to_thread.run_sync(
+                        lambda: Path(started).read_text(), abandon_on_cancel=True
+                    )
                 # The other one waits on the lock, not in git.
                 assert log.read_text().count("fetch") == 1
                 with open(gate, "w") as fh:

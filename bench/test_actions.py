@@ -86,7 +86,7 @@ def test_js_action_steps(benchmark: Any, empty_action: tuple[Path, ActionSource]
     tmp, source = empty_action
     benchmark.extra_info["impl"] = "preloop"
     benchmark.pedantic(
-        _job, args=(tmp, [{"uses": "bench/empty@v1"}] * STEPS, source), rounds=5, iterations=1
+        _job, args=(tmp, [{"uses": "bench/empty@v1"}] * STEPS, source), rounds=8, iterations=1
     )
 
 
@@ -95,7 +95,7 @@ def test_run_node_steps(benchmark: Any, empty_action: tuple[Path, ActionSource])
     tmp, source = empty_action
     benchmark.extra_info["impl"] = 'run: node -e ""'
     benchmark.pedantic(
-        _job, args=(tmp, [{"run": 'node -e ""'}] * STEPS, source), rounds=5, iterations=1
+        _job, args=(tmp, [{"run": 'node -e ""'}] * STEPS, source), rounds=8, iterations=1
     )
 
 

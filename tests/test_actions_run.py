@@ -155,7 +155,8 @@ def test_remote_reusable_workflow_and_its_own_repository(
     publish_action(remotes, "acme/flows", REUSABLE, node_modules=False)
     state = tmp_path / "state"
     monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{remotes}")
-    monkeypatch.setenv("PRELOOP_STATE_DIR", str(state))
+    # The run's own state directory holds the fetched workflows, not this one.
+    monkeypatch.setenv("PRELOOP_STATE_DIR", str(tmp_path / "elsewhere"))
     repo = make_repo(
         tmp_path / "repo",
         {
@@ -186,6 +187,8 @@ def test_remote_reusable_workflow_and_its_own_repository(
     assert outcome.conclusion == "success", h.all_text()
     assert "got=remote-x" in h.lines["after"]
     assert any("local-ran" in lines for lines in h.lines.values())
+    assert (state / "actions" / "repos" / "acme" / "flows").is_dir()
+    assert not (tmp_path / "elsewhere").exists()
 
 
 def test_remote_reusable_workflow_checks_and_failures(
@@ -249,3 +252,38 @@ def test_remote_reusable_workflow_from_an_override(
     inner = next(j for j in wf.jobs if j.id == "call").callee
     assert inner is not None  # and $/ inside it, from the same directory:
     assert next(j for j in inner.jobs if j.id == "inner").callee is not None
+
+
+def test_action_option_overrides_a_remote_reusable_workflow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local = tmp_path / "flows"
+    for rel, text in REUSABLE.items():
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        (local / rel).write_text(text)
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path}/offline")
+    monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
+    files = workflow(
+        """\
+        on: push
+        jobs:
+          call:
+            uses: acme/flows/.github/workflows/build.yml@v1
+            with:
+              name: dev
+          after:
+            needs: call
+            runs-on: ubuntu-latest
+            steps:
+              - run: echo "got=${{ needs.call.outputs.said }}"
+        """
+    )
+    repo = make_repo(tmp_path / "repo", files)
+    outcome, h = run_engine(
+        repo,
+        f"sqlite:///{tmp_path}/store.db",
+        tmp_path / "state",
+        action_overrides=parse_overrides([f"acme/flows={local}"], "--action"),
+    )
+    assert outcome.conclusion == "success", h.all_text()
+    assert "got=remote-dev" in h.lines["after"]

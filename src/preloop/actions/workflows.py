@@ -4,12 +4,14 @@
 cache, same resolution rules) and loaded as the callee; `$/.github/workflows/
 x.yml` names a workflow in the same repository as the calling workflow file
 (the workspace for the top-level workflow, the fetched commit for a workflow
-that came from another repository). `PRELOOP_ACTION_OVERRIDES` entries naming
-a directory apply here too (`owner/repo=DIR` reads `DIR/.github/workflows/x.yml`).
+that came from another repository). `--action` (through `loading_for_run`) and
+`PRELOOP_ACTION_OVERRIDES` entries naming a directory apply here too
+(`owner/repo=DIR` reads `DIR/.github/workflows/x.yml`).
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import threading
@@ -22,13 +24,34 @@ import anyio
 
 from preloop import config
 from preloop.actions.cache import ActionCache
-from preloop.actions.reference import Overrides, parse_remote
+from preloop.actions.reference import Override, Overrides, parse_remote
 from preloop.errors import PreloopError
 
-__all__ = ["RemoteWorkflowError", "fetch_remote_workflow", "is_workflow_path"]
+__all__ = [
+    "RemoteWorkflowError",
+    "fetch_remote_workflow",
+    "is_workflow_path",
+    "loading_for_run",
+]
 
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# What the run being planned sets (its state directory, its `--action`
+# overrides) for the loader, which knows neither.
+_RUN: contextvars.ContextVar[tuple[Path, tuple[Override, ...]] | None] = contextvars.ContextVar(
+    "preloop_actions_plan_run", default=None
+)
+
+
+def loading_for_run(state_dir: Path, overrides: tuple[Override, ...], fn: Callable[[], T]) -> T:
+    """Calls `fn` (a workflow load) so that the remote reusable workflows it
+    fetches use `state_dir`'s action cache and the run's `--action` overrides."""
+    token = _RUN.set((state_dir, tuple(overrides)))
+    try:
+        return fn()
+    finally:
+        _RUN.reset(token)
 
 
 class RemoteWorkflowError(PreloopError):
@@ -69,7 +92,10 @@ def fetch_remote_workflow(
             "owner/repo/.github/workflows/<file>.yml@ref, ./.github/workflows/<file>.yml or "
             "$/.github/workflows/<file>.yml"
         )
-    override = Overrides.from_env(os.environ).find(ref)
+    run = _RUN.get()
+    if run is not None and state_dir is None:
+        state_dir = run[0]
+    override = Overrides.from_env(os.environ, run[1] if run else ()).find(ref)
     if override is not None:
         if override.directory is None:
             raise RemoteWorkflowError(

@@ -486,6 +486,9 @@ class ActionSteps:
         input_ctx = {**ctx, "inputs": inputs}
         argv_args = [run.template(a, input_ctx) for a in args]
         penv = self.action_env(env, resolved, inputs, {})
+        if meta is not None:
+            for key, value in dict(meta.runs.get("env") or {}).items():
+                penv[str(key)] = run.template(value, input_ctx)
         ws, temp = str(run.host.workspace), str(run.host.temp)
         names = sorted(
             {

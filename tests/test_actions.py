@@ -330,15 +330,28 @@ def test_docker_action_without_a_daemon_fails_that_step(
 ) -> None:
     monkeypatch.setenv("DOCKER_HOST", f"unix://{env.tmp}/no-docker.sock")
     monkeypatch.setattr(action_steps, "_docker_checked", {})
+    publish_action(
+        env.remotes,
+        "acme/dock",
+        {
+            "action.yml": "runs:\n  using: docker\n  image: Dockerfile\n",
+            "Dockerfile": "FROM alpine:3\n",
+        },
+        node_modules=False,
+    )
     result, lines = env.run(
         [
             {"uses": "docker://alpine:3", "continue-on-error": True},
+            {"uses": "acme/dock@v1", "continue-on-error": True},
             {"run": "echo next-ran"},
         ]
     )
     assert result.conclusion == "success"
     failed = [line for line in lines if "no Docker daemon answers" in line]
-    assert len(failed) == 1 and failed[0].startswith("✖ Run docker://alpine:3: ")
+    assert len(failed) == 2
+    assert failed[0].startswith("✖ Run docker://alpine:3: ")
+    assert failed[1].startswith("✖ Run acme/dock@v1: acme/dock@v1 is a Docker action")
+    assert failed[1].endswith("or use --action acme/dock=skip")
     assert "next-ran" in lines
 
 

@@ -441,9 +441,14 @@ class ActionSteps:
     ) -> tuple[dict[str, str], str]:
         problem = await _docker_problem()
         if problem is not None:
+            instead = (
+                f"use --action {resolved.repository}=skip"
+                if resolved.repository
+                else "guard the step with an `if:`"
+            )
             raise ActionStepError(
                 f"{resolved.label} is a Docker action and no Docker daemon answers ({problem}): "
-                f"start Docker, or use --action {resolved.repository or 'owner/repo'}=skip"
+                f"start Docker, or {instead}"
             )
         meta = resolved.meta
         run = self.run

@@ -86,7 +86,9 @@ def _first_line(exc: CommandFailed | CommandTimeout) -> str:
     if isinstance(exc, CommandTimeout):
         return f"no answer within {exc.timeout:g}s"
     lines = [ln.strip() for ln in exc.result.stderr_text().splitlines() if ln.strip()]
-    return lines[-1] if lines else str(exc)
+    # git's own diagnosis, not the advice it prints after it.
+    fatal = [ln for ln in lines if ln.startswith(("fatal:", "error:"))]
+    return (fatal or lines or [str(exc)])[0]
 
 
 def _discard(path: Path, tmp_root: Path) -> None:

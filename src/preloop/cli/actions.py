@@ -119,4 +119,4 @@ def prune_command(state_dir: Path | None, older_than: str, dry_run: bool, as_jso
         click.echo(f"{verb} {e.owner}/{e.repo}@{e.commit[:12]} ({_human(e.bytes)})")
     for e in busy:
         click.echo(f"kept {e.owner}/{e.repo}@{e.commit[:12]}: being fetched")
-    click.echo(f"{len(removed)} actions {verb}, {_human(sum(e.bytes for e in removed))}")
+    click.echo(f"{verb} {len(removed)} actions, {_human(sum(e.bytes for e in removed))}")

@@ -443,3 +443,24 @@ def test_no_usable_node_fails_the_step_with_one_line(
     assert len(failed) == 1 and failed[0].startswith(
         "✖ Run acme/ver@v1: acme/ver@v1: PRELOOP_NODE="
     )
+
+
+def test_composite_required_input_missing_is_a_warning(env: Env) -> None:
+    result, lines = env.run(
+        [{"uses": "./act"}],
+        files={
+            "act/action.yml": """\
+                inputs:
+                  who: {required: true}
+                runs:
+                  using: composite
+                  steps:
+                    - run: echo "who=[${{ inputs.who }}]"
+                      shell: bash
+                """
+        },
+    )
+    assert result.conclusion == "success"
+    assert "who=[]" in lines
+    warnings = [a.message for a in result.annotations if a.level == "warning"]
+    assert warnings == ["./act: Input required and not supplied: who"]

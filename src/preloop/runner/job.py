@@ -623,10 +623,10 @@ class _Execution:
                 inputs[key] = self.template(given[key], ctx)
             elif "default" in decl:
                 inputs[key] = self.template(decl["default"], ctx)
-            elif decl.get("required") is True:
-                raise _StepFailure(f"step {name!r}: input {key!r} of {uses!r} is required")
             else:
                 inputs[key] = ""
+                if decl.get("required") is True:  # a warning, as GitHub's runner gives
+                    self.actions.warn(f"{uses}: Input required and not supplied: {key}", name)
         for key, value in given.items():
             inputs.setdefault(key, self.template(value, ctx))
         inner = _Scope(steps_ctx={}, inputs=inputs, action_path=directory, prefix=f"{uses}:")

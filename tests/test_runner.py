@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
+from preloop.actions.steps import ActionSource
 from preloop.runner import JobControl, JobHost, JobResult, execute_job
 from preloop.runner.checkout import sweep_work_dir, work_dir
 from preloop.runner.commands import EnvFileError, Masker, parse_env_file
@@ -37,6 +38,7 @@ def run_job(
     on_line: Callable[[str], None] | None = None,
     control: JobControl | None = None,
     extra_spec: dict[str, Any] | None = None,
+    actions: ActionSource | None = None,
 ) -> tuple[JobResult, list[str]]:
     ws = tmp_path / "ws"
     temp = tmp_path / "temp"
@@ -64,7 +66,13 @@ def run_job(
         lambda: execute_job(
             spec,
             contexts or {"github": {"event_name": "push"}},
-            JobHost(workspace=ws, temp=temp, run_id="7"),
+            JobHost(
+                workspace=ws,
+                temp=temp,
+                run_id="7",
+                actions=actions
+                or ActionSource(tmp_path / "state", base_url=f"file://{tmp_path}/no-remotes"),
+            ),
             log=log,
             secrets=secrets,
             timeout_minutes=timeout_minutes,
@@ -297,7 +305,7 @@ def test_secret_in_step_script_is_masked(tmp_path: Path) -> None:
     assert "leak" not in result.outputs  # outputs holding secrets are not passed on
 
 
-def test_checkout_is_satisfied_and_other_uses_fail_naming_the_step(tmp_path: Path) -> None:
+def test_checkout_is_satisfied_and_unfetchable_actions_fail_naming_the_step(tmp_path: Path) -> None:
     result, lines = run_job(
         tmp_path,
         [
@@ -308,8 +316,10 @@ def test_checkout_is_satisfied_and_other_uses_fail_naming_the_step(tmp_path: Pat
     )
     assert result.conclusion == "failure"
     assert [s.outcome for s in result.steps] == ["success", "failure", "skipped"]
-    msg = [line for line in lines if "actions/setup-node@v4" in line and "not supported" in line]
-    assert msg and "'Set up node'" in msg[0] and "composite" in msg[0]
+    # No network here: the remote cannot be fetched, which fails that step only,
+    # with one line naming the action and what to do.
+    msg = [line for line in lines if line.startswith("✖ Set up node: action actions/setup-node@v4")]
+    assert msg and "--action actions/setup-node=DIR" in msg[0]
 
 
 def test_composite_action_inputs_outputs(tmp_path: Path) -> None:

@@ -589,7 +589,9 @@ def test_reusable_workflow_calling_itself(repo: Path) -> None:
     ]
 
 
-def test_local_action_must_exist(repo: Path) -> None:
+def test_actions_are_checked_for_form_not_presence(repo: Path) -> None:
+    # GitHub reads a local action's action.yml when its step runs (an earlier
+    # step may generate it): a missing one is no validation error.
     (repo / "tools" / "setup").mkdir(parents=True)
     (repo / "tools" / "setup" / "action.yml").write_text("runs: {using: composite, steps: []}\n")
     errs = errors(
@@ -603,11 +605,13 @@ def test_local_action_must_exist(repo: Path) -> None:
               - uses: ./tools/setup
               - uses: ./tools/missing
               - uses: actions/checkout@v4
+              - uses: docker://alpine:3
+              - uses: not-an-action
         """,
     )
     assert len(errs) == 1
     assert errs[0].startswith(
-        ".github/workflows/w.yml:7:15: local action './tools/missing' has no action.yml"
+        ".github/workflows/w.yml:10:15: `uses: not-an-action` is not an action reference"
     )
 
 

@@ -107,6 +107,14 @@ def parse_path(raw: str) -> Path:
     return Path(raw).expanduser().absolute()
 
 
+def _parse_url_base(raw: str) -> str:
+    """A URL base (`https://host`, `file:///dir`, `ssh://...`), no trailing slash."""
+    value = raw.strip().rstrip("/")
+    if not re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", value) and not value.startswith("/"):
+        raise ValueError(f"expected a URL base such as https://github.com, got {raw!r}")
+    return value
+
+
 def _home_default(env: Mapping[str, str]) -> str:
     return str(Path("~/.preloop").expanduser())
 
@@ -162,6 +170,33 @@ KNOBS: dict[str, Knob] = {
             "90",
             parse_nonnegative_int,
             "Days a run's artifacts are kept (removed when `preloop run` starts); 0 keeps them.",
+        ),
+        Knob(
+            "PRELOOP_ACTIONS_URL",
+            "https://github.com",
+            _parse_url_base,
+            "Where `uses: owner/repo@ref` actions are fetched from (<base>/<owner>/<repo>); "
+            "any git URL base, e.g. file:///srv/action-mirrors.",
+        ),
+        Knob(
+            "PRELOOP_ACTIONS_FETCH_TIMEOUT",
+            "600",
+            parse_positive_int,
+            "Seconds one git call resolving or fetching an action may take before it is killed.",
+        ),
+        Knob(
+            "PRELOOP_ACTION_OVERRIDES",
+            "",
+            str,
+            "Local overrides of remote actions, `;`-separated: owner/repo[@ref]=DIR or "
+            "owner/repo[@ref]=skip[:reason] (like `preloop run --action`).",
+        ),
+        Knob(
+            "PRELOOP_NODE",
+            "",
+            str,
+            "The node that runs JavaScript actions (a path or command); empty: the newest "
+            "node found on PATH.",
         ),
     ]
 }

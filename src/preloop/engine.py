@@ -39,6 +39,8 @@ import anyio
 
 import preloop.snapshot.prune  # noqa: F401  (registers the post-capture prune hook)
 from preloop import config
+from preloop.actions.reference import Override
+from preloop.actions.workflows import loading_for_run
 from preloop.control import JobInfo, Lease, Store, open_store
 from preloop.errors import PreloopError, UsageError
 from preloop.process import CommandFailed, run_command
@@ -92,6 +94,7 @@ class RunRequest:
     sandbox: bool = False
     sandbox_network: str = "host"  # --sandbox-network: "host" or "none"
     runner_name: str = "local"
+    action_overrides: tuple[Override, ...] = ()  # `--action owner/repo=DIR|skip`
 
 
 @dataclass(slots=True)
@@ -306,8 +309,16 @@ class Engine:
         if req.local_runners is not None and req.local_runners < 0:
             raise UsageError(f"-j {req.local_runners}: the number of local runners must be >= 0")
         root = await _repo_root(req.workspace)
-        path = resolve_workflow(root, req.workflow, req.event)
-        workflow = await anyio.to_thread.run_sync(lambda: load_workflow(path, root=root))
+        path = loading_for_run(
+            self.state_dir,
+            req.action_overrides,
+            lambda: resolve_workflow(root, req.workflow, req.event),
+        )
+        workflow = await anyio.to_thread.run_sync(
+            lambda: loading_for_run(
+                self.state_dir, req.action_overrides, lambda: load_workflow(path, root=root)
+            )
+        )
         branch = await _git(root, "rev-parse", "--abbrev-ref", "HEAD")
         github = {
             "repository": root.name,
@@ -459,6 +470,7 @@ class Engine:
                     sandbox_network=req.sandbox_network,
                     run_id=run_id,
                     services=services,
+                    action_overrides=req.action_overrides,
                 ),
                 events,
                 templates,

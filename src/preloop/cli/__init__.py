@@ -2,6 +2,7 @@
 registers itself on `cli` when imported below."""
 
 from preloop.cli import (  # noqa: F401  (registration)
+    actions,
     cache,
     config_cmd,
     du,

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from preloop import config
+from preloop.actions.cache import actions_dir, list_cached_actions
 from preloop.cli.app import cli, emit_json, fail
 from preloop.cli.services import actions_cache_document, print_actions_cache
 from preloop.errors import UsageError
@@ -81,6 +82,12 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
     except CacheReferenceError as exc:
         refs, refs_error = None, str(exc)
     total = sum(u.total_bytes for u in usages)
+    cached_actions = list_cached_actions(state)
+    actions: dict[str, Any] = {
+        "dir": str(actions_dir(state)),
+        "entries": len(cached_actions),
+        "total_bytes": sum(a.bytes for a in cached_actions),
+    }
     entries: list[dict[str, Any]] = [
         {
             "key": u.key,
@@ -103,6 +110,7 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
                 "total_bytes": total,
                 "entries": entries,
                 "references_error": refs_error,
+                "actions": actions,
                 "actions_cache": actions_cache_document(state),
             }
         )
@@ -127,6 +135,11 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
     )
     if refs_error:
         console.print(f"references unknown: {refs_error}", highlight=False)
+    console.print(
+        f"action cache: {actions['entries']} actions, {_human(actions['total_bytes'])} in "
+        f"{actions['dir']} (`preloop actions list`)",
+        highlight=False,
+    )
     print_actions_cache(console, actions_cache_document(state))
 
 

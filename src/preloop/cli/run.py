@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -17,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from preloop import config
+from preloop.actions.reference import Overrides, parse_overrides
 from preloop.cli.app import cli, emit_json
 from preloop.cli.secret_args import parse_secrets, sandbox_options, secret_options
 from preloop.control import JobInfo, Lease
@@ -268,6 +270,13 @@ async def _run(engine: Engine, progress: _Progress) -> RunOutcome | None:
 )
 @secret_options
 @sandbox_options
+@click.option(
+    "--action",
+    "actions",
+    multiple=True,
+    metavar="OWNER/REPO[@REF]=DIR|skip[:REASON]",
+    help="Run a local directory in place of a remote action, or skip it (repeatable).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document at the end.")
 def run_command(
     workflow: Path | None,
@@ -280,6 +289,7 @@ def run_command(
     secret_files: tuple[Path, ...],
     sandbox: bool,
     sandbox_network: str,
+    actions: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """Run this repository's workflow on a snapshot of the work tree.
@@ -300,7 +310,10 @@ def run_command(
         secrets=parse_secrets(secret, secret_files),
         sandbox=sandbox,
         sandbox_network=sandbox_network,
+        action_overrides=parse_overrides(actions, "--action"),
     )
+    # Bad action settings fail here, once, rather than in every job.
+    Overrides.from_env(os.environ)
     console = Console(highlight=False)
     progress = _Progress(console, live=console.is_terminal, quiet=as_json)
     engine = Engine(request, progress.events())

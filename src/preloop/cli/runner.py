@@ -18,6 +18,7 @@ import anyio
 import click
 
 from preloop import config
+from preloop.actions.reference import Overrides
 from preloop.cli.app import cli
 from preloop.cli.secret_args import parse_secrets, sandbox_options, secret_options
 from preloop.control import open_store
@@ -77,6 +78,7 @@ def runner_command(
             f"--store {store!r}: a runner on another machine needs the shared PostgreSQL "
             "store (postgresql://...)"
         )
+    Overrides.from_env(os.environ)  # a bad PRELOOP_ACTION_OVERRIDES fails here, not per job
     state = (state_dir or config.state_dir()).absolute()
     state.mkdir(parents=True, exist_ok=True)
     options = RunnerOptions(

@@ -16,9 +16,11 @@ data) one after another and returns a `JobResult`:
   and `GITHUB_PATH` (effective from the next step on), `GITHUB_STEP_SUMMARY`
   (collected into the job summary), `GITHUB_STATE`; workflow commands and
   masking (`preloop.runner.commands`).
-- `uses: actions/checkout@...` is satisfied by the snapshot checkout;
-  `uses: ./path` runs a local composite action (inputs, outputs, nested
-  steps); any other `uses:` fails the step naming it and what is supported.
+- `uses: actions/checkout@...` is satisfied by the snapshot checkout; every
+  other `uses:` (local `./path` read when the step runs, `owner/repo@ref`
+  from the action cache, `docker://image`) runs through `preloop.actions`:
+  JavaScript actions with pre/main/post, composite actions as nested steps
+  (below), Docker actions through `docker`.
 - Every process runs through `preloop.process` in its own process group, so
   a timeout or cancellation (`JobControl.cancel()`) kills the whole group;
   groups a step left running in the background are killed when the job ends.
@@ -41,8 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import yaml
 
+from preloop.actions.metadata import ActionMetadata, ActionMetadataError
+from preloop.actions.reference import UsesError
+from preloop.actions.steps import POST_STEPS_TIMEOUT, ActionSource, ActionStepError, ActionSteps
 from preloop.errors import PreloopError
 from preloop.process import CommandTimeout
 from preloop.runner.commands import (
@@ -73,8 +77,8 @@ __all__ = [
 ]
 
 SUPPORTED_USES = (
-    "preloop runs `run:` steps, `actions/checkout` (satisfied by the snapshot checkout) "
-    "and local composite actions (`uses: ./path/to/action`)"
+    "preloop runs `run:` steps, `actions/checkout` (satisfied by the snapshot checkout), "
+    "JavaScript, composite and Docker actions (`owner/repo@ref`, `./path`, `docker://image`)"
 )
 
 LogLine = Callable[[str], None]
@@ -100,6 +104,9 @@ class JobHost:
     base_env: Mapping[str, str] | None = None
     tool_cache: Path | None = None
     tracking_key: str | None = None
+    # Where `uses: owner/repo@ref` actions come from (default: the action
+    # cache of $PRELOOP_STATE_DIR and $PRELOOP_ACTION_OVERRIDES).
+    actions: ActionSource | None = None
 
 
 @dataclass(slots=True)
@@ -291,6 +298,7 @@ class _Execution:
             env_ctx[name] = _str(value) if evaluated else self.template(value, ctx)
         self.job_env = env_ctx
         self.defaults = dict(spec.get("defaults") or {})
+        self.actions = ActionSteps(self)
 
     # -- helpers ---------------------------------------------------------------
     def log(self, text: str) -> None:
@@ -407,7 +415,14 @@ class _Execution:
                 outputs, outcome = await self.run_uses(step, name, env, step_ctx, scope, timeout)
             else:
                 outputs, outcome = await self.run_script(step, name, env, step_ctx, scope, timeout)
-        except (ex.ExpressionError, _StepFailure, EnvFileError) as exc:
+        except (
+            ex.ExpressionError,
+            _StepFailure,
+            EnvFileError,
+            ActionStepError,
+            ActionMetadataError,
+            UsesError,
+        ) as exc:
             self.log(f"✖ {name}: {exc}")
             self.annotations.append(Annotation("error", str(exc), self.job_key, name))
             outcome = "failure"
@@ -551,7 +566,11 @@ class _Execution:
         scope: _Scope,
         timeout: float | None,
         cwd: str,
+        *,
+        state: dict[str, str] | None = None,
     ) -> tuple[dict[str, str], str]:
+        """Runs one step process with the step protocols; `state` (a JavaScript
+        action's) receives what it wrote to GITHUB_STATE."""
         files = self.step_files()
         penv = self.process_env(env, files, scope)
         penv["RUNNER_TRACKING_ID"] = self.tracking_id
@@ -597,6 +616,8 @@ class _Execution:
         new_env = parse_env_file(files["GITHUB_ENV"], f"{name}: GITHUB_ENV")
         self.env_from_files.update(new_env)
         self.path_prepend.extend(parse_path_file(files["GITHUB_PATH"]))
+        if state is not None:
+            state.update(parse_env_file(files["GITHUB_STATE"], f"{name}: GITHUB_STATE"))
         summary = files["GITHUB_STEP_SUMMARY"].read_text(encoding="utf-8", errors="replace")
         if summary.strip():
             self.summary_parts.append(self.masker.mask(summary))
@@ -620,49 +641,39 @@ class _Execution:
         if uses.split("@", 1)[0].lower() == "actions/checkout":
             self.log("actions/checkout: satisfied by the snapshot checkout in the workspace")
             return {}, "success"
-        if uses.startswith("./"):
-            if timeout is None:
-                return await self.run_composite(step, uses, name, env, ctx, scope)
-            with anyio.move_on_after(timeout):
-                return await self.run_composite(step, uses, name, env, ctx, scope)
-            self.log(f"Error: the step timed out after {timeout / 60:g} minutes and was killed")
-            return {}, "failure"
-        raise _StepFailure(f"step {name!r} uses {uses!r}, which is not supported: {SUPPORTED_USES}")
-
-    def load_action(self, uses: str, name: str) -> tuple[Path, dict[str, Any]]:
-        directory = (self.host.workspace / uses).resolve()
-        for candidate in ("action.yml", "action.yaml"):
-            path = directory / candidate
-            if path.is_file():
-                break
-        else:
-            raise _StepFailure(
-                f"step {name!r}: no action.yml or action.yaml in {uses!r} of the checkout"
-            )
-        try:
-            data = yaml.load(path.read_text(encoding="utf-8"), Loader=yaml.CSafeLoader)
-        except yaml.YAMLError as exc:
-            raise _StepFailure(f"{uses}/{path.name}: invalid YAML: {exc}") from None
-        if not isinstance(data, dict) or not isinstance(data.get("runs"), dict):
-            raise _StepFailure(f"{uses}/{path.name}: an action needs a `runs` mapping")
-        using = str(data["runs"].get("using", ""))
-        if using != "composite":
-            raise _StepFailure(
-                f"step {name!r}: action {uses!r} runs using {using!r}; only composite "
-                f"actions are supported ({SUPPORTED_USES})"
-            )
-        return directory, data
+        return await self.actions.run_main(step, name, env, ctx, scope, timeout)
 
     async def run_composite(
         self,
         step: Mapping[str, Any],
         uses: str,
+        meta: ActionMetadata,
+        name: str,
+        env: dict[str, str],
+        ctx: Mapping[str, Any],
+        scope: _Scope,
+        timeout: float | None,
+    ) -> tuple[dict[str, str], str]:
+        """A composite action (local or remote) as nested steps, bounded by the
+        step's `timeout-minutes`."""
+        if timeout is None:
+            return await self._composite(step, uses, meta, name, env, ctx, scope)
+        with anyio.move_on_after(timeout):
+            return await self._composite(step, uses, meta, name, env, ctx, scope)
+        self.log(f"Error: the step timed out after {timeout / 60:g} minutes and was killed")
+        return {}, "failure"
+
+    async def _composite(
+        self,
+        step: Mapping[str, Any],
+        uses: str,
+        meta: ActionMetadata,
         name: str,
         env: dict[str, str],
         ctx: Mapping[str, Any],
         scope: _Scope,
     ) -> tuple[dict[str, str], str]:
-        directory, data = self.load_action(uses, name)
+        directory, data = meta.directory, meta.raw
         given = dict(step.get("with") or {})
         declared = dict(data.get("inputs") or {})
         inputs: dict[str, Any] = {}
@@ -672,10 +683,10 @@ class _Execution:
                 inputs[key] = self.template(given[key], ctx)
             elif "default" in decl:
                 inputs[key] = self.template(decl["default"], ctx)
-            elif decl.get("required") is True:
-                raise _StepFailure(f"step {name!r}: input {key!r} of {uses!r} is required")
             else:
                 inputs[key] = ""
+                if decl.get("required") is True:  # a warning, as GitHub's runner gives
+                    self.actions.warn(f"{uses}: Input required and not supplied: {key}", name)
         for key, value in given.items():
             inputs.setdefault(key, self.template(value, ctx))
         inner = _Scope(steps_ctx={}, inputs=inputs, action_path=directory, prefix=f"{uses}:")
@@ -753,6 +764,10 @@ async def execute_job(
     index = 0
     try:
         with anyio.CancelScope(deadline=anyio.current_time() + timeout_minutes * 60.0) as job_scope:
+            with anyio.CancelScope() as pre_scope:
+                control._scope = pre_scope
+                await run.actions.run_pre(steps, scope)
+            control._scope = None
             while index < len(steps):
                 with anyio.CancelScope() as step_scope:
                     control._scope = step_scope
@@ -769,6 +784,12 @@ async def execute_job(
                 run.record_interrupted(steps[index], index, scope, "failure")
             run.log(f"✖ {reason}; its processes were killed")
             run.status = "failure"
+        # Post steps of JavaScript actions, after every main step, also after
+        # a failure, a cancellation or the job's timeout.
+        with anyio.CancelScope(deadline=anyio.current_time() + POST_STEPS_TIMEOUT) as post_scope:
+            control._scope = post_scope
+            await run.actions.run_posts(scope)
+        control._scope = None
     finally:
         control._scope = None
         run.kill_leftovers()

@@ -26,6 +26,9 @@ from urllib.parse import quote
 
 import anyio
 
+from preloop.actions.cache import actions_dir
+from preloop.actions.reference import Override, Overrides
+from preloop.actions.steps import ActionSource
 from preloop.control import Lease, Store, StoreError
 from preloop.control.reusable import passed_secrets
 from preloop.errors import PreloopError
@@ -80,9 +83,21 @@ class RunnerOptions:
     run_id: int | None = None
     # The run's artifact and cache services (`preloop run`); None: tool cache only.
     services: ServiceAccess | None = None
+    # `--action` overrides; PRELOOP_ACTION_OVERRIDES is added after them.
+    action_overrides: tuple[Override, ...] = ()
 
 
 T = TypeVar("T")
+
+
+def _sandbox_reads(state_dir: Path, service_env: dict[str, str]) -> list[Path]:
+    """What a sandboxed job reads from inside the hidden state directory: the
+    action cache (actions are fetched when the job starts, so it must exist
+    before the sandbox binds it) and the tool cache."""
+    reads = [actions_dir(state_dir), Path(service_env["RUNNER_TOOL_CACHE"])]
+    for path in reads:
+        path.mkdir(parents=True, exist_ok=True)
+    return reads
 
 
 async def store_call(store: Store, fn: Callable[[], T]) -> T:
@@ -315,7 +330,11 @@ class Runner:
                 masker.add(service_env["ACTIONS_RUNTIME_TOKEN"])  # as GitHub's runner does
             wrap = (
                 bubblewrap_wrapper(
-                    job_dir, opts.state_dir, workspace=workspace, network=opts.sandbox_network
+                    job_dir,
+                    opts.state_dir,
+                    workspace=workspace,
+                    network=opts.sandbox_network,
+                    read_only=_sandbox_reads(opts.state_dir, service_env),
                 )
                 if opts.sandbox
                 else None
@@ -332,6 +351,9 @@ class Runner:
             base_env={**os.environ, **service_env},
             tool_cache=Path(service_env["RUNNER_TOOL_CACHE"]),
             tracking_key=str(tracking_key) if tracking_key else None,
+            actions=ActionSource(
+                opts.state_dir, Overrides.from_env(os.environ, opts.action_overrides)
+            ),
         )
         return await execute_job(
             spec,

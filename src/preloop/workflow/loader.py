@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from preloop.actions.reference import UsesError, parse_uses
+from preloop.actions.workflows import fetch_remote_workflow
 from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
 from preloop.workflow.availability import EVENTS as SCHEMA_EVENTS
@@ -186,6 +188,8 @@ class _State:
     cache: dict[Path, Workflow | None] = field(default_factory=dict)
     stack: list[Path] = field(default_factory=list)
     called: set[Path] = field(default_factory=set)  # every reusable workflow in the tree
+    # Repository root of each workflow file fetched from another repository.
+    origins: dict[Path, Path] = field(default_factory=dict)
 
 
 def _load(state: _State, p: Path, depth: int, display: str) -> Workflow | None:
@@ -1190,12 +1194,15 @@ class _Reader:
         )
 
     def local_action(self, node: YScalar, uses: str) -> None:
-        """A local action (`uses: ./dir`) must have its action.yml."""
-        if not uses.startswith("./") or "${{" in uses:
+        """A step's `uses` must name an action (`./dir`, `owner/repo[/path]@ref`,
+        `docker://image`). A local action's action.yml is read when its step
+        runs, as GitHub does (an earlier step may generate it)."""
+        if "${{" in uses:
             return
-        target = self.state.repo / uses[2:]
-        if not any((target / name).is_file() for name in ("action.yml", "action.yaml")):
-            self.err2(node, f"local action '{uses}' has no action.yml ({target})")
+        try:
+            parse_uses(uses)
+        except UsesError as exc:
+            self.err2(node, str(exc))
 
     # -- reusable workflows -------------------------------------------------
     def caller(self, m: YMap, common: dict[str, Any]) -> Job | None:
@@ -1255,17 +1262,15 @@ class _Reader:
         secret_keys: dict[str, YScalar],
     ) -> Workflow | None:
         problem = workflow_uses_error(uses)
-        if problem is None and is_local(uses):
-            problem = local_path_error(uses, self.state.repo)
+        local = is_local(uses)
+        # `$/` is the calling file's own repository (see preloop.actions.workflows).
+        origin = self.state.repo
+        if uses.startswith("$/") and self.state.stack:
+            origin = self.state.origins.get(self.state.stack[-1], origin)
+        if problem is None and local:
+            problem = local_path_error(uses, origin)
         if problem is not None:
             self.err2(node, f"invalid `uses`: {problem}")
-            return None
-        if not is_local(uses):
-            self.err2(
-                node,
-                f"reusable workflow '{uses}' is not local: preloop runs workflows from this "
-                "repository (`uses: ./.github/workflows/<file>.yml`)",
-            )
             return None
         if self.depth + 1 > MAX_REUSABLE_DEPTH:
             self.err2(
@@ -1274,7 +1279,16 @@ class _Reader:
                 f"(calling '{uses}' would be level {self.depth + 1})",
             )
             return None
-        target = (self.state.repo / uses[2:].replace("\\", "/")).resolve()
+        if local:
+            target, display = (origin / uses[2:].replace("\\", "/")).resolve(), uses[2:]
+        else:
+            try:
+                found, root = fetch_remote_workflow(uses)
+            except PreloopError as exc:
+                self.err2(node, f"reusable workflow '{uses}': {exc}")
+                return None
+            target, display = found.resolve(), uses
+            self.state.origins[target] = root
         if not target.is_file():
             self.err2(node, f"reusable workflow '{uses}' does not exist ({target})")
             return None
@@ -1290,7 +1304,7 @@ class _Reader:
             )
             return None
         before = len(self.state.errors)
-        callee = _load(self.state, target, self.depth + 1, uses[2:])
+        callee = _load(self.state, target, self.depth + 1, display)
         if callee is None:
             if len(self.state.errors) == before and target not in self.state.cache:
                 self.err2(node, f"reusable workflow '{uses}' could not be loaded")

@@ -1,0 +1,435 @@
+"""The action cache: `owner/repo@ref` resolved with git and fetched into `<state>/actions/`.
+
+```
+<state>/actions/repos/<owner>/<repo>/<commit>/   the repository's tree at that commit (no .git)
+<state>/actions/refs/<owner>/<repo>/<ref>.json   last resolution of a branch/tag: commit, run, time
+<state>/actions/locks/<owner>+<repo>.lock        flock: one resolver/fetcher per repository
+<state>/actions/tmp/<nonce>/                     a fetch in progress (renamed into repos/ when done)
+```
+
+- A ref is resolved once per run (`git ls-remote`; the record names the run;
+  a tag wins over a branch of the same name, as on GitHub),
+  a full commit SHA never. When the remote is unreachable a previous
+  resolution is reused with a warning; with none the action cannot run and
+  `ActionFetchError` says what to do.
+- Fetches are single-flight across processes (the repository's lock file,
+  held while resolving and fetching), atomic (a temporary directory renamed
+  into place) and bounded (`PRELOOP_ACTIONS_FETCH_TIMEOUT`, through
+  `preloop.process`, which kills git's whole process group).
+- `PRELOOP_ACTIONS_URL` is the base of the remotes (`<base>/<owner>/<repo>`):
+  `https://github.com` by default, any git URL base (`file:///srv/mirrors`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+import anyio
+
+from preloop import config
+from preloop.actions.reference import RemoteRef
+from preloop.errors import PreloopError
+from preloop.fs import tree_bytes
+from preloop.process import CommandFailed, CommandTimeout, run_command
+
+__all__ = [
+    "ActionCache",
+    "ActionFetchError",
+    "CachedAction",
+    "FetchedAction",
+    "actions_dir",
+    "list_cached_actions",
+    "prune_actions",
+]
+
+_GIT_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "true", "LC_ALL": "C"}
+_LOCK_POLL_FIRST = 0.005
+_LOCK_POLL_MAX = 0.2
+
+
+class ActionFetchError(PreloopError):
+    """An action that could not be resolved or fetched; the message says what to do."""
+
+
+def actions_dir(state_dir: Path) -> Path:
+    return Path(state_dir) / "actions"
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedAction:
+    """A remote action ready to run: `root` is the repository's tree, `directory`
+    the action's own directory in it (`root/path`)."""
+
+    ref: RemoteRef
+    commit: str
+    root: Path
+    directory: Path
+
+
+def _git_env() -> dict[str, str]:
+    return {**os.environ, **_GIT_ENV}
+
+
+def _first_line(exc: CommandFailed | CommandTimeout) -> str:
+    if isinstance(exc, CommandTimeout):
+        return f"no answer within {exc.timeout:g}s"
+    lines = [ln.strip() for ln in exc.result.stderr_text().splitlines() if ln.strip()]
+    # git's own diagnosis, not the advice it prints after it.
+    fatal = [ln for ln in lines if ln.startswith(("fatal:", "error:"))]
+    return (fatal or lines or [str(exc)])[0]
+
+
+def _discard(path: Path, tmp_root: Path) -> None:
+    """Removes `path` off the caller's critical path: renamed out of the action
+    at once, deleted by a background thread (a crash leaves it under tmp/,
+    where `prune_actions` sweeps directories of dead processes)."""
+    trash = tmp_root / f"{os.getpid()}-trash-{uuid.uuid4().hex[:12]}"
+    os.rename(path, trash)
+    threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}).start()
+
+
+class _RepoLock:
+    """An exclusive flock on `locks/<owner>+<repo>.lock`; the file is never
+    unlinked so every process locks the same inode; dying releases it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    async def __aenter__(self) -> _RepoLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+        delay = _LOCK_POLL_FIRST
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                        raise
+                # The holder's fetch is bounded by its own timeout; an
+                # enclosing deadline (the step's) ends this wait.
+                await anyio.sleep(delay)
+                delay = min(delay * 2, _LOCK_POLL_MAX)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def try_lock(path: Path) -> int | None:
+    """The lock's descriptor when it is free, None when another process holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+class ActionCache:
+    """Resolves and fetches remote actions for one run (`run_key` names it, so
+    that a branch or tag is resolved once per run)."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        run_key: str,
+        base_url: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.root = actions_dir(state_dir)
+        self.run_key = run_key
+        self.base_url = (base_url or config.get("PRELOOP_ACTIONS_URL")).rstrip("/")
+        self.timeout = float(timeout or config.get("PRELOOP_ACTIONS_FETCH_TIMEOUT"))
+        self.fetches = 0  # git fetches this object ran (tests, bench)
+
+    def url(self, ref: RemoteRef) -> str:
+        return f"{self.base_url}/{ref.owner}/{ref.repo}"
+
+    def _repo_dir(self, ref: RemoteRef) -> Path:
+        owner, repo = ref.key
+        return self.root / "repos" / owner / repo
+
+    def _record_path(self, ref: RemoteRef) -> Path:
+        owner, repo = ref.key
+        return self.root / "refs" / owner / repo / f"{quote(ref.ref, safe='')}.json"
+
+    def _read_record(self, ref: RemoteRef) -> dict[str, str] | None:
+        try:
+            data = json.loads(self._record_path(ref).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if isinstance(data, dict) and isinstance(data.get("commit"), str):
+            return {k: str(v) for k, v in data.items()}
+        return None
+
+    def _write_record(self, ref: RemoteRef, commit: str) -> None:
+        path = self._record_path(ref)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        doc = {"commit": commit, "run": self.run_key, "resolved_at": str(time.time())}
+        tmp.write_text(json.dumps(doc), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def _cant(self, ref: RemoteRef, what: str) -> ActionFetchError:
+        return ActionFetchError(
+            f"action {ref}: {what}; check the network or PRELOOP_ACTIONS_URL "
+            f"({self.base_url}), or use --action {ref.slug}=DIR for offline work"
+        )
+
+    async def _git(self, *args: str, cwd: Path | None = None) -> str:
+        result = await run_command(
+            ["git", *args], cwd=cwd, env=_git_env(), timeout=self.timeout, check=True
+        )
+        return result.stdout.decode(errors="replace")
+
+    async def _ls_remote(self, ref: RemoteRef) -> tuple[str | None, bool]:
+        """(commit the ref names, whether a tag and a branch share its name)."""
+        name = ref.ref
+        if name.startswith("refs/"):
+            wanted = [f"{name}^{{}}", name]
+        else:
+            # GitHub's order: a tag wins over a branch of the same name.
+            wanted = [f"refs/tags/{name}^{{}}", f"refs/tags/{name}", f"refs/heads/{name}"]
+        out = await self._git("ls-remote", self.url(ref), *wanted)
+        found: dict[str, str] = {}
+        for line in out.splitlines():
+            sha, _, refname = line.partition("\t")
+            found[refname.strip()] = sha.strip()
+        ambiguous = f"refs/tags/{name}" in found and f"refs/heads/{name}" in found
+        return next((found[w] for w in wanted if w in found), None), ambiguous
+
+    async def fetch(self, ref: RemoteRef, warn: Callable[[str], None]) -> FetchedAction:
+        """The action's tree at the commit `ref` resolves to, fetched if needed."""
+        owner, repo = ref.key
+        lock = _RepoLock(self.root / "locks" / f"{owner}+{repo}.lock")
+        async with lock:
+            commit = await self._resolve_and_fetch(ref, warn)
+        root = self._repo_dir(ref) / commit
+        with contextlib.suppress(OSError):
+            os.utime(root)  # last use, for `preloop actions prune`
+        directory = root / ref.path if ref.path else root
+        if not directory.exists():
+            raise ActionFetchError(
+                f"action {ref}: {ref.slug} has no directory {ref.path!r} at {commit[:12]}"
+            )
+        return FetchedAction(ref, commit, root, directory)
+
+    async def _resolve_and_fetch(self, ref: RemoteRef, warn: Callable[[str], None]) -> str:
+        if ref.is_sha:
+            commit = ref.ref.lower()
+            if not (self._repo_dir(ref) / commit).is_dir():
+                await self._fetch_commit(ref, commit)
+            return commit
+        record = self._read_record(ref)
+        if record is not None and record.get("run") == self.run_key:
+            commit = record["commit"]
+            if (self._repo_dir(ref) / commit).is_dir():
+                return commit
+        try:
+            resolved, ambiguous = await self._ls_remote(ref)
+        except (CommandFailed, CommandTimeout) as exc:
+            why = f"{self.url(ref)} is unreachable ({_first_line(exc)})"
+            if record is None or not (self._repo_dir(ref) / record["commit"]).is_dir():
+                raise self._cant(ref, why) from None
+            commit = record["commit"]
+            warn(f"action {ref}: {why}; using {ref.ref} = {commit[:12]} as resolved before")
+            self._write_record(ref, commit)
+            return commit
+        if resolved is None:
+            raise ActionFetchError(
+                f"action {ref}: {self.url(ref)} has no branch or tag {ref.ref!r} "
+                "(a commit must be given as its full 40-character SHA)"
+            )
+        if not (self._repo_dir(ref) / resolved).is_dir():
+            if ambiguous or ref.ref.startswith("refs/"):
+                await self._fetch_commit(ref, resolved)
+            else:
+                # One shallow clone of the branch or tag, as a user would run.
+                tmp, resolved = await self._fetch_into_tmp(ref, ref.ref, by_name=True)
+                if (self._repo_dir(ref) / resolved).is_dir():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                else:
+                    self._publish(ref, tmp, resolved)
+        self._write_record(ref, resolved)
+        return resolved
+
+    async def _fetch_into_tmp(
+        self, ref: RemoteRef, what: str, *, by_name: bool = False
+    ) -> tuple[Path, str]:
+        """A shallow copy of `what` (a commit, or with `by_name` a branch or
+        tag) in a new directory under tmp/, without its .git; and its commit."""
+        tmp = self.root / "tmp" / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        url = self.url(ref)
+        try:
+            self.fetches += 1
+            if by_name:
+                # One process, as a user's `git clone` (a tag or a branch).
+                await self._git(
+                    "-c",
+                    "advice.detachedHead=false",
+                    "clone",
+                    "-q",
+                    "--depth",
+                    "1",
+                    "--no-tags",
+                    "--branch",
+                    what,
+                    url,
+                    str(tmp),
+                )
+                commit = (await self._git("-C", str(tmp), "rev-parse", "HEAD")).strip()
+            else:
+                await self._git("init", "-q", str(tmp))
+                await self._git(
+                    "-C", str(tmp), "fetch", "-q", "--depth", "1", "--no-tags", url, what
+                )
+                commit = (
+                    await self._git("-C", str(tmp), "rev-parse", "FETCH_HEAD^{commit}")
+                ).strip()
+                await self._git(
+                    "-C", str(tmp), "-c", "advice.detachedHead=false", "checkout", "-q", commit
+                )
+            _discard(tmp / ".git", self.root / "tmp")
+        except CommandTimeout as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise self._cant(ref, f"fetching from {url} timed out ({exc})") from None
+        except CommandFailed as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise self._cant(
+                ref, f"cannot fetch {what!r} from {url} ({_first_line(exc)})"
+            ) from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return tmp, commit
+
+    def _publish(self, ref: RemoteRef, tmp: Path, commit: str) -> None:
+        final = self._repo_dir(ref) / commit
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not final.is_dir():
+                raise ActionFetchError(f"action {ref}: cannot store it in {final}: {exc}") from None
+
+    async def _fetch_commit(self, ref: RemoteRef, commit: str) -> None:
+        tmp, got = await self._fetch_into_tmp(ref, commit)
+        if got != commit:  # pragma: no cover - git guarantees it
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ActionFetchError(f"action {ref}: fetched {got} instead of {commit}")
+        self._publish(ref, tmp, commit)
+
+
+@dataclass(frozen=True, slots=True)
+class CachedAction:
+    """One entry of the cache, for `preloop actions list`."""
+
+    owner: str
+    repo: str
+    commit: str
+    path: Path
+    bytes: int
+    last_use: float
+    refs: tuple[str, ...]
+
+
+def list_cached_actions(state_dir: Path) -> list[CachedAction]:
+    root = actions_dir(state_dir)
+    refs: dict[tuple[str, str, str], list[str]] = {}
+    for record in sorted((root / "refs").glob("*/*/*.json")):
+        try:
+            commit = json.loads(record.read_text(encoding="utf-8"))["commit"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        key = (record.parent.parent.name, record.parent.name, str(commit))
+        refs.setdefault(key, []).append(unquote(record.name[: -len(".json")]))
+    out: list[CachedAction] = []
+    for entry in sorted((root / "repos").glob("*/*/*")):
+        if not entry.is_dir():
+            continue
+        owner, repo, commit = entry.parent.parent.name, entry.parent.name, entry.name
+        try:
+            size = tree_bytes(entry).apparent_bytes
+            last_use = entry.stat().st_mtime
+        except OSError:
+            continue
+        out.append(
+            CachedAction(
+                owner,
+                repo,
+                commit,
+                entry,
+                size,
+                last_use,
+                tuple(refs.get((owner, repo, commit), [])),
+            )
+        )
+    return out
+
+
+def prune_actions(
+    state_dir: Path, *, older_than: float, dry_run: bool = False, now: float | None = None
+) -> tuple[list[CachedAction], list[CachedAction]]:
+    """Removes cached actions unused for `older_than` seconds (0: all). Returns
+    (removed, kept busy): a repository whose lock another process holds (it is
+    being fetched) is left alone. Resolution records of removed commits go too."""
+    root = actions_dir(state_dir)
+    now = time.time() if now is None else now
+    removed: list[CachedAction] = []
+    busy: list[CachedAction] = []
+    for entry in list_cached_actions(state_dir):
+        if now - entry.last_use < older_than:
+            continue
+        if dry_run:
+            removed.append(entry)
+            continue
+        fd = try_lock(root / "locks" / f"{entry.owner}+{entry.repo}.lock")
+        if fd is None:
+            busy.append(entry)
+            continue
+        try:
+            # Out of sight first (atomic), then deleted.
+            trash = root / "tmp" / f"prune-{uuid.uuid4().hex[:12]}"
+            trash.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(entry.path, trash)
+            for name in entry.refs:
+                ref = RemoteRef(entry.owner, entry.repo, "", name)
+                cache = root / "refs" / entry.owner / entry.repo / f"{quote(ref.ref, safe='')}.json"
+                with contextlib.suppress(FileNotFoundError):
+                    cache.unlink()
+        finally:
+            os.close(fd)
+        shutil.rmtree(trash, ignore_errors=True)
+        removed.append(entry)
+    # Fetches that died half-way.
+    for tmp in (root / "tmp").glob("*") if (root / "tmp").is_dir() else []:
+        pid = tmp.name.split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and not dry_run:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return removed, busy

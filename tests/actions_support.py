@@ -1,0 +1,136 @@
+"""Real actions for tests: git repositories published as bare remotes under a
+directory served through `PRELOOP_ACTIONS_URL=file://<dir>` (`<dir>/<owner>/<repo>.git`).
+
+JavaScript actions use GitHub's own `@actions/core` from the project's
+`node_modules` (installed by `npm ci`): the action repository carries a
+`node_modules` symlink to it, as a real action carries its node_modules.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+from pathlib import Path
+
+NODE_MODULES = Path(__file__).resolve().parent.parent / "node_modules"
+
+_ENV = {
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@example.com",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@example.com",
+}
+
+
+def _git(cwd: Path, *args: str) -> str:
+    import os
+
+    out = subprocess.run(
+        ["git", *args],
+        cwd=cwd,
+        env={**os.environ, **_ENV},
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip()
+
+
+def publish_action(
+    remotes: Path,
+    slug: str,
+    files: dict[str, str],
+    *,
+    tags: tuple[str, ...] = ("v1",),
+    branch: str = "main",
+    node_modules: bool = True,
+) -> str:
+    """Commits `files` into the work repository of `slug`, pushes `branch` and
+    (force-moved) `tags` to `<remotes>/<slug>.git`; returns the commit."""
+    if not (NODE_MODULES / "@actions" / "core").is_dir():
+        raise RuntimeError("node_modules/@actions/core is missing: run `npm ci`")
+    work = remotes / ".work" / slug
+    bare = remotes / f"{slug}.git"
+    if not work.is_dir():
+        work.mkdir(parents=True)
+        _git(work, "init", "-q", "-b", branch)
+        bare.parent.mkdir(parents=True, exist_ok=True)
+        _git(remotes, "init", "-q", "--bare", str(bare))
+    else:
+        _git(work, "checkout", "-q", "-B", branch)
+    for rel, text in files.items():
+        path = work / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+        if rel.startswith("bin/"):
+            path.chmod(0o755)
+    if node_modules and not (work / "node_modules").is_symlink():
+        (work / "node_modules").symlink_to(NODE_MODULES)
+    _git(work, "add", "-A")
+    _git(work, "commit", "-q", "--allow-empty", "-m", f"publish {slug}")
+    commit = _git(work, "rev-parse", "HEAD")
+    _git(work, "push", "-q", "--force", str(bare), f"HEAD:refs/heads/{branch}")
+    for tag in tags:
+        _git(work, "tag", "-f", "-a", tag, "-m", tag)
+        _git(work, "push", "-q", "--force", str(bare), f"refs/tags/{tag}")
+    return commit
+
+
+#: A JavaScript action exercising the toolkit: inputs with defaults, outputs,
+#: state across pre/main/post, exportVariable, addPath, setSecret, summary.
+JS_ACTION = {
+    "action.yml": """\
+        name: greet
+        description: test action
+        inputs:
+          who:
+            description: whom to greet
+            required: true
+          greeting:
+            default: Hello
+          secret:
+            default: ""
+          fail:
+            default: "false"
+        outputs:
+          message:
+            description: the greeting
+        runs:
+          using: node20
+          pre: pre.js
+          main: main.js
+          post: post.js
+        """,
+    "pre.js": """\
+        const core = require('@actions/core');
+        core.saveState('from-pre', 'P-' + core.getInput('who'));
+        console.log('pre ran');
+        """,
+    "main.js": """\
+        const core = require('@actions/core');
+        async function main() {
+          const who = core.getInput('who', { required: true });
+          const greeting = core.getInput('greeting');
+          console.log(`main: ${greeting} ${who} state=${core.getState('from-pre')}`);
+          core.saveState('from-main', 'M-' + who);
+          core.setOutput('message', `${greeting} ${who}`);
+          core.exportVariable('FROM_ACTION', 'exported-' + who);
+          core.addPath(process.env.GITHUB_ACTION_PATH + '/bin');
+          const secret = core.getInput('secret');
+          if (secret) {
+            core.setSecret(secret);
+            console.log(`the secret is ${secret}`);
+          }
+          const env = process.env;
+          console.log(`env: ${env.GITHUB_ACTION_REPOSITORY}@${env.GITHUB_ACTION_REF}`);
+          await core.summary.addRaw(`summary for ${who}`).write();
+          if (core.getInput('fail') === 'true') core.setFailed('asked to fail');
+        }
+        main();
+        """,
+    "post.js": """\
+        const core = require('@actions/core');
+        console.log(`post: ${core.getState('from-pre')} ${core.getState('from-main')}`);
+        """,
+    "bin/hello-tool": "#!/bin/sh\necho tool-on-path\n",
+}

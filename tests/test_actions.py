@@ -1,0 +1,466 @@
+"""Remote, local and Docker actions in jobs: real node with GitHub's
+`@actions/core`, real git remotes (`file://`), no network."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from tests.actions_support import JS_ACTION, publish_action
+
+from preloop.actions import steps as action_steps
+from preloop.actions.cache import ActionCache, ActionFetchError
+from preloop.actions.reference import Overrides, parse_overrides, parse_uses
+from preloop.actions.steps import ActionSource
+from preloop.runner import JobHost, JobResult, execute_job
+
+
+class Env:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.remotes = tmp_path / "remotes"
+        self.remotes.mkdir()
+        self.state = tmp_path / "state"
+        self.runs = 0
+
+    @property
+    def url(self) -> str:
+        return f"file://{self.remotes}"
+
+    def run(
+        self,
+        steps: list[dict[str, Any]],
+        *,
+        outputs: dict[str, str] | None = None,
+        files: dict[str, str] | None = None,
+        overrides: str = "",
+        run_key: str | None = None,
+        base_url: str | None = None,
+    ) -> tuple[JobResult, list[str]]:
+        self.runs += 1
+        job_dir = self.tmp / f"job{self.runs}"
+        ws, temp = job_dir / "ws", job_dir / "temp"
+        ws.mkdir(parents=True)
+        temp.mkdir()
+        for rel, text in (files or {}).items():
+            (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+            (ws / rel).write_text(textwrap.dedent(text))
+        lines: list[str] = []
+        source = ActionSource(
+            self.state,
+            Overrides(parse_overrides([overrides], "test")),
+            base_url=base_url or self.url,
+        )
+        spec = {"job": "build", "steps": steps, "outputs": outputs or {}}
+        result = anyio.run(
+            lambda: execute_job(
+                spec,
+                {"github": {"event_name": "push"}},
+                JobHost(
+                    workspace=ws,
+                    temp=temp,
+                    run_id=str(self.runs),
+                    tracking_key=run_key or f"run{self.runs}",
+                    actions=source,
+                ),
+                log=lines.append,
+            )
+        )
+        return result, lines
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    return Env(tmp_path)
+
+
+def _steps(result: JobResult) -> list[tuple[str, str]]:
+    return [(s.name, s.outcome) for s in result.steps]
+
+
+def test_javascript_action_protocol(env: Env) -> None:
+    publish_action(env.remotes, "acme/greet", JS_ACTION)
+    result, lines = env.run(
+        [
+            {"id": "g", "uses": "acme/greet@v1", "with": {"who": "world", "secret": "hunter2-x"}},
+            {"run": 'echo "out=${{ steps.g.outputs.message }} env=$FROM_ACTION"; hello-tool'},
+        ],
+        outputs={"message": "${{ steps.g.outputs.message }}"},
+    )
+    assert result.conclusion == "success", lines
+    assert _steps(result) == [
+        ("Pre Run acme/greet@v1", "success"),
+        ("Run acme/greet@v1", "success"),
+        ('Run echo "out=${{ steps.g.outputs.message }} env=$FROM_ACTION"; hello-tool', "success"),
+        ("Post Run acme/greet@v1", "success"),
+    ]
+    text = "\n".join(lines)
+    # Pre before main before the next step before post; state flows along.
+    order = [
+        text.index("pre ran"),
+        text.index("main: Hello world state=P-world"),
+        text.index("out=Hello world env=exported-world"),
+        text.index("post: P-world M-world"),
+    ]
+    assert order == sorted(order)
+    assert "tool-on-path" in lines
+    assert "env: acme/greet@v1" in lines
+    # setSecret masks the value from then on, in every later line.
+    assert "the secret is ***" in lines
+    assert "hunter2-x" not in text
+    assert result.outputs == {"message": "Hello world"}
+    assert "summary for world" in result.summary
+
+
+def test_required_input_missing_warns_and_post_runs_after_a_failure(env: Env) -> None:
+    publish_action(env.remotes, "acme/greet", JS_ACTION)
+    result, lines = env.run(
+        [
+            {"uses": "acme/greet@v1", "with": {"fail": "true"}},
+            {"run": "echo never"},
+        ]
+    )
+    assert result.conclusion == "failure"
+    assert _steps(result) == [
+        ("Pre Run acme/greet@v1", "success"),
+        ("Run acme/greet@v1", "failure"),
+        ("Run echo never", "skipped"),
+        ("Post Run acme/greet@v1", "success"),
+    ]
+    warnings = [a.message for a in result.annotations if a.level == "warning"]
+    assert warnings == ["acme/greet@v1: Input required and not supplied: who"]
+    # core.getInput(required) throws in the action itself: the step fails.
+    assert any("Error: Input required and not supplied: who" in line for line in lines)
+    assert "post: P- " in lines  # main threw before it saved its state
+
+
+def test_posts_run_last_first_and_honour_post_if(env: Env) -> None:
+    for slug in ("acme/one", "acme/two"):
+        publish_action(
+            env.remotes,
+            slug,
+            {
+                "action.yml": f"""\
+                    runs:
+                      using: node20
+                      main: main.js
+                      post: post.js
+                      post-if: {"success()" if slug == "acme/two" else "always()"}
+                    """,
+                "main.js": f"console.log('main {slug}')\n",
+                "post.js": f"console.log('post {slug}')\n",
+            },
+        )
+    result, lines = env.run(
+        [{"uses": "acme/one@v1"}, {"uses": "acme/two@v1"}, {"run": "exit 3"}],
+    )
+    assert result.conclusion == "failure"
+    posts = [line for line in lines if line.startswith("post ")]
+    # two's post-if: success() is false after the failure; one's always() runs.
+    assert posts == ["post acme/one"]
+    ok, lines = env.run([{"uses": "acme/one@v1"}, {"uses": "acme/two@v1"}])
+    assert ok.conclusion == "success"
+    assert [line for line in lines if line.startswith("post ")] == [
+        "post acme/two",
+        "post acme/one",
+    ]
+
+
+def test_refs_tag_branch_sha_and_a_moved_tag(env: Env) -> None:
+    first = publish_action(env.remotes, "acme/ver", _echo_action("one"), tags=("v1",))
+    second = publish_action(env.remotes, "acme/ver", _echo_action("two"), tags=())
+    # v1 is the first commit, main the second, and the SHA names the first.
+    result, lines = env.run(
+        [{"uses": "acme/ver@v1"}, {"uses": "acme/ver@main"}, {"uses": f"acme/ver@{first}"}],
+        run_key="r1",
+    )
+    assert result.conclusion == "success", lines
+    assert [line for line in lines if line.startswith("version ")] == [
+        "version one",
+        "version two",
+        "version one",
+    ]
+    cached = sorted(p.name for p in (env.state / "actions" / "repos" / "acme" / "ver").iterdir())
+    assert cached == sorted({first, second})
+    # Move the tag: the same run keeps its resolution, the next run re-resolves.
+    third = publish_action(env.remotes, "acme/ver", _echo_action("three"), tags=("v1",))
+    _, lines = env.run([{"uses": "acme/ver@v1"}], run_key="r1")
+    assert "version one" in lines
+    _, lines = env.run([{"uses": "acme/ver@v1"}], run_key="r2")
+    assert "version three" in lines
+    assert (env.state / "actions" / "repos" / "acme" / "ver" / third).is_dir()
+    # A tag and a branch of one name: the tag wins, as on GitHub.
+    publish_action(env.remotes, "acme/ver", _echo_action("tagged"), tags=("v2",))
+    publish_action(env.remotes, "acme/ver", _echo_action("branch"), tags=(), branch="v2")
+    _, lines = env.run([{"uses": "acme/ver@v2"}], run_key="r3")
+    assert "version tagged" in lines
+
+
+def _echo_action(version: str) -> dict[str, str]:
+    return {
+        "action.yml": "runs:\n  using: node20\n  main: main.js\n",
+        "main.js": f"console.log('version {version}')\n",
+    }
+
+
+def test_unreachable_remote_with_and_without_a_cached_resolution(env: Env) -> None:
+    publish_action(env.remotes, "acme/ver", _echo_action("one"))
+    result, _ = env.run([{"uses": "acme/ver@v1"}], run_key="r1")
+    assert result.conclusion == "success"
+    gone = f"file://{env.tmp}/gone"
+    result, lines = env.run(
+        [{"uses": "acme/ver@v1"}, {"uses": "acme/other@v1"}, {"run": "echo after"}],
+        run_key="r2",
+        base_url=gone,
+    )
+    # The cached resolution is reused with a warning naming it; the action
+    # never fetched fails its step only (continue-on-error is not even needed
+    # for the warning), with one line saying what to do.
+    assert "version one" in lines
+    warnings = [a.message for a in result.annotations if a.level == "warning"]
+    assert any("acme/ver@v1" in w and "unreachable" in w for w in warnings), warnings
+    failed = [
+        line for line in lines if line.startswith("✖ Run acme/other@v1: action acme/other@v1")
+    ]
+    assert len(failed) == 1 and "--action acme/other=DIR for offline work" in failed[0]
+    assert _steps(result) == [
+        ("Run acme/ver@v1", "success"),
+        ("Run acme/other@v1", "failure"),
+        ("Run echo after", "skipped"),
+    ]
+
+
+def test_two_runs_fetching_one_action_fetch_once(env: Env, tmp_path: Path) -> None:
+    """Two caches (two runs, in two tasks) ask for the same action at once:
+    a real `git` wrapper counts the fetches and holds the first one until the
+    second is waiting for the lock."""
+    publish_action(env.remotes, "acme/ver", _echo_action("one"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "fetches"
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    started = tmp_path / "started"
+    os.mkfifo(started)
+    real_git = subprocess.run(["which", "git"], capture_output=True, text=True).stdout.strip()
+    (bin_dir / "git").write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do case "$a" in fetch|clone) echo fetch >> ' + str(log) + "; "
+        "echo started > " + str(started) + "; read _ < " + str(gate) + ";; esac; done\n"
+        f'exec {real_git} "$@"\n'
+    )
+    (bin_dir / "git").chmod(0o755)
+    old_path = os.environ["PATH"]
+    os.environ["PATH"] = f"{bin_dir}:{old_path}"
+    try:
+        ref = parse_uses("acme/ver@v1")
+        assert not isinstance(ref, str)
+        caches = [
+            ActionCache(env.state, run_key=f"r{i}", base_url=env.url, timeout=60) for i in (1, 2)
+        ]
+        results: list[str] = []
+
+        async def fetch(cache: ActionCache) -> None:
+            got = await cache.fetch(ref, lambda _m: None)  # type: ignore[arg-type]
+            results.append(got.commit)
+
+        async def main() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fetch, caches[0])
+                tg.start_soon(fetch, caches[1])
+                with anyio.fail_after(60):  # until the first fetch is in git
+                    await anyio.to_thread.run_sync(
+                        lambda: Path(started).read_text(), abandon_on_cancel=True
+                    )
+                # The other one waits on the lock, not in git.
+                assert log.read_text().count("fetch") == 1
+                with open(gate, "w") as fh:
+                    fh.write("go\n")
+
+        anyio.run(main)
+    finally:
+        os.environ["PATH"] = old_path
+    assert log.read_text().count("fetch") == 1
+    assert len(results) == 2 and results[0] == results[1]
+    assert caches[0].fetches + caches[1].fetches == 1
+
+
+def test_remote_composite_calling_a_javascript_action(env: Env) -> None:
+    publish_action(env.remotes, "acme/greet", JS_ACTION)
+    publish_action(
+        env.remotes,
+        "acme/combo",
+        {
+            "sub/action.yml": """\
+                inputs:
+                  name: {default: composite}
+                outputs:
+                  said:
+                    value: ${{ steps.inner.outputs.message }}
+                runs:
+                  using: composite
+                  steps:
+                    - id: inner
+                      uses: acme/greet@v1
+                      with:
+                        who: ${{ inputs.name }}
+                    - run: echo "path=$GITHUB_ACTION_PATH" | sed "s#$HOME##"
+                      shell: bash
+                """
+        },
+        node_modules=False,
+    )
+    result, lines = env.run(
+        [{"id": "c", "uses": "acme/combo/sub@v1"}, {"run": "echo said=${{ steps.c.outputs.said }}"}]
+    )
+    assert result.conclusion == "success", lines
+    assert "said=Hello composite" in lines
+    # A nested action's post runs at the job's end (GitHub runs no nested pre).
+    assert lines[-1] == "post:  M-composite"
+    assert any(line.startswith("path=") and line.endswith("/sub") for line in lines)
+
+
+def test_docker_action_without_a_daemon_fails_that_step(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{env.tmp}/no-docker.sock")
+    monkeypatch.setattr(action_steps, "_docker_checked", {})
+    publish_action(
+        env.remotes,
+        "acme/dock",
+        {
+            "action.yml": "runs:\n  using: docker\n  image: Dockerfile\n",
+            "Dockerfile": "FROM alpine:3\n",
+        },
+        node_modules=False,
+    )
+    result, lines = env.run(
+        [
+            {"uses": "docker://alpine:3", "continue-on-error": True},
+            {"uses": "acme/dock@v1", "continue-on-error": True},
+            {"run": "echo next-ran"},
+        ]
+    )
+    assert result.conclusion == "success"
+    failed = [line for line in lines if "no Docker daemon answers" in line]
+    assert len(failed) == 2
+    assert failed[0].startswith("✖ Run docker://alpine:3: ")
+    assert failed[1].startswith("✖ Run acme/dock@v1: acme/dock@v1 is a Docker action")
+    assert failed[1].endswith("or use --action acme/dock=skip")
+    assert "next-ran" in lines
+
+
+def test_override_directory_and_skip(env: Env, tmp_path: Path) -> None:
+    local = tmp_path / "dev-greet"
+    local.mkdir()
+    for rel, text in JS_ACTION.items():
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        (local / rel).write_text(textwrap.dedent(text).replace("main: ", "main: ", 1))
+    (local / "node_modules").symlink_to(Path(__file__).resolve().parent.parent / "node_modules")
+    (local / "bin" / "hello-tool").chmod(0o755)
+    result, lines = env.run(
+        [
+            {"id": "g", "uses": "acme/greet@v9", "with": {"who": "dev"}},
+            {"uses": "acme/setup-thing@v2"},
+        ],
+        overrides=f"acme/greet={local}; acme/setup-thing=skip:not needed locally",
+    )
+    assert result.conclusion == "success", lines
+    assert any(line.startswith("main: Hello dev") for line in lines)
+    notices = [a.message for a in result.annotations if a.level == "notice"]
+    assert notices == ["acme/setup-thing@v2 skipped by an override: not needed locally"]
+    assert not (env.state / "actions" / "repos").exists()  # nothing was fetched
+
+
+def test_local_action_is_read_when_its_step_runs(env: Env) -> None:
+    result, lines = env.run(
+        [
+            {
+                "run": "mkdir -p gen && printf 'runs:\\n  using: node20\\n  main: m.js\\n' "
+                "> gen/action.yml && echo \"console.log('generated ran')\" > gen/m.js"
+            },
+            {"uses": "./gen"},
+            {"uses": "./missing", "if": "failure()"},
+        ]
+    )
+    assert result.conclusion == "success", lines
+    assert "generated ran" in lines
+    assert _steps(result)[-1][1] == "skipped"
+    result, lines = env.run([{"uses": "./missing"}, {"run": "echo after", "if": "always()"}])
+    assert result.conclusion == "failure"
+    assert _steps(result) == [("Run ./missing", "failure"), ("Run echo after", "success")]
+    assert any("has no action.yml" in line for line in lines)
+
+
+def test_newer_runtime_runs_on_the_newest_node_with_one_warning(env: Env) -> None:
+    publish_action(
+        env.remotes,
+        "acme/new",
+        {"action.yml": "runs:\n  using: node24\n  main: m.js\n", "m.js": "console.log('ran')\n"},
+    )
+    result, _lines = env.run([{"uses": "acme/new@v1"}, {"uses": "acme/new@v1"}])
+    assert result.conclusion == "success"
+    from preloop.actions.node import find_node
+
+    node = find_node()
+    warnings = [a.message for a in result.annotations if a.level == "warning"]
+    if node.major >= 24:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1
+        assert "node24" in warnings[0] and node.version in warnings[0]
+
+
+def test_bad_uses_and_bad_overrides_are_one_line_errors(tmp_path: Path) -> None:
+    from preloop.actions.reference import UsesError
+    from preloop.errors import UsageError
+
+    with pytest.raises(UsesError, match="is not an action reference"):
+        parse_uses("actions-checkout")
+    with pytest.raises(UsageError, match="not an override"):
+        parse_overrides(["acme/greet"], "--action")
+    with pytest.raises(UsageError, match="is not a directory"):
+        parse_overrides([f"acme/greet={tmp_path}/nope"], "--action")
+    with pytest.raises(ActionFetchError):
+        cache = ActionCache(tmp_path, run_key="r", base_url=f"file://{tmp_path}/none", timeout=30)
+        ref = parse_uses("acme/x@v1")
+        anyio.run(lambda: cache.fetch(ref, print))  # type: ignore[arg-type]
+
+
+def test_no_usable_node_fails_the_step_with_one_line(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    publish_action(env.remotes, "acme/ver", _echo_action("one"))
+    monkeypatch.setenv("PRELOOP_NODE", str(env.tmp / "no-node"))
+    result, lines = env.run([{"uses": "acme/ver@v1"}, {"run": "echo after", "if": "always()"}])
+    assert _steps(result) == [("Run acme/ver@v1", "failure"), ("Run echo after", "success")]
+    failed = [line for line in lines if "is not a working node" in line]
+    assert len(failed) == 1 and failed[0].startswith(
+        "✖ Run acme/ver@v1: acme/ver@v1: PRELOOP_NODE="
+    )
+
+
+def test_composite_required_input_missing_is_a_warning(env: Env) -> None:
+    result, lines = env.run(
+        [{"uses": "./act"}],
+        files={
+            "act/action.yml": """\
+                inputs:
+                  who: {required: true}
+                runs:
+                  using: composite
+                  steps:
+                    - run: echo "who=[${{ inputs.who }}]"
+                      shell: bash
+                """
+        },
+    )
+    assert result.conclusion == "success"
+    assert "who=[]" in lines
+    warnings = [a.message for a in result.annotations if a.level == "warning"]
+    assert warnings == ["./act: Input required and not supplied: who"]

@@ -1,0 +1,289 @@
+"""Actions through the engine and the scheduler (lite and PostgreSQL), and the
+`preloop run --action` / `preloop actions` / `preloop cache status` commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.actions_support import JS_ACTION, publish_action
+from tests.run_support import make_repo, results, run_engine, workflow
+
+from preloop.actions.reference import parse_overrides
+
+pytest_plugins = ["preloop.testing.control_fixtures"]
+
+PRELOOP = [sys.executable, "-m", "preloop"]
+
+WORKFLOW = """\
+    on: push
+    jobs:
+      greet:
+        runs-on: ubuntu-latest
+        outputs:
+          message: ${{ steps.g.outputs.message }}
+        steps:
+          - uses: actions/checkout@v4
+          - id: g
+            uses: acme/greet@v1
+            with:
+              who: jobs
+          - uses: acme/setup-thing@v3
+      use:
+        needs: greet
+        runs-on: ubuntu-latest
+        steps:
+          - run: echo "got=${{ needs.greet.outputs.message }}"
+    """
+
+
+def test_action_outputs_reach_later_jobs_and_a_skip_override(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remotes = tmp_path / "remotes"
+    publish_action(remotes, "acme/greet", JS_ACTION)
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{remotes}")
+    monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
+    repo = make_repo(tmp_path / "repo", workflow(WORKFLOW))
+    outcome, h = run_engine(
+        repo,
+        store_url,
+        tmp_path / "state",
+        action_overrides=parse_overrides(["acme/setup-thing=skip:host has it"], "--action"),
+    )
+    assert results(outcome) == {"greet": "success", "use": "success"}, h.all_text()
+    assert "got=Hello jobs" in h.lines["use"]
+    assert "post: P-jobs M-jobs" in h.lines["greet"]
+    greet = next(j for j in outcome.jobs if j.id == "greet")
+    assert any("skipped by an override: host has it" in str(a) for a in greet.annotations)
+
+
+def _env(state: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRELOOP_")}
+    env.update(PRELOOP_STATE_DIR=str(state), **extra)
+    return env
+
+
+def test_run_action_option_actions_list_prune_and_cache_status(tmp_path: Path) -> None:
+    remotes = tmp_path / "remotes"
+    commit = publish_action(remotes, "acme/greet", JS_ACTION)
+    repo = make_repo(tmp_path / "repo", workflow(WORKFLOW))
+    state = tmp_path / "state"
+    env = _env(state, PRELOOP_ACTIONS_URL=f"file://{remotes}")
+
+    def preloop(*args: str, cwd: Path = repo) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*PRELOOP, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        )
+
+    r = preloop("run", "-j", "1", "--action", "acme/setup-thing=skip:host has it")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "acme/setup-thing@v3 skipped by an override: host has it" in r.stdout
+    # Without the override the unfetchable action fails its step, naming what to do.
+    r = preloop("run", "-j", "1")
+    assert r.returncode == 1
+    assert "use --action acme/setup-thing=DIR for offline work" in r.stdout
+    r = preloop("run", "--action", "acme/greet")
+    assert r.returncode == 2 and r.stderr.startswith("preloop: error: --action: 'acme/greet'")
+    env["PRELOOP_ACTIONS_URL"] = "github.com"
+    r = preloop("run")
+    assert r.returncode == 2 and r.stderr.startswith("preloop: error: PRELOOP_ACTIONS_URL: ")
+    env["PRELOOP_ACTIONS_URL"] = f"file://{remotes}"
+
+    listed = json.loads(preloop("actions", "list", "--json").stdout)
+    assert [(e["repository"], e["commit"], e["refs"]) for e in listed["entries"]] == [
+        ("acme/greet", commit, ["v1"])
+    ]
+    status = json.loads(preloop("cache", "status", "--json").stdout)
+    assert status["actions"]["entries"] == 1 and status["actions"]["total_bytes"] > 0
+    assert "acme/greet" in preloop("actions", "list").stdout
+    kept = json.loads(preloop("actions", "prune", "--json").stdout)
+    assert kept["removed"] == []  # used just now
+    dry = json.loads(preloop("actions", "prune", "--older-than", "0", "--dry-run", "--json").stdout)
+    assert [e["commit"] for e in dry["removed"]] == [commit]
+    assert json.loads(preloop("actions", "list", "--json").stdout)["entries"]
+    gone = json.loads(preloop("actions", "prune", "--older-than", "0", "--json").stdout)
+    assert [e["commit"] for e in gone["removed"]] == [commit]
+    assert json.loads(preloop("actions", "list", "--json").stdout)["entries"] == []
+    r = preloop("actions", "prune", "--older-than", "soon")
+    assert r.returncode == 2 and "--older-than" in r.stderr
+
+
+REUSABLE = {
+    ".github/workflows/build.yml": """\
+        on:
+          workflow_call:
+            inputs:
+              name: {type: string, required: true}
+            outputs:
+              said:
+                value: ${{ jobs.inner.outputs.said }}
+        jobs:
+          inner:
+            uses: $/.github/workflows/inner.yml
+            with:
+              name: ${{ inputs.name }}
+        """,
+    ".github/workflows/inner.yml": """\
+        on:
+          workflow_call:
+            inputs:
+              name: {type: string, required: true}
+            outputs:
+              said:
+                value: ${{ jobs.say.outputs.said }}
+        jobs:
+          say:
+            runs-on: ubuntu-latest
+            outputs:
+              said: ${{ steps.s.outputs.said }}
+            steps:
+              - id: s
+                run: echo "said=remote-${{ inputs.name }}" >> "$GITHUB_OUTPUT"
+        """,
+}
+
+
+def test_remote_reusable_workflow_and_its_own_repository(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remotes = tmp_path / "remotes"
+    publish_action(remotes, "acme/flows", REUSABLE, node_modules=False)
+    state = tmp_path / "state"
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{remotes}")
+    # The run's own state directory holds the fetched workflows, not this one.
+    monkeypatch.setenv("PRELOOP_STATE_DIR", str(tmp_path / "elsewhere"))
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            **workflow(
+                """\
+                on: push
+                jobs:
+                  call:
+                    uses: acme/flows/.github/workflows/build.yml@v1
+                    with:
+                      name: x
+                  mine:
+                    uses: $/.github/workflows/local.yml
+                  after:
+                    needs: [call, mine]
+                    runs-on: ubuntu-latest
+                    steps:
+                      - run: echo "got=${{ needs.call.outputs.said }}"
+                """
+            ),
+            ".github/workflows/local.yml": (
+                "on: workflow_call\njobs:\n  l:\n    runs-on: ubuntu-latest\n"
+                "    steps:\n      - run: echo local-ran\n"
+            ),
+        },
+    )
+    outcome, h = run_engine(repo, store_url, state)
+    assert outcome.conclusion == "success", h.all_text()
+    assert "got=remote-x" in h.lines["after"]
+    assert any("local-ran" in lines for lines in h.lines.values())
+    assert (state / "actions" / "repos" / "acme" / "flows").is_dir()
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_remote_reusable_workflow_checks_and_failures(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from preloop.workflow import WorkflowError, load_workflow
+
+    remotes = tmp_path / "remotes"
+    publish_action(remotes, "acme/flows", REUSABLE, node_modules=False)
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{remotes}")
+    monkeypatch.setenv("PRELOOP_STATE_DIR", str(tmp_path / "state"))
+    files = workflow(
+        """\
+        on: push
+        jobs:
+          call:
+            uses: acme/flows/.github/workflows/build.yml@v1
+            with:
+              nme: x
+          gone:
+            uses: acme/nothing/.github/workflows/x.yml@v1
+        """
+    )
+    repo = make_repo(tmp_path / "repo", files)
+    with pytest.raises(WorkflowError) as info:
+        load_workflow(repo / ".github" / "workflows" / "ci.yml")
+    messages = [d.message for d in info.value.diagnostics]
+    assert any("input 'nme' is not declared by" in m for m in messages), messages
+    assert any("requires input 'name'" in m for m in messages), messages
+    assert any(
+        m.startswith("reusable workflow 'acme/nothing/.github/workflows/x.yml@v1': action")
+        and "offline work" in m
+        for m in messages
+    ), messages
+
+
+def test_remote_reusable_workflow_from_an_override(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from preloop.workflow import load_workflow
+
+    local = tmp_path / "flows"
+    for rel, text in REUSABLE.items():
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        (local / rel).write_text(text)
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path}/offline")
+    monkeypatch.setenv("PRELOOP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("PRELOOP_ACTION_OVERRIDES", f"acme/flows={local}")
+    files = workflow(
+        """\
+        on: push
+        jobs:
+          call:
+            uses: acme/flows/.github/workflows/build.yml@v1
+            with:
+              name: x
+        """
+    )
+    repo = make_repo(tmp_path / "repo", files)
+    wf = load_workflow(repo / ".github" / "workflows" / "ci.yml")
+    inner = next(j for j in wf.jobs if j.id == "call").callee
+    assert inner is not None  # and $/ inside it, from the same directory:
+    assert next(j for j in inner.jobs if j.id == "inner").callee is not None
+
+
+def test_action_option_overrides_a_remote_reusable_workflow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local = tmp_path / "flows"
+    for rel, text in REUSABLE.items():
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        (local / rel).write_text(text)
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path}/offline")
+    monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
+    files = workflow(
+        """\
+        on: push
+        jobs:
+          call:
+            uses: acme/flows/.github/workflows/build.yml@v1
+            with:
+              name: dev
+          after:
+            needs: call
+            runs-on: ubuntu-latest
+            steps:
+              - run: echo "got=${{ needs.call.outputs.said }}"
+        """
+    )
+    repo = make_repo(tmp_path / "repo", files)
+    outcome, h = run_engine(
+        repo,
+        f"sqlite:///{tmp_path}/store.db",
+        tmp_path / "state",
+        action_overrides=parse_overrides([f"acme/flows={local}"], "--action"),
+    )
+    assert outcome.conclusion == "success", h.all_text()
+    assert "got=remote-dev" in h.lines["after"]

@@ -184,7 +184,7 @@ CASES: list[tuple[str, str, tuple[int, int] | None, bool]] = [
         True,
     ),
     (
-        "a-null-dispatch-input-is-refused",
+        "a-null-dispatch-input-is-a-string-input",  # reader test data; npm 0.3.61 refuses it
         wf("""
             on:
               workflow_dispatch:
@@ -194,8 +194,8 @@ CASES: list[tuple[str, str, tuple[int, int] | None, bool]] = [
               a:
             """)
         + JOB,
-        (4, 9),
-        True,
+        None,
+        False,
     ),
     (
         "huge-integers-are-numbers",
@@ -412,6 +412,21 @@ CASES: list[tuple[str, str, tuple[int, int] | None, bool]] = [
                     shell: ${{ 'bash' }}
             """),
         None,
+        True,
+    ),
+    (
+        "no-other-expression-where-no-context-is-available",
+        wf("""
+            name: ${{ 1 == 1 }}
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                steps:
+                  - run: echo
+                    shell: a ${{ 'b' }}
+            """),
+        (1, 7),
         True,
     ),
     (
@@ -792,3 +807,15 @@ def test_huge_numbers_run_on_both_stores(tmp_path: Path, store_url: str) -> None
     text = h.all_text()
     assert "n=12345678901234567000 j=12345678901234567000" in text
     assert "n=7.922816251426434e+28" in text and "n=Infinity" in text
+
+
+def test_null_dispatch_input_plans(repo: Path) -> None:
+    from preloop.workflow import plan
+
+    path = repo / ".github" / "workflows" / "w.yml"
+    path.write_text(
+        "on:\n  workflow_dispatch:\n    inputs:\n      x:\n      y: ~\njobs:\n  a:\n" + JOB
+    )
+    wf = load_workflow(path)
+    assert plan(wf, "workflow_dispatch", inputs={"x": "v"}).inputs == {"x": "v"}
+    assert plan(wf, "workflow_dispatch").inputs == {}

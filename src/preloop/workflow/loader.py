@@ -121,6 +121,10 @@ USES_ONLY = ("with",)
 _STATUS = frozenset(["success", "failure", "always", "cancelled"])
 _SPECIAL_FUNCTIONS = _STATUS | {"hashfiles"}
 _JOB_ID = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+_LITERAL = re.compile(
+    r"\s*(?:'(?:[^']|'')*'|[-+]?(?:0x[0-9a-fA-F]+|[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+    r"|true|false|null)\s*"
+)
 
 
 class WorkflowError(PreloopError):
@@ -322,6 +326,15 @@ class _Reader:
         except ex.ExpressionError as exc:
             # GitHub places an unclosed `${{` at the start of the value.
             self.err(node, f"invalid expression: {exc.reason}")
+            return
+        # Where no context is available GitHub folds a lone literal
+        # (`${{ 'bash' }}`) into a plain value and refuses any other expression.
+        if (
+            not self.allowed
+            and not self.functions
+            and not (len(segments) == 1 and segments[0][0] and _LITERAL.fullmatch(segments[0][1]))
+        ):
+            self.err(node, "a template expression (${{ }}) is not allowed here")
             return
         k = 0
         for is_expr, seg in segments:
@@ -565,7 +578,8 @@ class _Reader:
     def dispatch_inputs(self, inputs: YMap) -> None:
         allowed = frozenset(["description", "type", "required", "default", "options"])
         for k, v in inputs.items:
-            # A null input (`x:`) is refused by GitHub's parser, like any non-mapping.
+            if isinstance(v, YScalar) and v.value is None:
+                continue  # `x:` declares a string input (GitHub's reader test data)
             dm = self.mapping(v, f"input '{k.value}'")
             if dm is None:
                 continue

@@ -611,7 +611,7 @@ def test_actions_are_checked_for_form_not_presence(repo: Path) -> None:
     )
     assert len(errs) == 1
     assert errs[0].startswith(
-        ".github/workflows/w.yml:10:15: `uses: not-an-action` is not an action reference"
+        ".github/workflows/w.yml:10:15: invalid `uses`: expected format {org}/{repo}[/path]@ref"
     )
 
 

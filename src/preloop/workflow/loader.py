@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from preloop.actions.reference import UsesError, parse_uses
 from preloop.actions.workflows import fetch_remote_workflow
 from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
@@ -1166,9 +1165,9 @@ class _Reader:
             if problem is None and is_local(uses_node.value):
                 problem = local_path_error(uses_node.value, self.state.repo)
             if problem is not None:
+                # Only the form: a local action's action.yml is read when its step runs,
+                # as GitHub does (an earlier step may generate it).
                 self.err2(uses_node, f"invalid `uses`: {problem}")
-            else:
-                self.local_action(uses_node, uses_node.value)
         step_id = self.step_value(m, "id", "step `id`")
         if step_id is not None and not _JOB_ID.fullmatch(step_id):
             id_node = m.get("id")
@@ -1206,17 +1205,6 @@ class _Reader:
             continue_on_error=coe,
             timeout_minutes=timeout,
         )
-
-    def local_action(self, node: YScalar, uses: str) -> None:
-        """A step's `uses` must name an action (`./dir`, `owner/repo[/path]@ref`,
-        `docker://image`). A local action's action.yml is read when its step
-        runs, as GitHub does (an earlier step may generate it)."""
-        if "${{" in uses:
-            return
-        try:
-            parse_uses(uses)
-        except UsesError as exc:
-            self.err2(node, str(exc))
 
     # -- reusable workflows -------------------------------------------------
     def caller(self, m: YMap, common: dict[str, Any]) -> Job | None:

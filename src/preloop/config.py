@@ -149,6 +149,12 @@ KNOBS: dict[str, Knob] = {
             "Scheduler store: postgresql://... for a shared PostgreSQL, sqlite:///path, "
             "or empty for the lite store at $PRELOOP_STATE_DIR/preloop.db.",
         ),
+        Knob(
+            "PRELOOP_SILENT_STEP_NOTICE",
+            "30",
+            parse_positive_int,
+            "Seconds a step may stay silent before `preloop run` prints a still-running line.",
+        ),
     ]
 }
 

@@ -54,17 +54,28 @@ from preloop.runner.checkout import (
 from preloop.runner.job import kill_tracked, tracking_prefix
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
 from preloop.snapshot.owner import ProcessIdentity
-from preloop.workflow import Plan, load_workflow, plan, workflow_files
+from preloop.workflow import Plan, PlanError, WorkflowError, load_workflow, plan, workflow_files
+from preloop.workflow.changes import LocalEvent, event_facts
+from preloop.workflow.event_inputs import check_inputs, default_payload, load_payload
+from preloop.workflow.expressions import evaluate_template
+from preloop.workflow.github_context import local_github_context
+from preloop.workflow.loader import EVENTS
+from preloop.workflow.selection import foreign_platform, known_jobs, select_jobs, select_legs
+from preloop.workflow.triggers import check_event_name, evaluate_trigger
+from preloop.workflow.yamltree import Diagnostic
 
 __all__ = [
     "Engine",
     "EngineEvents",
     "JobRecord",
+    "NothingTriggered",
     "RunOutcome",
     "RunRequest",
+    "RunsOutcome",
+    "Selection",
+    "SkippedWorkflow",
     "default_store_url",
     "recover_abandoned_runs",
-    "resolve_workflow",
 ]
 
 # github context: host, pid and host-unique run key of the submitting engine
@@ -85,6 +96,36 @@ class RunRequest:
     secrets: dict[str, str] = field(default_factory=dict)
     sandbox: bool = False
     runner_name: str = "local"
+    jobs: tuple[str, ...] = ()  # with `job`: run only these (and what they need)
+    matrix: dict[str, str] = field(default_factory=dict)  # run only the legs with these values
+    inputs: dict[str, str] = field(default_factory=dict)  # --input NAME=VALUE
+    event_path: Path | None = None  # a JSON payload for github.event
+    ref: str | None = None  # the ref the event is about (default: the current branch)
+    base: str | None = None  # changes are counted from the merge base with this
+    platforms: dict[str, str] = field(default_factory=dict)  # runs-on label -> "host"
+
+
+class NothingTriggered(PlanError):
+    """The event triggers no workflow (each one's reason is in the message)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedWorkflow:
+    path: str  # relative to the repository
+    reason: str
+
+
+@dataclass(slots=True)
+class Selection:
+    """What `preloop run` will run: one plan per triggered workflow."""
+
+    root: Path
+    plans: list[Plan]
+    reasons: list[str]  # why each plan's workflow is triggered
+    skipped: list[SkippedWorkflow]
+    event: LocalEvent
+    github: dict[str, Any]
+    payload: dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -96,6 +137,7 @@ class EngineEvents:
     on_job_line: Callable[[Lease, str], None] | None = None
     on_job_end: Callable[[Lease, JobResult], None] | None = None
     on_recovered: Callable[[int], None] | None = None  # a dead run's id, cancelled
+    on_selected: Callable[[Selection], None] | None = None  # before the capture
 
 
 @dataclass(slots=True)
@@ -120,6 +162,7 @@ class RunOutcome:
     jobs: list[JobRecord]
     interrupted: bool
     state_dir: Path
+    name: str = ""  # the workflow's display name
 
     @property
     def ok(self) -> bool:
@@ -129,6 +172,7 @@ class RunOutcome:
         return {
             "run_id": self.run_id,
             "workflow": self.workflow,
+            "name": self.name,
             "conclusion": self.conclusion,
             "interrupted": self.interrupted,
             "jobs": [
@@ -149,6 +193,33 @@ class RunOutcome:
         }
 
 
+@dataclass(slots=True)
+class RunsOutcome:
+    """Every run one `preloop run` started (one per triggered workflow)."""
+
+    runs: list[RunOutcome]
+    skipped: list[SkippedWorkflow]
+    interrupted: bool
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.runs) and all(r.ok for r in self.runs) and not self.interrupted
+
+    @property
+    def conclusion(self) -> str:
+        order = ("failure", "cancelled", "success")
+        found = {r.conclusion for r in self.runs}
+        return next((c for c in order if c in found), "success")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "conclusion": self.conclusion,
+            "interrupted": self.interrupted,
+            "runs": [r.to_dict() for r in self.runs],
+            "skipped_workflows": [{"path": s.path, "reason": s.reason} for s in self.skipped],
+        }
+
+
 async def _repo_root(workspace: Path) -> Path:
     try:
         res = await run_command(["git", "rev-parse", "--show-toplevel"], cwd=workspace)
@@ -164,65 +235,6 @@ def default_store_url(state_dir: Path, given: str | None = None) -> str:
     """`given`, else `$PRELOOP_STORE_URL`, else the lite store in `state_dir`."""
     url = given or config.get("PRELOOP_STORE_URL") or None
     return str(url) if url else f"sqlite:///{Path(state_dir).absolute() / 'preloop.db'}"
-
-
-def resolve_workflow(root: Path, given: Path | None, event: str) -> Path:
-    """The workflow file to run: `given`, else the one workflow under
-    `.github/workflows` that `event` triggers."""
-    if given is not None:
-        path = given if given.is_absolute() else Path.cwd() / given
-        if not path.is_file():
-            raise UsageError(f"{given}: no such workflow file")
-        return path
-    files = workflow_files(root)
-    if not files:
-        raise UsageError(f"{root}: no workflow files in .github/workflows; pass one with -f")
-    if len(files) == 1:
-        return files[0]
-    triggered = [p for p in files if load_workflow(p, root=root).triggered_by(event)]
-    if len(triggered) == 1:
-        return triggered[0]
-    names = ", ".join(str(p.relative_to(root)) for p in (triggered or files))
-    raise UsageError(
-        f"{root}: {len(triggered) or len(files)} workflows "
-        f"{'are triggered by ' + repr(event) if triggered else 'exist'} ({names}); "
-        "choose one with -f"
-    )
-
-
-def _select_job(p: Plan, job: str) -> Plan:
-    """Keeps `job` (a job key, or `caller/inner`) and everything it needs."""
-    by_base: dict[str, list[Any]] = {}
-    for j in p.jobs:
-        by_base.setdefault(j.base_id, []).append(j)
-    if job not in by_base:
-        known = ", ".join(sorted(b for b in by_base if "/" not in b))
-        raise UsageError(f"{p.workflow}: no job {job!r} (jobs: {known})")
-    keep: set[str] = set()
-    todo = [job]
-    while todo:
-        base = todo.pop()
-        if base in keep:
-            continue
-        keep.add(base)
-        for j in by_base.get(base, []):
-            todo.extend(j.needs)
-            if j.caller:
-                todo.append(j.caller)
-            for inner in j.inner_job_ids:
-                todo.append(p.job(inner).base_id)
-    jobs = tuple(j for j in p.jobs if j.base_id in keep)
-    cohorts = tuple(c for c in p.cohorts if c.id in keep)
-    return Plan(
-        workflow=p.workflow,
-        name=p.name,
-        event=p.event,
-        jobs=jobs,
-        cohorts=cohorts,
-        concurrency=p.concurrency,
-        env=p.env,
-        inputs=p.inputs,
-    )
 
 
 def _plan_labels(p: Plan) -> list[str]:
@@ -249,24 +261,26 @@ def _plan_labels(p: Plan) -> list[str]:
     return sorted(labels)
 
 
-async def _git(root: Path, *args: str) -> str:
-    res = await run_command(["git", *args], cwd=root, check=False)
-    return res.stdout_text().strip() if res.ok else ""
-
-
 class Engine:
     def __init__(self, request: RunRequest, events: EngineEvents | None = None) -> None:
         self.request = request
         self.events = events or EngineEvents()
         self.state_dir = Path(request.state_dir or config.state_dir()).absolute()
-        self.run_id: int | None = None
+        self.run_ids: list[int] = []
         self.store: Store | None = None
         self._interrupted = False
         self._runners_scope: anyio.CancelScope | None = None
         self._changed = anyio.Event()
-        self._durations: dict[str, float] = {}
-        self._starts: dict[str, float] = {}
-        self._annotations: dict[str, list[str]] = {}
+        self._durations: dict[tuple[int, str], float] = {}
+        self._starts: dict[tuple[int, str], float] = {}
+        self._annotations: dict[tuple[int, str], list[str]] = {}
+        self._reasons: dict[tuple[int, str], str] = {}
+        self._labels: dict[tuple[int, str], tuple[str, ...]] = {}
+
+    @property
+    def run_id(self) -> int | None:
+        """The first run submitted (None while capturing)."""
+        return self.run_ids[0] if self.run_ids else None
 
     @property
     def interrupted(self) -> bool:
@@ -293,28 +307,129 @@ class Engine:
             )
         return url
 
-    async def prepare(self) -> tuple[Path, Plan]:
+    async def prepare(self) -> Selection:
+        """Validates the request and chooses what to run (nothing is captured)."""
         req = self.request
         if req.local_runners is not None and req.local_runners < 0:
             raise UsageError(f"-j {req.local_runners}: the number of local runners must be >= 0")
+        check_event_name(req.event, EVENTS)
         root = await _repo_root(req.workspace)
-        path = resolve_workflow(root, req.workflow, req.event)
-        workflow = await anyio.to_thread.run_sync(lambda: load_workflow(path, root=root))
-        branch = await _git(root, "rev-parse", "--abbrev-ref", "HEAD")
-        github = {
-            "repository": root.name,
-            "ref": f"refs/heads/{branch}" if branch and branch != "HEAD" else "",
-            "ref_name": branch if branch != "HEAD" else "",
-            "actor": os.environ.get("USER", "preloop"),
-        }
-        planned = plan(workflow, req.event, github=github)
-        if req.job is not None:
-            planned = _select_job(planned, req.job)
-        return root, planned
+        payload = load_payload(req.event_path) if req.event_path is not None else None
+        action = payload.get("action") if payload is not None else None
+        local = await anyio.to_thread.run_sync(
+            functools.partial(
+                event_facts,
+                root,
+                req.event,
+                ref=req.ref,
+                base=req.base,
+                action=action if isinstance(action, str) else None,
+            )
+        )
+        return await anyio.to_thread.run_sync(self._select, root, local, payload)
+
+    def _select(self, root: Path, local: LocalEvent, payload: dict[str, Any] | None) -> Selection:
+        req = self.request
+        event = req.event
+        if req.workflow is not None:
+            given = req.workflow if req.workflow.is_absolute() else Path.cwd() / req.workflow
+            if not given.is_file():
+                raise UsageError(f"{req.workflow}: no such workflow file")
+            paths = [given]
+        else:
+            paths = workflow_files(root)
+            if not paths:
+                raise UsageError(
+                    f"{root}: no workflow files in .github/workflows; pass one with -f"
+                )
+        problems: list[Diagnostic] = []
+        chosen: list[tuple[Any, str]] = []
+        skipped: list[SkippedWorkflow] = []
+        for path in paths:
+            try:
+                wf = load_workflow(path, root=root)
+            except WorkflowError as exc:
+                problems.extend(exc.diagnostics)
+                continue
+            rel = _relative(path, root)
+            if event == "workflow_call":
+                skipped.append(SkippedWorkflow(rel, "workflow_call runs only from a caller"))
+                continue
+            trig = evaluate_trigger(wf, local.facts)
+            if trig.triggered:
+                chosen.append((wf, trig.reason))
+            else:
+                skipped.append(SkippedWorkflow(rel, trig.reason))
+        if problems:
+            raise WorkflowError(problems, str(problems[0].path))
+        ref = local.facts.ref or "no ref"
+        if not chosen:
+            detail = "; ".join(f"{s.path}: {s.reason}" for s in skipped)
+            raise NothingTriggered(f"'{event}' on {ref} triggers no workflow: {detail}")
+        github = _github_context(root, event, local)
+        if payload is None:
+            payload = default_payload(
+                root,
+                event,
+                github=github,
+                head_ref=local.head_ref,
+                base_sha=local.merge_base,
+                base_ref=local.facts.ref if event.startswith("pull_request") else None,
+                inputs=req.inputs,
+            )
+        github["event"] = payload
+        declared: set[str] = set()
+        names = [*req.jobs, *([req.job] if req.job else [])]
+        plans: list[Plan] = []
+        reasons: list[str] = []
+        all_jobs: set[str] = set()
+        for wf, reason in chosen:
+            own = _declared_inputs(wf, event)
+            declared |= own
+            mine = {k: v for k, v in req.inputs.items() if k in own or len(chosen) == 1}
+            inputs = check_inputs(wf, event, mine)
+            planned = plan(wf, event, inputs=inputs, github=github)
+            all_jobs.update(known_jobs(planned))
+            if names:
+                narrowed = select_jobs(planned, names)
+                if narrowed is None:
+                    skipped.append(
+                        SkippedWorkflow(
+                            _relative(Path(wf.path), root), "has none of the --job jobs"
+                        )
+                    )
+                    continue
+                planned = narrowed
+            plans.append(select_legs(planned, req.matrix))
+            reasons.append(reason)
+        undeclared = sorted(set(req.inputs) - declared) if len(chosen) > 1 else []
+        if undeclared:
+            raise UsageError(f"--input {undeclared[0]}: no triggered workflow declares it")
+        if names:
+            missing = [n for n in names if n not in {j.base_id for p in plans for j in p.jobs}]
+            if missing or not plans:
+                raise UsageError(
+                    f"no job {missing[0] if missing else names[0]!r} in the triggered "
+                    f"workflows (jobs: {', '.join(sorted(all_jobs))})"
+                )
+        if req.matrix:
+            keys = {k for p in plans for j in p.jobs for k in (j.matrix or {})}
+            lost = sorted(set(req.matrix) - keys)
+            if lost:
+                raise UsageError(f"--matrix {lost[0]}: no matrix job to run has that key")
+        return Selection(root, plans, reasons, skipped, local, github, payload)
 
     async def run(self) -> RunOutcome:
+        """Runs what the event triggers; returns the first run's outcome (see
+        `run_all` for every run)."""
+        return (await self.run_all()).runs[0]
+
+    async def run_all(self) -> RunsOutcome:
         req = self.request
-        root, planned = await self.prepare()
+        selection = await self.prepare()
+        if self.events.on_selected is not None:
+            self.events.on_selected(selection)
+        root = selection.root
         store_url = self.store_url()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
@@ -328,42 +443,53 @@ class Engine:
                 if self.events.on_recovered is not None:
                     self.events.on_recovered(old)
             location = SnapshotLocation(str(snap.repository), "snapshot", snap.commit)
-            gh = {
-                "repository": root.name,
-                "sha": snap.commit,
-                SNAPSHOT_CONTEXT_KEY: location.to_dict(),
-                ENGINE_CONTEXT_KEY: {
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    # with the pid, so a recycled pid never passes for this engine
-                    "start_ticks": ProcessIdentity.current().start_ticks,
-                    "run_key": run_key,
-                },
-            }
-            branch = await _git(root, "rev-parse", "--abbrev-ref", "HEAD")
-            if branch and branch != "HEAD":
-                gh.update(ref=f"refs/heads/{branch}", ref_name=branch)
-            gh.update(event_name=req.event, workflow=planned.name)
-            gh.setdefault("actor", os.environ.get("USER", "preloop"))
-            run_id = await anyio.to_thread.run_sync(lambda: store.submit_run(planned, github=gh))
-            self.run_id = run_id
-            if self.events.on_submitted is not None:
-                self.events.on_submitted(run_id, planned)
+            labels: set[str] = set()
+            for planned in selection.plans:
+                if self._interrupted:
+                    break
+                gh = {
+                    **selection.github,
+                    "sha": snap.commit,
+                    SNAPSHOT_CONTEXT_KEY: location.to_dict(),
+                    ENGINE_CONTEXT_KEY: {
+                        "host": socket.gethostname(),
+                        "pid": os.getpid(),
+                        # with the pid, so a recycled pid never passes for this engine
+                        "start_ticks": ProcessIdentity.current().start_ticks,
+                        "run_key": run_key,
+                    },
+                    "event_name": req.event,
+                    "workflow": planned.name,
+                }
+                submit = functools.partial(store.submit_run, planned, github=gh)
+                run_id = await anyio.to_thread.run_sync(submit)
+                self.run_ids.append(run_id)
+                for j in planned.jobs:
+                    self._labels[(run_id, j.id)] = j.runs_on
+                labels.update(_plan_labels(planned))
+                if self.events.on_submitted is not None:
+                    self.events.on_submitted(run_id, planned)
             if not self._interrupted:
-                await self._drive(store, run_id, _plan_labels(planned))
-            if self._interrupted:
-                await settle_cancelled(store, run_id, "cancelled by Ctrl-C")
-            info = await anyio.to_thread.run_sync(store.get_run, run_id)
-            jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
-            conclusion = info.conclusion or ("cancelled" if self._interrupted else "failure")
-            return RunOutcome(
-                run_id=run_id,
-                workflow=planned.workflow,
-                conclusion=conclusion,
-                jobs=[self._record(j) for j in jobs],
-                interrupted=self._interrupted,
-                state_dir=self.state_dir,
-            )
+                await self._drive(store, list(self.run_ids), sorted(labels))
+            outcomes: list[RunOutcome] = []
+            for run_id, planned in zip(self.run_ids, selection.plans, strict=False):
+                if self._interrupted:
+                    await settle_cancelled(store, run_id, "cancelled by Ctrl-C")
+                info = await anyio.to_thread.run_sync(store.get_run, run_id)
+                jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
+                conclusion = info.conclusion or ("cancelled" if self._interrupted else "failure")
+                outcomes.append(
+                    RunOutcome(
+                        run_id=run_id,
+                        workflow=planned.workflow,
+                        conclusion=conclusion,
+                        jobs=[self._record(run_id, j) for j in jobs],
+                        interrupted=self._interrupted,
+                        state_dir=self.state_dir,
+                        name=planned.name,
+                    )
+                )
+            return RunsOutcome(outcomes, selection.skipped, self._interrupted)
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(store.close)
@@ -371,7 +497,8 @@ class Engine:
                     lambda: shutil.rmtree(snap.repository, ignore_errors=True)
                 )
 
-    def _record(self, j: JobInfo) -> JobRecord:
+    def _record(self, run_id: int, j: JobInfo) -> JobRecord:
+        key = (run_id, j.id)
         return JobRecord(
             id=j.id,
             name=j.name,
@@ -379,32 +506,42 @@ class Engine:
             status=j.status,
             conclusion=j.conclusion,
             outputs=j.outputs,
-            reason=j.reason,
+            reason=j.reason or self._reasons.get(key),
             runner=j.runner,
-            duration=self._durations.get(j.id),
-            annotations=self._annotations.get(j.id, []),
+            duration=self._durations.get(key),
+            annotations=self._annotations.get(key, []),
         )
+
+    def skip_reason(self, lease: Lease) -> str | None:
+        """Why a leased job is not run on this host (another OS), or None."""
+        labels = self._labels.get((lease.run_id, lease.job_id))
+        if labels is None:  # a leg of a deferred matrix: its runs-on as written
+            labels = _leg_labels(lease)
+        return foreign_platform(labels, self.request.platforms)
 
     def _job_events(self) -> JobEvents:
         # A job of another run (a shared PostgreSQL store) is run, logged and
         # completed like ours, but not shown or summarised as part of our run.
         def start(lease: Lease) -> None:
-            if lease.run_id != self.run_id:
+            if lease.run_id not in self.run_ids:
                 return
-            self._starts[lease.job_id] = time.monotonic()
+            self._starts[(lease.run_id, lease.job_id)] = time.monotonic()
             if self.events.on_job_start is not None:
                 self.events.on_job_start(lease)
 
         def line(lease: Lease, text: str) -> None:
-            if lease.run_id == self.run_id and self.events.on_job_line is not None:
+            if lease.run_id in self.run_ids and self.events.on_job_line is not None:
                 self.events.on_job_line(lease, text)
 
         def end(lease: Lease, result: JobResult) -> None:
-            if lease.run_id == self.run_id:
-                began = self._starts.pop(lease.job_id, None)
+            if lease.run_id in self.run_ids:
+                key = (lease.run_id, lease.job_id)
+                began = self._starts.pop(key, None)
                 if began is not None:
-                    self._durations[lease.job_id] = time.monotonic() - began
-                self._annotations[lease.job_id] = [a.render() for a in result.annotations]
+                    self._durations[key] = time.monotonic() - began
+                self._annotations[key] = [a.render() for a in result.annotations]
+                if result.reason:
+                    self._reasons[key] = result.reason
                 if self.events.on_job_end is not None:
                     self.events.on_job_end(lease, result)
             self._wake()
@@ -415,39 +552,54 @@ class Engine:
         info = await anyio.to_thread.run_sync(store.get_run, run_id)
         return info.status == "completed"
 
-    async def _drive(self, store: Store, run_id: int, labels: list[str]) -> None:
+    async def _drive(self, store: Store, run_ids: list[int], labels: list[str]) -> None:
         req = self.request
         count = req.local_runners if req.local_runners is not None else (os.cpu_count() or 1)
         done = anyio.Event()
+        finished: set[int] = set()
         events = self._job_events()
         templates = CheckoutTemplates(work_dir(self.state_dir))
 
         async def local_runner(index: int) -> None:
-            runner = Runner(
-                store,
-                RunnerOptions(
-                    name=f"{req.runner_name}-{os.getpid()}-{index}",
-                    labels=labels,
-                    state_dir=self.state_dir,
-                    secrets=dict(req.secrets),
-                    sandbox=req.sandbox,
-                    run_id=run_id,
-                ),
-                events,
-                templates,
-            )
+            runners = {
+                run_id: Runner(
+                    store,
+                    RunnerOptions(
+                        name=f"{req.runner_name}-{os.getpid()}-{index}",
+                        labels=labels,
+                        state_dir=self.state_dir,
+                        secrets=dict(req.secrets),
+                        sandbox=req.sandbox,
+                        run_id=run_id,
+                        skip=self.skip_reason,
+                    ),
+                    events,
+                    templates,
+                )
+                for run_id in run_ids
+            }
             while not done.is_set():
-                lease = await runner.claim()
+                lease = None
+                for run_id, runner in runners.items():
+                    if run_id not in finished:
+                        lease = await runner.claim()
+                        if lease is not None:
+                            break
                 if lease is None:
                     changed = self._changed
                     with anyio.move_on_after(_POLL):
                         await changed.wait()
                     continue
-                await runner.run_lease(lease)
+                await runners[lease.run_id].run_lease(lease)
 
         async def watch() -> None:
             last_reap = time.monotonic()
-            while not await self._run_finished(store, run_id):
+            while True:
+                for run_id in run_ids:
+                    if run_id not in finished and await self._run_finished(store, run_id):
+                        finished.add(run_id)
+                if len(finished) == len(run_ids):
+                    break
                 if time.monotonic() - last_reap > _REAP_EVERY:
                     await anyio.to_thread.run_sync(store.expire_leases)
                     last_reap = time.monotonic()
@@ -469,6 +621,69 @@ class Engine:
         finally:
             self._runners_scope = None
             templates.close()
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _declared_inputs(wf: Any, event: str) -> set[str]:
+    if event == "workflow_dispatch":
+        return set(wf.workflow_dispatch_inputs)
+    return set()
+
+
+def _github_context(root: Path, event: str, local: LocalEvent) -> dict[str, Any]:
+    """The run's `github` context: the repository's, with the event's ref."""
+    gh = {k: v for k, v in local_github_context(root).items() if k != "workspace"}
+    gh.setdefault("repository", root.name)
+    gh.setdefault("actor", os.environ.get("USER", "preloop"))
+    for key in ("ref", "ref_name", "ref_type"):
+        gh.pop(key, None)
+    head = local.head_ref
+    if event.startswith("pull_request"):
+        base = (local.facts.ref or "").removeprefix("refs/heads/")
+        gh.update(
+            ref="refs/pull/1/merge",
+            ref_name="1/merge",
+            ref_type="branch",
+            head_ref=(head or "").removeprefix("refs/heads/"),
+            base_ref=base,
+        )
+    elif head:
+        is_tag = head.startswith("refs/tags/")
+        gh.update(
+            ref=head,
+            ref_name=head.removeprefix("refs/tags/" if is_tag else "refs/heads/"),
+            ref_type="tag" if is_tag else "branch",
+        )
+    return gh
+
+
+def _leg_labels(lease: Lease) -> tuple[str, ...]:
+    value = lease.spec.get("runs-on")
+    if isinstance(value, dict):
+        value = value.get("labels") or []
+    if isinstance(value, str):
+        value = [value]
+    ctx = {"matrix": lease.matrix or {}, "strategy": lease.strategy or {}}
+    labels: list[str] = []
+    for v in value or []:
+        if not isinstance(v, str):
+            continue
+        if "${{" in v:
+            try:
+                result = evaluate_template(v, ctx)
+            except PreloopError:
+                continue
+            items = result if isinstance(result, list) else [result]
+            labels.extend(str(x) for x in items if x)
+        else:
+            labels.append(v)
+    return tuple(labels)
 
 
 async def settle_cancelled(store: Store, run_id: int, reason: str) -> None:

@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from preloop import config
-from preloop.cli.app import cli, emit_json, fail
+from preloop.cli.app import cli, emit_json, fail, make_console
 from preloop.errors import UsageError
 from preloop.snapshot import layout
 from preloop.snapshot.prune import (
@@ -104,7 +103,7 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
             }
         )
         return
-    console = Console(file=sys.stdout, soft_wrap=True)
+    console = make_console(file=sys.stdout)
     table = Table("key", "bytes", "last use (UTC)", "pins", "referenced by", box=None)
     for e in entries:
         referrers = "?" if e["referenced_by"] is None else ", ".join(e["referenced_by"]) or "-"

@@ -7,11 +7,10 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from preloop import config
-from preloop.cli.app import cli, emit_json
+from preloop.cli.app import cli, emit_json, make_console
 from preloop.control import Store, UnknownRun, open_store
 from preloop.engine import default_store_url
 from preloop.errors import PreloopError
@@ -42,7 +41,7 @@ def status_command(
 ) -> None:
     """Recent runs, or the jobs of RUN_ID."""
     db, _ = _open(store, state_dir)
-    console = Console(highlight=False)
+    console = make_console(highlight=False)
     with db:
         if run_id is None:
             runs = db.list_runs()

@@ -12,6 +12,7 @@ repeat until `stop` is set; an idle runner polls the store.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -73,6 +74,8 @@ class RunnerOptions:
     idle_poll: float = 0.5
     # Serve only this run (the local runners of `preloop run`); None serves any.
     run_id: int | None = None
+    # Why a claimed job is not run here (it is completed `skipped`), or None.
+    skip: Callable[[Lease], str | None] | None = None
 
 
 T = TypeVar("T")
@@ -188,11 +191,16 @@ class Runner:
         if self.events.on_start is not None:
             self.events.on_start(lease)
         result: JobResult | None = None
+        skip = opts.skip(lease) if opts.skip is not None else None
+        if skip is not None:
+            line(f"skipped: {skip}")
+            result = JobResult("skipped", {}, [], [], "", skip)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._heartbeat, lease, control)
                 try:
-                    result = await self._execute(lease, control, job_dir, line, masker, where)
+                    if result is None:
+                        result = await self._execute(lease, control, job_dir, line, masker, where)
                 except Exception as exc:
                     # A bug or a spec this runner cannot read: the job fails
                     # (it must not read as cancelled, nor stay running).
@@ -205,12 +213,18 @@ class Runner:
             with anyio.CancelScope(shield=True):
                 final = result or JobResult("cancelled", {}, [], [], "", "cancelled")
                 try:
-                    await store_call(
+                    done = await store_call(
                         self.store,
                         lambda: self.store.complete_job(lease, final.conclusion, final.outputs),
                     )
                 except StoreError as exc:
                     line(f"preloop: the result could not be recorded: {exc}")
+                else:
+                    if done.conclusion != final.conclusion:
+                        # The store's word is final (a job told to stop, by
+                        # fail-fast or a cancel, stays cancelled): show that.
+                        line(f"recorded as {done.conclusion} (was told to stop while it ran)")
+                        final = dataclasses.replace(final, conclusion=done.conclusion)
                 log.save_result(final)
                 log.close()
                 self.current = None

@@ -40,7 +40,8 @@ import anyio
 
 import preloop.snapshot.prune  # noqa: F401  (registers the post-capture prune hook)
 from preloop import config
-from preloop.control import JobInfo, Lease, Store, open_store
+from preloop.control import JobInfo, Lease, Store, StoreError, open_store
+from preloop.control.urls import check_store_url
 from preloop.errors import PreloopError, UsageError
 from preloop.process import CommandFailed, run_command
 from preloop.runner import DEFAULT_LABELS, JobEvents, JobResult, Runner, RunnerOptions
@@ -232,9 +233,23 @@ async def _repo_root(workspace: Path) -> Path:
 
 
 def default_store_url(state_dir: Path, given: str | None = None) -> str:
-    """`given`, else `$PRELOOP_STORE_URL`, else the lite store in `state_dir`."""
-    url = given or config.get("PRELOOP_STORE_URL") or None
-    return str(url) if url else f"sqlite:///{Path(state_dir).absolute() / 'preloop.db'}"
+    """`given`, else `$PRELOOP_STORE_URL`, else the lite store in `state_dir`.
+    A URL the user gave is checked first (a typo is an error, never a file)."""
+    if given:
+        return check_store_url(given, "--store")
+    env = config.get("PRELOOP_STORE_URL") or None
+    if env:
+        return check_store_url(str(env), "PRELOOP_STORE_URL")
+    return f"sqlite:///{Path(state_dir).absolute() / 'preloop.db'}"
+
+
+def open_user_store(url: str, given: str | None) -> Store:
+    """`open_store(url)`, its error naming where the URL came from."""
+    try:
+        return open_store(url)
+    except StoreError as exc:
+        origin = "--store" if given else "PRELOOP_STORE_URL" if url.startswith("postgres") else None
+        raise StoreError(f"{exc} (from {origin})" if origin else str(exc)) from None
 
 
 def _plan_labels(p: Plan) -> list[str]:
@@ -436,7 +451,7 @@ class Engine:
         await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir)
         run_key = f"run-{uuid.uuid4().hex[:16]}"
         snap = await capture_workspace(self.state_dir, root, run_key)
-        store = await anyio.to_thread.run_sync(open_store, store_url)
+        store = await anyio.to_thread.run_sync(open_user_store, store_url, req.store_url)
         self.store = store
         try:
             for old in await recover_abandoned_runs(store, self.state_dir):

@@ -5,6 +5,7 @@ from preloop.cli import (  # noqa: F401  (registration)
     cache,
     config_cmd,
     du,
+    hook,
     plan,
     run,
     runner,

@@ -26,7 +26,14 @@ from preloop.runner import JobResult
 from preloop.workflow import Plan
 from preloop.workflow.event_inputs import parse_pairs
 
-__all__ = ["annotation_lines", "parse_secrets", "plural", "print_runs_summary", "print_summary"]
+__all__ = [
+    "annotation_lines",
+    "execute",
+    "parse_secrets",
+    "plural",
+    "print_runs_summary",
+    "print_summary",
+]
 
 _STYLE = {
     "success": "green",
@@ -480,6 +487,13 @@ def run_command(
         ref=ref,
         base=base,
     )
+    sys.exit(execute(request, as_json=as_json))
+
+
+def execute(request: RunRequest, *, as_json: bool = False) -> int:
+    """Runs `request` with live output and the summary; returns the exit status
+    (0 every run succeeded, 1 a run failed, 130 interrupted). `NothingTriggered`
+    and other user errors propagate."""
     console = make_console(highlight=False)
     progress = _Progress(console, live=console.is_terminal, quiet=as_json)
     engine = Engine(request, progress.events())
@@ -495,7 +509,7 @@ def run_command(
     elapsed = time.monotonic() - started
     if outcome is None:
         click.echo("preloop: interrupted before the run was submitted", err=True)
-        sys.exit(130)
+        return 130
     if as_json:
         document = outcome.to_dict()
         if len(outcome.runs) == 1:  # one run: its fields at the top, as before
@@ -504,5 +518,5 @@ def run_command(
     else:
         print_runs_summary(console, outcome, elapsed)
     if outcome.interrupted:
-        sys.exit(130)
-    sys.exit(0 if outcome.ok else 1)
+        return 130
+    return 0 if outcome.ok else 1

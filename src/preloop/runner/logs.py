@@ -17,7 +17,34 @@ from urllib.parse import quote, unquote
 
 from preloop.runner.job import JobResult
 
-__all__ = ["JobLog", "job_ids_with_logs", "log_path", "read_result", "result_path", "run_log_dir"]
+__all__ = [
+    "JobLog",
+    "job_ids_with_logs",
+    "log_path",
+    "mark_run",
+    "read_result",
+    "result_path",
+    "run_log_dir",
+    "run_marker",
+]
+
+#: `<state>/logs/<run>/run-key`: the host-unique key of the run whose logs
+#: these are. Run ids repeat across stores sharing a state directory, so
+#: `preloop logs` checks it against the run it was asked for.
+_MARKER = "run-key"
+
+
+def mark_run(state_dir: Path, run_id: int | str, run_key: str) -> None:
+    d = run_log_dir(state_dir, run_id)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / _MARKER).write_text(run_key)
+
+
+def run_marker(state_dir: Path, run_id: int | str) -> str | None:
+    try:
+        return (run_log_dir(state_dir, run_id) / _MARKER).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def run_log_dir(state_dir: Path, run_id: int | str) -> Path:

@@ -32,7 +32,7 @@ from preloop.errors import PreloopError
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_dir
 from preloop.runner.commands import Annotation, Masker
 from preloop.runner.job import JobControl, JobHost, JobResult, execute_job
-from preloop.runner.logs import JobLog
+from preloop.runner.logs import JobLog, mark_run
 from preloop.runner.sandbox import bubblewrap_wrapper
 from preloop.workflow import PlanError, PlannedJob, expand_deferred
 
@@ -256,6 +256,8 @@ class Runner:
             github.pop("preloop_snapshot", None)
             engine = github.pop("preloop_engine", None)
             tracking_key = engine.get("run_key") if isinstance(engine, dict) else None
+            if tracking_key:
+                mark_run(opts.state_dir, lease.run_id, str(tracking_key))
             contexts["github"] = github
             spec = runnable_spec(lease, contexts)
             if "inputs" in spec:

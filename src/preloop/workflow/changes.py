@@ -108,6 +108,10 @@ def event_facts(
     root = Path(root)
     head_ref = normalize_ref(ref) if ref else _current_ref(root)
     pull = event in ("pull_request", "pull_request_target")
+    if _git(root, "rev-parse", "--git-dir") is None:  # not a repository: nothing is known
+        return LocalEvent(
+            EventFacts(event, head_ref, None, action), head_ref, None, None, "not a git repository"
+        )
     if base is not None:
         if _first_rev(root, [base]) is None:
             raise UsageError(f"--base {base}: no such revision in {root}")

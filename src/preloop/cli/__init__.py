@@ -6,6 +6,7 @@ from preloop.cli import (  # noqa: F401  (registration)
     config_cmd,
     du,
     hook,
+    listing,
     plan,
     run,
     runner,

@@ -14,7 +14,7 @@ from tests.run_support import Harness, git, make_repo, results, run_engine, work
 from preloop.control import Lease, open_store
 from preloop.engine import Engine, NothingTriggered, RunRequest
 from preloop.runner.logs import job_ids_with_logs, log_path
-from preloop.workflow import PlanError, WorkflowError, load_workflow, plan
+from preloop.workflow import WorkflowError, load_workflow, plan
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
 

@@ -171,7 +171,7 @@ jobs:
 
 def test_matrix_legs_and_repeated_jobs(tmp_path: Path, store_url: str) -> None:
     repo = make_repo(tmp_path / "repo", {WF + "m.yml": MATRIX})
-    out, h = run_all(
+    out, _h = run_all(
         repo,
         store_url,
         tmp_path / "state",

@@ -188,6 +188,7 @@ def test_cancel_command_stops_a_running_job(tmp_path: Path) -> None:
     assert _exited(pidfd)
     doc = json.loads(stdout)
     assert doc["conclusion"] == "cancelled"
+    assert doc["cancel_reason"] == "cancelled by the user (preloop cancel)"
 
 
 @pytest.fixture

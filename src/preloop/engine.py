@@ -169,11 +169,27 @@ class RunOutcome:
     def ok(self) -> bool:
         return self.conclusion == "success" and not self.interrupted
 
+    @property
+    def cancel_reason(self) -> str | None:
+        """Why a cancelled run was cancelled: Ctrl-C, `preloop cancel`, a
+        concurrency group, fail-fast (None unless it concluded cancelled)."""
+        if self.conclusion != "cancelled":
+            return None
+        if self.interrupted:
+            return "cancelled by Ctrl-C"
+        reasons = [j.reason for j in self.jobs if j.conclusion == "cancelled" and j.reason]
+        for key in ("concurrency group", "fail-fast"):
+            for r in reasons:
+                if key in r:
+                    return r
+        return "cancelled by the user (preloop cancel)"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
             "workflow": self.workflow,
             "name": self.name,
+            "cancel_reason": self.cancel_reason,
             "conclusion": self.conclusion,
             "interrupted": self.interrupted,
             "jobs": [

@@ -81,23 +81,6 @@ def annotation_lines(job_name: str, notes: list[str]) -> list[str]:
     return [f"  {job_name}: {n}" + (f" (×{c})" if c > 1 else "") for n, c in counts.items()]
 
 
-def cancel_reason(outcome: RunOutcome) -> str | None:
-    """Why a cancelled run was cancelled: Ctrl-C, a cancel, fail-fast, a concurrency group."""
-    if outcome.conclusion != "cancelled":
-        return None
-    if outcome.interrupted:
-        return "cancelled by Ctrl-C"
-    reasons = [j.reason for j in outcome.jobs if j.conclusion == "cancelled" and j.reason]
-    for key in ("concurrency group", "fail-fast"):
-        for r in reasons:
-            if key in r:
-                return r
-    for r in reasons:
-        if "the run was cancelled" in r:
-            return "cancelled by the user (preloop cancel)"
-    return reasons[0] if reasons else "cancelled by the user (preloop cancel)"
-
-
 def print_summary(console: Console, outcome: RunOutcome, elapsed: float | None = None) -> None:
     table = Table(title=f"run {outcome.run_id} · {outcome.workflow}", title_justify="left")
     table.add_column("job")
@@ -121,7 +104,7 @@ def print_summary(console: Console, outcome: RunOutcome, elapsed: float | None =
             job.conclusion == "failure" or (job.conclusion == "skipped" and "runs-on" in job.reason)
         ):
             console.print(f"  {job.name}: {job.reason}", markup=False, highlight=False)
-    why = cancel_reason(outcome)
+    why = outcome.cancel_reason
     if why:
         console.print(f"  run {outcome.run_id} {why}", markup=False, highlight=False)
     if elapsed is not None:

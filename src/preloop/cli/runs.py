@@ -14,7 +14,7 @@ from preloop.cli.app import cli, emit_json, make_console
 from preloop.control import Store, UnknownRun
 from preloop.engine import default_store_url, open_user_store
 from preloop.errors import PreloopError
-from preloop.runner.logs import job_ids_with_logs, log_path, read_result, run_marker
+from preloop.runner.logs import job_ids_with_logs, log_path, read_result, run_logs_name
 
 _store_option = click.option(
     "--store", help="Store URL (default: $PRELOOP_STORE_URL, else the lite store)."
@@ -115,14 +115,14 @@ def logs_command(
         url = db.url
     engine = (context.get("github") or {}).get("preloop_engine") or {}
     key = engine.get("run_key") if isinstance(engine, dict) else None
-    marker = run_marker(state, run_id)
-    if key and marker and marker != key:
-        # Run ids repeat across stores: these logs are another store's run.
+    name = run_logs_name(state, run_id, str(key) if key else None)
+    if name is None:
+        # Run ids repeat across stores: the logs here are another store's run.
         raise PreloopError(
             f"run {run_id} of {url} has no logs under {state / 'logs'} (the logs of run "
-            f"{run_id} there belong to another store's run; pass that store's --state-dir)"
+            f"{run_id} there belong to another store's run; pass this store's --state-dir)"
         )
-    have = set(job_ids_with_logs(state, run_id))
+    have = set(job_ids_with_logs(state, name))
     if job is not None:
         match = [j for j in jobs if job in (j.id, j.name)]
         if not match:
@@ -139,7 +139,7 @@ def logs_command(
     if summary:
         shown = 0
         for j in targets:
-            result = read_result(state, run_id, j.id) or {}
+            result = read_result(state, name, j.id) or {}
             text = str(result.get("summary") or "").strip()
             if text:
                 click.echo(f"## {j.name}\n\n{text}\n")
@@ -148,10 +148,10 @@ def logs_command(
             click.echo(f"run {run_id}: no step summaries (nothing written to GITHUB_STEP_SUMMARY)")
         return
     if job is not None:
-        sys.stdout.write(log_path(state, run_id, targets[0].id).read_text(errors="replace"))
+        sys.stdout.write(log_path(state, name, targets[0].id).read_text(errors="replace"))
         return
     for j in targets:
-        for line in log_path(state, run_id, j.id).read_text(errors="replace").splitlines():
+        for line in log_path(state, name, j.id).read_text(errors="replace").splitlines():
             click.echo(f"[{j.name}] {line}")
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "read_result",
     "result_path",
     "run_log_dir",
+    "run_logs_name",
     "run_marker",
 ]
 
@@ -35,9 +36,31 @@ _MARKER = "run-key"
 
 
 def mark_run(state_dir: Path, run_id: int | str, run_key: str) -> None:
+    """Makes `logs/<run_id>` the directory of the run with `run_key`: logs
+    of another run with the same id (another store) are moved aside to
+    `logs/<run_id>.<its key>` first. Called before the run's logs are opened."""
     d = run_log_dir(state_dir, run_id)
+    current = run_marker(state_dir, run_id)
+    if current == run_key:
+        return
+    if current is not None:
+        aside = run_log_dir(state_dir, f"{run_id}.{current}")
+        if not aside.exists():
+            d.rename(aside)
     d.mkdir(parents=True, exist_ok=True)
-    (d / _MARKER).write_text(run_key)
+    tmp = d / f".{_MARKER}.{run_key}"
+    tmp.write_text(run_key)
+    tmp.replace(d / _MARKER)
+
+
+def run_logs_name(state_dir: Path, run_id: int, run_key: str | None) -> str | None:
+    """The name under `logs/` holding the logs of run `run_id` with
+    `run_key`, or None when this state directory has none of that run."""
+    current = run_marker(state_dir, run_id)
+    if run_key is None or current is None or current == run_key:
+        return str(run_id)
+    aside = f"{run_id}.{run_key}"
+    return aside if run_log_dir(state_dir, aside).is_dir() else None
 
 
 def run_marker(state_dir: Path, run_id: int | str) -> str | None:

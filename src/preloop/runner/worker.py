@@ -136,6 +136,7 @@ class Runner:
         self.templates = templates or CheckoutTemplates(work_dir(options.state_dir))
         self.current: JobControl | None = None
         self.jobs_run = 0
+        self._run_keys: dict[int, str | None] = {}
 
     @property
     def labels(self) -> list[str]:
@@ -149,6 +150,20 @@ class Runner:
                 opts.name, self.labels, lease_seconds=opts.lease_seconds, run_id=opts.run_id
             ),
         )
+
+    async def _run_key(self, run_id: int) -> str | None:
+        """The host-unique key `preloop run` gave run `run_id` (None for runs
+        submitted otherwise): its logs are kept under it, since run ids repeat
+        across stores sharing a state directory. One read per run."""
+        if run_id not in self._run_keys:
+            try:
+                ctx = await store_call(self.store, lambda: self.store.run_context(run_id))
+            except PreloopError:
+                return None
+            engine = (ctx.get("github") or {}).get("preloop_engine")
+            key = engine.get("run_key") if isinstance(engine, dict) else None
+            self._run_keys[run_id] = str(key) if key else None
+        return self._run_keys[run_id]
 
     async def _heartbeat(self, lease: Lease, control: JobControl) -> None:
         opts = self.options
@@ -178,6 +193,12 @@ class Runner:
             work_dir(opts.state_dir)
             / f"{os.getpid()}-{lease.run_id}-{quote(lease.job_id, safe='')}-{uuid.uuid4().hex[:8]}"
         )
+        run_key = await self._run_key(lease.run_id)
+        if run_key is not None:
+            try:
+                mark_run(opts.state_dir, lease.run_id, run_key)
+            except OSError as exc:
+                _log.warning("logs of run %s: %s", lease.run_id, exc)
         log = JobLog(opts.state_dir, lease.run_id, lease.job_id)
         masker = Masker()
         for value in opts.secrets.values():
@@ -256,8 +277,6 @@ class Runner:
             github.pop("preloop_snapshot", None)
             engine = github.pop("preloop_engine", None)
             tracking_key = engine.get("run_key") if isinstance(engine, dict) else None
-            if tracking_key:
-                mark_run(opts.state_dir, lease.run_id, str(tracking_key))
             contexts["github"] = github
             spec = runnable_spec(lease, contexts)
             if "inputs" in spec:

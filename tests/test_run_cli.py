@@ -251,7 +251,7 @@ def test_two_runners_share_one_run_on_postgresql(
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
-        assert "stopped after 1 jobs" in out
+        assert "stopped after 1 job\n" in out
 
 
 def test_runner_sigterm_cancels_its_job_and_exits_zero(

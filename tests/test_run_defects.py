@@ -241,6 +241,11 @@ def test_piped_output_is_never_wrapped_and_counts_are_singular(tmp_path: Path) -
     config = preloop("config", cwd=repo, state=state)
     store_row = next(line for line in config.stdout.splitlines() if "PRELOOP_STORE_URL" in line)
     assert "or empty for the lite store at $PRELOOP_STATE_DIR/preloop.db." in store_row
+    cache = preloop("cache", "status", cwd=repo, state=state)
+    cache_dir = str(state / "snapshot-object-cache")
+    assert any(
+        line.startswith("1 entry, ") and cache_dir in line for line in cache.stdout.splitlines()
+    ), cache.stdout
 
 
 def test_a_silent_step_prints_a_still_running_line(tmp_path: Path) -> None:

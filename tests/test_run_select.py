@@ -4,6 +4,9 @@ inputs, payloads, job/leg selection and other platforms; lite and PostgreSQL."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
@@ -230,3 +233,78 @@ def test_other_platforms_are_skipped_with_a_reason(tmp_path: Path, store_url: st
     assert jobs["build (windows-latest)"].conclusion == "success"
     assert "built on windows-latest" in h.all_text()
     assert jobs["build (macos-14)"].conclusion == "skipped"
+
+
+# --- the command line ------------------------------------------------------------
+
+
+def cli(repo: Path, state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRELOOP_")}
+    env["PRELOOP_STATE_DIR"] = str(state)
+    return subprocess.run(
+        [sys.executable, "-m", "preloop", *args],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_runs_two_workflows_with_one_summary_and_exit_status(tmp_path: Path) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            WF + "a.yml": "name: A\non: push\njobs:\n" + job("one"),
+            WF + "b.yml": "name: B\non: push\njobs:\n" + job("two", "exit 3"),
+            WF + "t.yml": "name: T\non:\n  push:\n    tags: ['v*']\njobs:\n" + job("three"),
+        },
+    )
+    state = tmp_path / "state"
+    out = cli(repo, state, "run")
+    assert out.returncode == 1, out.stderr
+    lines = out.stdout.splitlines()
+    assert "not run: .github/workflows/t.yml: branch 'main': on.push filters tags only" in lines
+    assert "run 1: A (1 job)" in lines and "run 2: B (1 job)" in lines
+    assert "[A / one] ok" in lines and "[B / two] ✗ failure" in lines
+    assert lines[-1].startswith("failure in ")
+    assert "2 workflow runs (run 1 success, run 2 failure)" in lines[-1]
+    doc = json.loads(cli(repo, state, "run", "--json", "--job", "one").stdout)
+    assert [r["name"] for r in doc["runs"]] == ["A"] and doc["conclusion"] == "success"
+
+    bad = cli(repo, state, "run", "--event", "pushh")
+    assert bad.returncode == 2
+    assert bad.stderr == (
+        "preloop: error: --event 'pushh' is not a GitHub Actions event; did you mean 'push'?\n"
+    )
+    none = cli(repo, state, "run", "--event", "release")
+    assert (
+        none.returncode == 1 and "'release' on refs/heads/main triggers no workflow" in none.stderr
+    )
+    assert "choose one with -f" not in none.stderr
+
+    plan = cli(repo, state, "plan", "--ref", "refs/tags/v2")
+    assert plan.returncode == 0, plan.stderr
+    assert "  triggered: tag 'v2' matches on.push.tags 'v*'" in plan.stdout.splitlines()
+
+
+def test_cli_list_shows_jobs_legs_and_events(tmp_path: Path) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            WF + "m.yml": MATRIX,
+            WF + "p.yml": PLATFORMS.replace("on: push", "on: [push, pull_request]"),
+        },
+    )
+    out = cli(repo, tmp_path / "state", "list", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    legs = [r["name"] for r in rows if r["job"] == "test"]
+    assert len(legs) == 6 and "test (3.12, bsd)" in legs
+    win = next(r for r in rows if r["name"] == "build (windows-latest)")
+    assert win["events"] == ["pull_request", "push"] and win["skipped"].startswith("runs-on")
+    assert {
+        r["stage"] for r in rows if r["job"] == "build" and r["workflow"].endswith("m.yml")
+    } == {1}
+    text = cli(repo, tmp_path / "state", "list")
+    assert "build (windows-latest)" in text.stdout and "(not run here)" in text.stdout

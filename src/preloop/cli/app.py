@@ -11,10 +11,15 @@ from rich.console import Console
 
 from preloop.errors import PreloopError
 
-__all__ = ["cli", "emit_json", "fail", "main", "make_console"]
+__all__ = ["cli", "emit_json", "fail", "main", "make_console", "plural"]
 
 #: Width of output that is not a terminal: lines are never wrapped or cut.
 _PIPE_WIDTH = 1_000_000
+
+
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """`1 job`, `2 jobs` (`many` for irregular plurals: `1 entry`, `2 entries`)."""
+    return f"{count} {word if count == 1 else many or word + 's'}"
 
 
 def make_console(**kw: Any) -> Console:

@@ -11,7 +11,7 @@ import click
 from rich.table import Table
 
 from preloop import config
-from preloop.cli.app import cli, emit_json, fail, make_console
+from preloop.cli.app import cli, emit_json, fail, make_console, plural
 from preloop.errors import UsageError
 from preloop.snapshot import layout
 from preloop.snapshot.prune import (
@@ -118,7 +118,8 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
         console.print(table)
     cap_text = "disabled" if cap == 0 else _human(cap)
     console.print(
-        f"{len(entries)} entries, {_human(total)} in {layout.cache_dir(state)} (cap {cap_text})",
+        f"{plural(len(entries), 'entry', 'entries')}, {_human(total)} in "
+        f"{layout.cache_dir(state)} (cap {cap_text})",
         highlight=False,
     )
     if refs_error:

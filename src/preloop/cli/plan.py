@@ -6,8 +6,7 @@ from pathlib import Path
 
 import click
 
-from preloop.cli.app import cli, emit_json
-from preloop.cli.run import plural
+from preloop.cli.app import cli, emit_json, plural
 from preloop.errors import UsageError
 from preloop.workflow import (
     Plan,

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from preloop import config
-from preloop.cli.app import cli, emit_json, make_console
+from preloop.cli.app import cli, emit_json, make_console, plural
 from preloop.control import JobInfo, Lease
 from preloop.engine import Engine, EngineEvents, RunOutcome, RunRequest, RunsOutcome, Selection
 from preloop.errors import PreloopError, UsageError
@@ -66,11 +66,6 @@ def _duration(seconds: float | None) -> str:
     if seconds < 60:
         return f"{seconds:.1f}s"
     return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-
-
-def plural(count: int, word: str) -> str:
-    """`1 job`, `2 jobs`."""
-    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def annotation_lines(job_name: str, notes: list[str]) -> list[str]:

@@ -18,7 +18,7 @@ import anyio
 import click
 
 from preloop import config
-from preloop.cli.app import cli
+from preloop.cli.app import cli, plural
 from preloop.cli.run import parse_secrets
 from preloop.control import open_store
 from preloop.errors import UsageError
@@ -92,4 +92,4 @@ def runner_command(
             anyio.run(_serve, runner)
         finally:
             runner.templates.close()
-        click.echo(f"runner {options.name}: stopped after {runner.jobs_run} jobs")
+        click.echo(f"runner {options.name}: stopped after {plural(runner.jobs_run, 'job')}")

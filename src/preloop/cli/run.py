@@ -163,14 +163,24 @@ class _Progress:
                 self.jobs[key] = {"name": job.name, "state": "queued", "start": None}
                 count += 1
         self.workflows[run_id] = plan.name
+        if len(self.workflows) == 2:  # now several: name every job with its workflow
+            for (rid, _), entry in self.jobs.items():
+                entry["name"] = f"{self.workflows[rid]} / {entry['name']}"
+        elif len(self.workflows) > 2:
+            for (rid, _), entry in self.jobs.items():
+                if rid == run_id:
+                    entry["name"] = f"{plan.name} / {entry['name']}"
         if not self.quiet and not self.live_mode:
             self.console.print(f"run {run_id}: {plan.name} ({plural(count, 'job')})", markup=False)
         self._changed()
 
     def label(self, lease: Lease) -> str:
+        return self._label(lease.run_id, lease.name)
+
+    def _label(self, run_id: int, name: str) -> str:
         if len(self.workflows) > 1:
-            return f"{self.workflows.get(lease.run_id, lease.run_id)} / {lease.name}"
-        return lease.name
+            return f"{self.workflows.get(run_id, run_id)} / {name}"
+        return name
 
     def _changed(self) -> None:
         # A state change shows at once, not at the next periodic refresh: a job
@@ -257,13 +267,13 @@ class _Progress:
                 continue
             entry = self.jobs.get(key)
             if entry is None:
-                entry = {"name": job.name, "state": "queued", "start": None}
+                entry = {"name": self._label(run_id, job.name), "state": "queued", "start": None}
                 self.jobs[key] = entry
                 self.order.append(key)
             if entry["state"] not in ("queued", "running"):
                 continue
             if job.status == "running" and entry["state"] == "queued":
-                entry.update(name=job.name, state="running", start=now)
+                entry.update(name=self._label(run_id, job.name), state="running", start=now)
             elif job.status == "completed" and job.conclusion:
                 start = entry.get("start")
                 entry.update(state=job.conclusion, elapsed=now - start if start else None)

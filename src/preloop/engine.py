@@ -264,7 +264,8 @@ def open_user_store(url: str, given: str | None) -> Store:
     try:
         return open_store(url)
     except StoreError as exc:
-        origin = "--store" if given else "PRELOOP_STORE_URL" if url.startswith("postgres") else None
+        from_env = bool(config.get("PRELOOP_STORE_URL"))
+        origin = "--store" if given else "PRELOOP_STORE_URL" if from_env else None
         raise StoreError(f"{exc} (from {origin})" if origin else str(exc)) from None
 
 

@@ -22,7 +22,7 @@ from preloop.errors import UsageError
 from preloop.workflow import expressions as ex
 from preloop.workflow.plan import Plan, PlannedJob
 
-__all__ = ["FOREIGN_OS", "foreign_platform", "select_jobs", "select_legs"]
+__all__ = ["FOREIGN_OS", "foreign_platform", "known_jobs", "select_jobs", "select_legs"]
 
 #: runs-on label prefixes of GitHub-hosted runners of other operating systems.
 FOREIGN_OS = {"windows": "Windows", "macos": "macOS"}

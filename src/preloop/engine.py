@@ -1,22 +1,29 @@
 """capture -> plan -> submit -> local runners -> result: what `preloop run` does.
 
-`Engine(request, events).run()`:
+`Engine(request, events).run_all()` (`run()` returns the first run's outcome):
 
-1. loads and validates the workflow (`preloop.workflow`; a bad workflow
-   raises `WorkflowError` with `file:line:col` and nothing is captured or
-   submitted) and plans it for the event (`--job` keeps that job and the
-   jobs it needs);
+1. checks the event name, reads the event's ref and changed paths from git
+   (`preloop.workflow.changes`), loads and validates every workflow (`-f`:
+   that one; a bad workflow raises `WorkflowError` with `file:line:col` and
+   nothing is captured or submitted), keeps those the event triggers after
+   their filters (`preloop.workflow.triggers`; the others are reported as
+   `SkippedWorkflow`, none at all is `NothingTriggered`), checks `--input`s,
+   builds the payload, and plans each one, narrowed by `--job` / `--matrix`
+   (`preloop.workflow.selection`);
 2. sweeps leftovers of dead captures and job directories, then captures
    the workspace (`preloop.snapshot.capture_workspace`: staged, unstaged and untracked
    files; the source repository is not changed); the object-cache prune runs
    after the capture through the post-capture hook of `preloop.snapshot.prune`;
 3. recovers runs in the store whose `preloop run` died on this host
-   (`recover_abandoned_runs`), then submits the plan to the store with the
-   snapshot's location in the run's `github` context (`preloop.runner.checkout`);
-4. runs `local_runners` runners in this process until the run ends (other
-   machines' `preloop runner` processes may take jobs of it too), reaping
-   expired leases meanwhile;
-5. removes the run repository and returns a `RunOutcome`.
+   (`recover_abandoned_runs`), then submits one run per plan (as GitHub starts
+   one run per workflow) with the snapshot's location in each run's `github`
+   context (`preloop.runner.checkout`);
+4. runs `local_runners` runners in this process until every run ends (other
+   machines' `preloop runner` processes may take jobs too), reaping expired
+   leases meanwhile; a job whose `runs-on` is another OS (`windows-*`,
+   `macos-*`) ends `skipped` with the reason unless `--platform L=host`;
+5. removes the run repository and returns a `RunsOutcome` (one `RunOutcome`
+   per run).
 
 `Engine.cancel()` (Ctrl-C) cancels the run in the store, cancels the local
 runners (each step's process group is killed and reaped), settles whatever

@@ -38,7 +38,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -354,20 +354,9 @@ class Engine:
         check_event_name(req.event, EVENTS)
         root = await _repo_root(req.workspace)
         payload = load_payload(req.event_path) if req.event_path is not None else None
-        action = payload.get("action") if payload is not None else None
-        local = await anyio.to_thread.run_sync(
-            functools.partial(
-                event_facts,
-                root,
-                req.event,
-                ref=req.ref,
-                base=req.base,
-                action=action if isinstance(action, str) else None,
-            )
-        )
-        return await anyio.to_thread.run_sync(self._select, root, local, payload)
+        return await anyio.to_thread.run_sync(self._select, root, payload)
 
-    def _select(self, root: Path, local: LocalEvent, payload: dict[str, Any] | None) -> Selection:
+    def _select(self, root: Path, payload: dict[str, Any] | None) -> Selection:
         req = self.request
         event = req.event
         if req.workflow is not None:
@@ -384,12 +373,24 @@ class Engine:
         problems: list[Diagnostic] = []
         chosen: list[tuple[Any, str]] = []
         skipped: list[SkippedWorkflow] = []
+        loaded: list[tuple[Path, Any]] = []
         for path in paths:
             try:
-                wf = load_workflow(path, root=root)
+                loaded.append((path, load_workflow(path, root=root)))
             except WorkflowError as exc:
                 problems.extend(exc.diagnostics)
-                continue
+        if problems:
+            raise WorkflowError(problems, str(problems[0].path))
+        action = payload.get("action") if payload is not None else None
+        local = event_facts(
+            root,
+            event,
+            ref=req.ref,
+            base=req.base,
+            action=action if isinstance(action, str) else None,
+            paths=any(_filters_paths(wf, event) for _, wf in loaded),
+        )
+        for path, wf in loaded:
             rel = _relative(path, root)
             if event == "workflow_call":
                 skipped.append(SkippedWorkflow(rel, "workflow_call runs only from a caller"))
@@ -399,8 +400,6 @@ class Engine:
                 chosen.append((wf, trig.reason))
             else:
                 skipped.append(SkippedWorkflow(rel, trig.reason))
-        if problems:
-            raise WorkflowError(problems, str(problems[0].path))
         ref = local.facts.ref or "no ref"
         if not chosen:
             detail = "; ".join(f"{s.path}: {s.reason}" for s in skipped)
@@ -667,6 +666,11 @@ def _relative(path: Path, root: Path) -> str:
         return str(Path(path).resolve().relative_to(root.resolve()))
     except ValueError:
         return str(path)
+
+
+def _filters_paths(wf: Any, event: str) -> bool:
+    filters = wf.on.get(event)
+    return isinstance(filters, Mapping) and ("paths" in filters or "paths-ignore" in filters)
 
 
 def _declared_inputs(wf: Any, event: str) -> set[str]:

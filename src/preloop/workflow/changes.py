@@ -103,8 +103,11 @@ def event_facts(
     ref: str | None = None,
     base: str | None = None,
     action: str | None = None,
+    paths: bool = True,
 ) -> LocalEvent:
-    """The facts a local `event` on the repository at `root` is about."""
+    """The facts a local `event` on the repository at `root` is about.
+    `paths=False` skips listing the changed paths (no workflow filters on
+    them): `changed_paths` is then None."""
     root = Path(root)
     head_ref = normalize_ref(ref) if ref else _current_ref(root)
     pull = event in ("pull_request", "pull_request_target")
@@ -124,8 +127,10 @@ def event_facts(
     if chosen is not None:
         out = _git(root, "merge-base", "HEAD", chosen)
         merge_base = out.strip() if out and out.strip() else None
-    changed = _changed(root, merge_base)
-    if chosen is None:
+    changed = _changed(root, merge_base) if paths else None
+    if not paths:
+        note = "changed paths not needed (no path filters)"
+    elif chosen is None:
         note = "no upstream or origin/HEAD: every file counts as changed (choose with --base)"
     elif merge_base is None:
         note = f"no merge base with {chosen}: every file counts as changed"

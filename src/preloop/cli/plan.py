@@ -140,7 +140,11 @@ def plan_command(
             skipped.append((wf.path, trig.reason))
             if not explicit or event not in wf.on:
                 continue
-        typed = check_inputs(wf, event, given) if event in wf.on else dict(given)
+        declared = wf.workflow_dispatch_inputs if event == "workflow_dispatch" else {}
+        # Several workflows: each takes the inputs it declares (as a dispatch
+        # of that one workflow would); one workflow: every input is checked.
+        mine = given if len(paths) == 1 else {k: v for k, v in given.items() if k in declared}
+        typed = check_inputs(wf, event, mine) if event in wf.on else dict(given)
         plans.append((plan(wf, event, inputs=typed, github=github), trig.reason))
     if problems:
         raise WorkflowError(problems, str(problems[0].path))

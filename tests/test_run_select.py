@@ -132,6 +132,7 @@ def test_eventpath_and_default_payload(tmp_path: Path, store_url: str) -> None:
             '          echo "after=${{ github.event.after }}"\n'
             '          echo "pr=${{ github.event.pull_request.title }}"\n'
             '          echo "repo=${{ github.event.repository.name }}"\n'
+            '          echo "head=${{ github.head_ref }} base=${{ github.base_ref }}"\n'
         },
     )
     head = git(repo, "rev-parse", "HEAD").strip()
@@ -139,6 +140,9 @@ def test_eventpath_and_default_payload(tmp_path: Path, store_url: str) -> None:
     assert out.ok
     assert "head=init" in h.lines["show"] and f"after={head}" in h.lines["show"]
     assert "repo=repo" in h.lines["show"]
+    out, h = run_all(repo, store_url, tmp_path / "state", event="pull_request")
+    assert out.ok and "pr=init" in h.lines["show"]  # the default payload's title
+    assert "head=main base=main" in h.lines["show"]
     payload = tmp_path / "event.json"
     payload.write_text(json.dumps({"pull_request": {"title": "Add a feature"}, "action": "opened"}))
     out, h = run_all(repo, store_url, tmp_path / "state", event="pull_request", event_path=payload)

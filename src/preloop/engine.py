@@ -530,6 +530,7 @@ class Engine:
             return RunsOutcome(outcomes, selection.skipped, self._interrupted)
         finally:
             with anyio.CancelScope(shield=True):
+                self.store = None  # the live view's poll stops reading it
                 await anyio.to_thread.run_sync(store.close)
                 await anyio.to_thread.run_sync(
                     lambda: shutil.rmtree(snap.repository, ignore_errors=True)

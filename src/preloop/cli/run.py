@@ -21,7 +21,7 @@ from preloop import config
 from preloop.cli.app import cli, emit_json, make_console, plural
 from preloop.control import JobInfo, Lease
 from preloop.engine import Engine, EngineEvents, RunOutcome, RunRequest, RunsOutcome, Selection
-from preloop.errors import PreloopError, UsageError
+from preloop.errors import UsageError
 from preloop.runner import JobResult
 from preloop.workflow import Plan
 from preloop.workflow.event_inputs import parse_pairs
@@ -345,7 +345,10 @@ async def _run(engine: Engine, progress: _Progress) -> RunsOutcome | None:
                         store = engine.store
                         if store is not None:
                             for run_id in list(engine.run_ids):
-                                with contextlib.suppress(PreloopError):
+                                # A display poll only: the engine may be closing
+                                # the store as the runs end (sqlite3 or the pg
+                                # pool then raise); the next state comes anyway.
+                                with contextlib.suppress(Exception):
                                     jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
                                     progress.observe(run_id, jobs)
                     progress.live.update(progress.render())

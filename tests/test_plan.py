@@ -470,12 +470,16 @@ def test_cli_prints_stages_for_every_triggered_workflow(repo: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [
         ".github/workflows/m.yml (M) on push: 3 jobs in 2 stages",
+        "  triggered: on: push",
         "  concurrency: ci-push",
         "  stage 1:",
         "    setup  [runs-on: ubuntu-latest]",
         "  stage 2:",
         "    test (linux, 5)  [runs-on: linux]",
         "    test (mac, 5, true)  [runs-on: mac]",
+        ".github/workflows/release.yml: not triggered: not triggered by 'push' (its events: "
+        "release)",
+        "(ref unknown; changed paths unknown: not a git repository)",
     ]
     res = run_cli(repo, "--event", "release", "--json")
     assert res.returncode == 0, res.stderr

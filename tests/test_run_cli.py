@@ -188,6 +188,7 @@ def test_cancel_command_stops_a_running_job(tmp_path: Path) -> None:
     assert _exited(pidfd)
     doc = json.loads(stdout)
     assert doc["conclusion"] == "cancelled"
+    assert doc["cancel_reason"] == "cancelled by the user (preloop cancel)"
 
 
 @pytest.fixture
@@ -250,7 +251,7 @@ def test_two_runners_share_one_run_on_postgresql(
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
-        assert "stopped after 1 jobs" in out
+        assert "stopped after 1 job\n" in out
 
 
 def test_runner_sigterm_cancels_its_job_and_exits_zero(

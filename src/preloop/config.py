@@ -198,6 +198,12 @@ KNOBS: dict[str, Knob] = {
             "The node that runs JavaScript actions (a path or command); empty: the newest "
             "node found on PATH.",
         ),
+        Knob(
+            "PRELOOP_SILENT_STEP_NOTICE",
+            "30",
+            parse_positive_int,
+            "Seconds a step may stay silent before `preloop run` prints a still-running line.",
+        ),
     ]
 }
 

@@ -1,22 +1,29 @@
 """capture -> plan -> submit -> local runners -> result: what `preloop run` does.
 
-`Engine(request, events).run()`:
+`Engine(request, events).run_all()` (`run()` returns the first run's outcome):
 
-1. loads and validates the workflow (`preloop.workflow`; a bad workflow
-   raises `WorkflowError` with `file:line:col` and nothing is captured or
-   submitted) and plans it for the event (`--job` keeps that job and the
-   jobs it needs);
+1. checks the event name, reads the event's ref and changed paths from git
+   (`preloop.workflow.changes`), loads and validates every workflow (`-f`:
+   that one; a bad workflow raises `WorkflowError` with `file:line:col` and
+   nothing is captured or submitted), keeps those the event triggers after
+   their filters (`preloop.workflow.triggers`; the others are reported as
+   `SkippedWorkflow`, none at all is `NothingTriggered`), checks `--input`s,
+   builds the payload, and plans each one, narrowed by `--job` / `--matrix`
+   (`preloop.workflow.selection`);
 2. sweeps leftovers of dead captures and job directories, then captures
    the workspace (`preloop.snapshot.capture_workspace`: staged, unstaged and untracked
    files; the source repository is not changed); the object-cache prune runs
    after the capture through the post-capture hook of `preloop.snapshot.prune`;
 3. recovers runs in the store whose `preloop run` died on this host
-   (`recover_abandoned_runs`), then submits the plan to the store with the
-   snapshot's location in the run's `github` context (`preloop.runner.checkout`);
-4. runs `local_runners` runners in this process until the run ends (other
-   machines' `preloop runner` processes may take jobs of it too), reaping
-   expired leases meanwhile;
-5. removes the run repository and returns a `RunOutcome`.
+   (`recover_abandoned_runs`), then submits one run per plan (as GitHub starts
+   one run per workflow) with the snapshot's location in each run's `github`
+   context (`preloop.runner.checkout`);
+4. runs `local_runners` runners in this process until every run ends (other
+   machines' `preloop runner` processes may take jobs too), reaping expired
+   leases meanwhile; a job whose `runs-on` is another OS (`windows-*`,
+   `macos-*`) ends `skipped` with the reason unless `--platform L=host`;
+5. removes the run repository and returns a `RunsOutcome` (one `RunOutcome`
+   per run).
 
 `Engine.cancel()` (Ctrl-C) cancels the run in the store, cancels the local
 runners (each step's process group is killed and reaped), settles whatever
@@ -30,7 +37,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +48,8 @@ import preloop.snapshot.prune  # noqa: F401  (registers the post-capture prune h
 from preloop import config
 from preloop.actions.reference import Override
 from preloop.actions.workflows import loading_for_run
-from preloop.control import JobInfo, Lease, Store, open_store
+from preloop.control import JobInfo, Lease, Store, StoreError, open_store
+from preloop.control.urls import check_store_url
 from preloop.errors import PreloopError, UsageError
 from preloop.process import CommandFailed, run_command
 from preloop.runner import DEFAULT_LABELS, JobEvents, JobResult, Runner, RunnerOptions
@@ -62,17 +70,28 @@ from preloop.services import (
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
 from preloop.snapshot.holders import hold_run_repository, release_run_repository
 from preloop.snapshot.owner import ProcessIdentity
-from preloop.workflow import Plan, load_workflow, plan, workflow_files
+from preloop.workflow import Plan, PlanError, WorkflowError, load_workflow, plan, workflow_files
+from preloop.workflow.changes import LocalEvent, event_facts
+from preloop.workflow.event_inputs import check_inputs, default_payload, load_payload
+from preloop.workflow.expressions import evaluate_template
+from preloop.workflow.github_context import local_github_context
+from preloop.workflow.loader import EVENTS
+from preloop.workflow.selection import foreign_platform, known_jobs, select_jobs, select_legs
+from preloop.workflow.triggers import check_event_name, evaluate_trigger
+from preloop.workflow.yamltree import Diagnostic
 
 __all__ = [
     "Engine",
     "EngineEvents",
     "JobRecord",
+    "NothingTriggered",
     "RunOutcome",
     "RunRequest",
+    "RunsOutcome",
+    "Selection",
+    "SkippedWorkflow",
     "default_store_url",
     "recover_abandoned_runs",
-    "resolve_workflow",
 ]
 
 # github context: host, pid and host-unique run key of the submitting engine
@@ -95,6 +114,36 @@ class RunRequest:
     sandbox_network: str = "host"  # --sandbox-network: "host" or "none"
     runner_name: str = "local"
     action_overrides: tuple[Override, ...] = ()  # `--action owner/repo=DIR|skip`
+    jobs: tuple[str, ...] = ()  # with `job`: run only these (and what they need)
+    matrix: dict[str, str] = field(default_factory=dict)  # run only the legs with these values
+    inputs: dict[str, str] = field(default_factory=dict)  # --input NAME=VALUE
+    event_path: Path | None = None  # a JSON payload for github.event
+    ref: str | None = None  # the ref the event is about (default: the current branch)
+    base: str | None = None  # changes are counted from the merge base with this
+    platforms: dict[str, str] = field(default_factory=dict)  # runs-on label -> "host"
+
+
+class NothingTriggered(PlanError):
+    """The event triggers no workflow (each one's reason is in the message)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedWorkflow:
+    path: str  # relative to the repository
+    reason: str
+
+
+@dataclass(slots=True)
+class Selection:
+    """What `preloop run` will run: one plan per triggered workflow."""
+
+    root: Path
+    plans: list[Plan]
+    reasons: list[str]  # why each plan's workflow is triggered
+    skipped: list[SkippedWorkflow]
+    event: LocalEvent
+    github: dict[str, Any]
+    payload: dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -106,6 +155,7 @@ class EngineEvents:
     on_job_line: Callable[[Lease, str], None] | None = None
     on_job_end: Callable[[Lease, JobResult], None] | None = None
     on_recovered: Callable[[int], None] | None = None  # a dead run's id, cancelled
+    on_selected: Callable[[Selection], None] | None = None  # before the capture
 
 
 @dataclass(slots=True)
@@ -130,15 +180,33 @@ class RunOutcome:
     jobs: list[JobRecord]
     interrupted: bool
     state_dir: Path
+    name: str = ""  # the workflow's display name
 
     @property
     def ok(self) -> bool:
         return self.conclusion == "success" and not self.interrupted
 
+    @property
+    def cancel_reason(self) -> str | None:
+        """Why a cancelled run was cancelled: Ctrl-C, `preloop cancel`, a
+        concurrency group, fail-fast (None unless it concluded cancelled)."""
+        if self.conclusion != "cancelled":
+            return None
+        if self.interrupted:
+            return "cancelled by Ctrl-C"
+        reasons = [j.reason for j in self.jobs if j.conclusion == "cancelled" and j.reason]
+        for key in ("concurrency group", "fail-fast"):
+            for r in reasons:
+                if key in r:
+                    return r
+        return "cancelled by the user (preloop cancel)"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
             "workflow": self.workflow,
+            "name": self.name,
+            "cancel_reason": self.cancel_reason,
             "conclusion": self.conclusion,
             "interrupted": self.interrupted,
             "jobs": [
@@ -159,6 +227,33 @@ class RunOutcome:
         }
 
 
+@dataclass(slots=True)
+class RunsOutcome:
+    """Every run one `preloop run` started (one per triggered workflow)."""
+
+    runs: list[RunOutcome]
+    skipped: list[SkippedWorkflow]
+    interrupted: bool
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.runs) and all(r.ok for r in self.runs) and not self.interrupted
+
+    @property
+    def conclusion(self) -> str:
+        order = ("failure", "cancelled", "success")
+        found = {r.conclusion for r in self.runs}
+        return next((c for c in order if c in found), "success")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "conclusion": self.conclusion,
+            "interrupted": self.interrupted,
+            "runs": [r.to_dict() for r in self.runs],
+            "skipped_workflows": [{"path": s.path, "reason": s.reason} for s in self.skipped],
+        }
+
+
 async def _repo_root(workspace: Path) -> Path:
     try:
         res = await run_command(["git", "rev-parse", "--show-toplevel"], cwd=workspace)
@@ -171,68 +266,24 @@ async def _repo_root(workspace: Path) -> Path:
 
 
 def default_store_url(state_dir: Path, given: str | None = None) -> str:
-    """`given`, else `$PRELOOP_STORE_URL`, else the lite store in `state_dir`."""
-    url = given or config.get("PRELOOP_STORE_URL") or None
-    return str(url) if url else f"sqlite:///{Path(state_dir).absolute() / 'preloop.db'}"
+    """`given`, else `$PRELOOP_STORE_URL`, else the lite store in `state_dir`.
+    A URL the user gave is checked first (a typo is an error, never a file)."""
+    if given:
+        return check_store_url(given, "--store")
+    env = config.get("PRELOOP_STORE_URL") or None
+    if env:
+        return check_store_url(str(env), "PRELOOP_STORE_URL")
+    return f"sqlite:///{Path(state_dir).absolute() / 'preloop.db'}"
 
 
-def resolve_workflow(root: Path, given: Path | None, event: str) -> Path:
-    """The workflow file to run: `given`, else the one workflow under
-    `.github/workflows` that `event` triggers."""
-    if given is not None:
-        path = given if given.is_absolute() else Path.cwd() / given
-        if not path.is_file():
-            raise UsageError(f"{given}: no such workflow file")
-        return path
-    files = workflow_files(root)
-    if not files:
-        raise UsageError(f"{root}: no workflow files in .github/workflows; pass one with -f")
-    if len(files) == 1:
-        return files[0]
-    triggered = [p for p in files if load_workflow(p, root=root).triggered_by(event)]
-    if len(triggered) == 1:
-        return triggered[0]
-    names = ", ".join(str(p.relative_to(root)) for p in (triggered or files))
-    raise UsageError(
-        f"{root}: {len(triggered) or len(files)} workflows "
-        f"{'are triggered by ' + repr(event) if triggered else 'exist'} ({names}); "
-        "choose one with -f"
-    )
-
-
-def _select_job(p: Plan, job: str) -> Plan:
-    """Keeps `job` (a job key, or `caller/inner`) and everything it needs."""
-    by_base: dict[str, list[Any]] = {}
-    for j in p.jobs:
-        by_base.setdefault(j.base_id, []).append(j)
-    if job not in by_base:
-        known = ", ".join(sorted(b for b in by_base if "/" not in b))
-        raise UsageError(f"{p.workflow}: no job {job!r} (jobs: {known})")
-    keep: set[str] = set()
-    todo = [job]
-    while todo:
-        base = todo.pop()
-        if base in keep:
-            continue
-        keep.add(base)
-        for j in by_base.get(base, []):
-            todo.extend(j.needs)
-            if j.caller:
-                todo.append(j.caller)
-            for inner in j.inner_job_ids:
-                todo.append(p.job(inner).base_id)
-    jobs = tuple(j for j in p.jobs if j.base_id in keep)
-    cohorts = tuple(c for c in p.cohorts if c.id in keep)
-    return Plan(
-        workflow=p.workflow,
-        name=p.name,
-        event=p.event,
-        jobs=jobs,
-        cohorts=cohorts,
-        concurrency=p.concurrency,
-        env=p.env,
-        inputs=p.inputs,
-    )
+def open_user_store(url: str, given: str | None) -> Store:
+    """`open_store(url)`, its error naming where the URL came from."""
+    try:
+        return open_store(url)
+    except StoreError as exc:
+        from_env = bool(config.get("PRELOOP_STORE_URL"))
+        origin = "--store" if given else "PRELOOP_STORE_URL" if from_env else None
+        raise StoreError(f"{exc} (from {origin})" if origin else str(exc)) from None
 
 
 def _plan_labels(p: Plan) -> list[str]:
@@ -259,24 +310,26 @@ def _plan_labels(p: Plan) -> list[str]:
     return sorted(labels)
 
 
-async def _git(root: Path, *args: str) -> str:
-    res = await run_command(["git", *args], cwd=root, check=False)
-    return res.stdout_text().strip() if res.ok else ""
-
-
 class Engine:
     def __init__(self, request: RunRequest, events: EngineEvents | None = None) -> None:
         self.request = request
         self.events = events or EngineEvents()
         self.state_dir = Path(request.state_dir or config.state_dir()).absolute()
-        self.run_id: int | None = None
+        self.run_ids: list[int] = []
         self.store: Store | None = None
         self._interrupted = False
         self._runners_scope: anyio.CancelScope | None = None
         self._changed = anyio.Event()
-        self._durations: dict[str, float] = {}
-        self._starts: dict[str, float] = {}
-        self._annotations: dict[str, list[str]] = {}
+        self._durations: dict[tuple[int, str], float] = {}
+        self._starts: dict[tuple[int, str], float] = {}
+        self._annotations: dict[tuple[int, str], list[str]] = {}
+        self._reasons: dict[tuple[int, str], str] = {}
+        self._labels: dict[tuple[int, str], tuple[str, ...]] = {}
+
+    @property
+    def run_id(self) -> int | None:
+        """The first run submitted (None while capturing)."""
+        return self.run_ids[0] if self.run_ids else None
 
     @property
     def interrupted(self) -> bool:
@@ -303,37 +356,138 @@ class Engine:
             )
         return url
 
-    async def prepare(self) -> tuple[Path, Plan]:
+    async def prepare(self) -> Selection:
+        """Validates the request and chooses what to run (nothing is captured)."""
         req = self.request
         config.validate()  # a bad PRELOOP_* value: exit 2 now, not a traceback later
         if req.local_runners is not None and req.local_runners < 0:
             raise UsageError(f"-j {req.local_runners}: the number of local runners must be >= 0")
+        check_event_name(req.event, EVENTS)
         root = await _repo_root(req.workspace)
-        path = loading_for_run(
-            self.state_dir,
-            req.action_overrides,
-            lambda: resolve_workflow(root, req.workflow, req.event),
+        payload = load_payload(req.event_path) if req.event_path is not None else None
+        return await anyio.to_thread.run_sync(self._select, root, payload)
+
+    def _select(self, root: Path, payload: dict[str, Any] | None) -> Selection:
+        req = self.request
+        event = req.event
+        if req.workflow is not None:
+            given = req.workflow if req.workflow.is_absolute() else Path.cwd() / req.workflow
+            if not given.is_file():
+                raise UsageError(f"{req.workflow}: no such workflow file")
+            paths = [given]
+        else:
+            paths = workflow_files(root)
+            if not paths:
+                raise UsageError(
+                    f"{root}: no workflow files in .github/workflows; pass one with -f"
+                )
+        problems: list[Diagnostic] = []
+        chosen: list[tuple[Any, str]] = []
+        skipped: list[SkippedWorkflow] = []
+        loaded: list[tuple[Path, Any]] = []
+        for path in paths:
+            try:
+                loaded.append(
+                    (
+                        path,
+                        loading_for_run(
+                            self.state_dir,
+                            req.action_overrides,
+                            functools.partial(load_workflow, path, root=root),
+                        ),
+                    )
+                )
+            except WorkflowError as exc:
+                problems.extend(exc.diagnostics)
+        if problems:
+            raise WorkflowError(problems, str(problems[0].path))
+        action = payload.get("action") if payload is not None else None
+        local = event_facts(
+            root,
+            event,
+            ref=req.ref,
+            base=req.base,
+            action=action if isinstance(action, str) else None,
+            paths=any(_filters_paths(wf, event) for _, wf in loaded),
         )
-        workflow = await anyio.to_thread.run_sync(
-            lambda: loading_for_run(
-                self.state_dir, req.action_overrides, lambda: load_workflow(path, root=root)
+        for path, wf in loaded:
+            rel = _relative(path, root)
+            if event == "workflow_call":
+                skipped.append(SkippedWorkflow(rel, "workflow_call runs only from a caller"))
+                continue
+            trig = evaluate_trigger(wf, local.facts)
+            if trig.triggered:
+                chosen.append((wf, trig.reason))
+            else:
+                skipped.append(SkippedWorkflow(rel, trig.reason))
+        ref = local.facts.ref or "no ref"
+        if not chosen:
+            detail = "; ".join(f"{s.path}: {s.reason}" for s in skipped)
+            raise NothingTriggered(f"'{event}' on {ref} triggers no workflow: {detail}")
+        github = _github_context(root, event, local)
+        if payload is None:
+            payload = default_payload(
+                root,
+                event,
+                github=github,
+                head_ref=local.head_ref,
+                base_sha=local.merge_base,
+                base_ref=local.facts.ref if event.startswith("pull_request") else None,
+                inputs=req.inputs,
             )
-        )
-        branch = await _git(root, "rev-parse", "--abbrev-ref", "HEAD")
-        github = {
-            "repository": root.name,
-            "ref": f"refs/heads/{branch}" if branch and branch != "HEAD" else "",
-            "ref_name": branch if branch != "HEAD" else "",
-            "actor": os.environ.get("USER", "preloop"),
-        }
-        planned = plan(workflow, req.event, github=github)
-        if req.job is not None:
-            planned = _select_job(planned, req.job)
-        return root, planned
+        github["event"] = payload
+        declared: set[str] = set()
+        names = [*req.jobs, *([req.job] if req.job else [])]
+        plans: list[Plan] = []
+        reasons: list[str] = []
+        all_jobs: set[str] = set()
+        for wf, reason in chosen:
+            own = _declared_inputs(wf, event)
+            declared |= own
+            mine = {k: v for k, v in req.inputs.items() if k in own or len(chosen) == 1}
+            inputs = check_inputs(wf, event, mine)
+            planned = plan(wf, event, inputs=inputs, github=github)
+            all_jobs.update(known_jobs(planned))
+            if names:
+                narrowed = select_jobs(planned, names)
+                if narrowed is None:
+                    skipped.append(
+                        SkippedWorkflow(
+                            _relative(Path(wf.path), root), "has none of the --job jobs"
+                        )
+                    )
+                    continue
+                planned = narrowed
+            plans.append(select_legs(planned, req.matrix))
+            reasons.append(reason)
+        undeclared = sorted(set(req.inputs) - declared) if len(chosen) > 1 else []
+        if undeclared:
+            raise UsageError(f"--input {undeclared[0]}: no triggered workflow declares it")
+        if names:
+            missing = [n for n in names if n not in {j.base_id for p in plans for j in p.jobs}]
+            if missing or not plans:
+                raise UsageError(
+                    f"no job {missing[0] if missing else names[0]!r} in the triggered "
+                    f"workflows (jobs: {', '.join(sorted(all_jobs))})"
+                )
+        if req.matrix:
+            keys = {k for p in plans for j in p.jobs for k in (j.matrix or {})}
+            lost = sorted(set(req.matrix) - keys)
+            if lost:
+                raise UsageError(f"--matrix {lost[0]}: no matrix job to run has that key")
+        return Selection(root, plans, reasons, skipped, local, github, payload)
 
     async def run(self) -> RunOutcome:
+        """Runs what the event triggers; returns the first run's outcome (see
+        `run_all` for every run)."""
+        return (await self.run_all()).runs[0]
+
+    async def run_all(self) -> RunsOutcome:
         req = self.request
-        root, planned = await self.prepare()
+        selection = await self.prepare()
+        if self.events.on_selected is not None:
+            self.events.on_selected(selection)
+        root = selection.root
         store_url = self.store_url()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
@@ -350,58 +504,72 @@ class Engine:
             # for the capture sweep: either way this holder has nothing to hold.
             holder.unlink(missing_ok=True)
             raise
-        store = await anyio.to_thread.run_sync(open_store, store_url)
+        store = await anyio.to_thread.run_sync(open_user_store, store_url, req.store_url)
         self.store = store
         try:
             for old in await recover_abandoned_runs(store, self.state_dir):
                 if self.events.on_recovered is not None:
                     self.events.on_recovered(old)
             location = SnapshotLocation(str(snap.repository), "snapshot", snap.commit)
-            gh = {
-                "repository": root.name,
-                "sha": snap.commit,
-                SNAPSHOT_CONTEXT_KEY: location.to_dict(),
-                ENGINE_CONTEXT_KEY: {
-                    "host": socket.gethostname(),
-                    "pid": os.getpid(),
-                    # with the pid, so a recycled pid never passes for this engine
-                    "start_ticks": ProcessIdentity.current().start_ticks,
-                    "run_key": run_key,
-                },
-            }
-            branch = await _git(root, "rev-parse", "--abbrev-ref", "HEAD")
-            if branch and branch != "HEAD":
-                gh.update(ref=f"refs/heads/{branch}", ref_name=branch)
-            gh.update(event_name=req.event, workflow=planned.name)
-            gh.setdefault("actor", os.environ.get("USER", "preloop"))
-            run_id = await anyio.to_thread.run_sync(lambda: store.submit_run(planned, github=gh))
-            self.run_id = run_id
-            if self.events.on_submitted is not None:
-                self.events.on_submitted(run_id, planned)
+            labels: set[str] = set()
+            for planned in selection.plans:
+                if self._interrupted:
+                    break
+                gh = {
+                    **selection.github,
+                    "sha": snap.commit,
+                    SNAPSHOT_CONTEXT_KEY: location.to_dict(),
+                    ENGINE_CONTEXT_KEY: {
+                        "host": socket.gethostname(),
+                        "pid": os.getpid(),
+                        # with the pid, so a recycled pid never passes for this engine
+                        "start_ticks": ProcessIdentity.current().start_ticks,
+                        "run_key": run_key,
+                    },
+                    "event_name": req.event,
+                    "workflow": planned.name,
+                }
+                submit = functools.partial(store.submit_run, planned, github=gh)
+                run_id = await anyio.to_thread.run_sync(submit)
+                self.run_ids.append(run_id)
+                for j in planned.jobs:
+                    self._labels[(run_id, j.id)] = j.runs_on
+                labels.update(_plan_labels(planned))
+                if self.events.on_submitted is not None:
+                    self.events.on_submitted(run_id, planned)
             if not self._interrupted:
                 default_ref = await anyio.to_thread.run_sync(default_branch_ref, root)
-                ref = str(gh.get("ref") or "")
+                ref = str(selection.github.get("ref") or "")
+                # One service for every run of this invocation: its tokens are run-scoped.
                 with run_services(self.state_dir, str(root), ref, default_ref) as services:
-                    await self._drive(store, run_id, _plan_labels(planned), services)
-            if self._interrupted:
-                await settle_cancelled(store, run_id, "cancelled by Ctrl-C")
-            info = await anyio.to_thread.run_sync(store.get_run, run_id)
-            jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
-            conclusion = info.conclusion or ("cancelled" if self._interrupted else "failure")
-            return RunOutcome(
-                run_id=run_id,
-                workflow=planned.workflow,
-                conclusion=conclusion,
-                jobs=[self._record(j) for j in jobs],
-                interrupted=self._interrupted,
-                state_dir=self.state_dir,
-            )
+                    await self._drive(store, list(self.run_ids), sorted(labels), services)
+            outcomes: list[RunOutcome] = []
+            for run_id, planned in zip(self.run_ids, selection.plans, strict=False):
+                if self._interrupted:
+                    await settle_cancelled(store, run_id, "cancelled by Ctrl-C")
+                info = await anyio.to_thread.run_sync(store.get_run, run_id)
+                jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
+                conclusion = info.conclusion or ("cancelled" if self._interrupted else "failure")
+                outcomes.append(
+                    RunOutcome(
+                        run_id=run_id,
+                        workflow=planned.workflow,
+                        conclusion=conclusion,
+                        jobs=[self._record(run_id, j) for j in jobs],
+                        interrupted=self._interrupted,
+                        state_dir=self.state_dir,
+                        name=planned.name,
+                    )
+                )
+            return RunsOutcome(outcomes, selection.skipped, self._interrupted)
         finally:
             with anyio.CancelScope(shield=True):
+                self.store = None  # the live view's poll stops reading it
                 await anyio.to_thread.run_sync(store.close)
                 await anyio.to_thread.run_sync(release_run_repository, self.state_dir, run_key)
 
-    def _record(self, j: JobInfo) -> JobRecord:
+    def _record(self, run_id: int, j: JobInfo) -> JobRecord:
+        key = (run_id, j.id)
         return JobRecord(
             id=j.id,
             name=j.name,
@@ -409,32 +577,42 @@ class Engine:
             status=j.status,
             conclusion=j.conclusion,
             outputs=j.outputs,
-            reason=j.reason,
+            reason=j.reason or self._reasons.get(key),
             runner=j.runner,
-            duration=self._durations.get(j.id),
-            annotations=self._annotations.get(j.id, []),
+            duration=self._durations.get(key),
+            annotations=self._annotations.get(key, []),
         )
+
+    def skip_reason(self, lease: Lease) -> str | None:
+        """Why a leased job is not run on this host (another OS), or None."""
+        labels = self._labels.get((lease.run_id, lease.job_id))
+        if labels is None:  # a leg of a deferred matrix: its runs-on as written
+            labels = _leg_labels(lease)
+        return foreign_platform(labels, self.request.platforms)
 
     def _job_events(self) -> JobEvents:
         # A job of another run (a shared PostgreSQL store) is run, logged and
         # completed like ours, but not shown or summarised as part of our run.
         def start(lease: Lease) -> None:
-            if lease.run_id != self.run_id:
+            if lease.run_id not in self.run_ids:
                 return
-            self._starts[lease.job_id] = time.monotonic()
+            self._starts[(lease.run_id, lease.job_id)] = time.monotonic()
             if self.events.on_job_start is not None:
                 self.events.on_job_start(lease)
 
         def line(lease: Lease, text: str) -> None:
-            if lease.run_id == self.run_id and self.events.on_job_line is not None:
+            if lease.run_id in self.run_ids and self.events.on_job_line is not None:
                 self.events.on_job_line(lease, text)
 
         def end(lease: Lease, result: JobResult) -> None:
-            if lease.run_id == self.run_id:
-                began = self._starts.pop(lease.job_id, None)
+            if lease.run_id in self.run_ids:
+                key = (lease.run_id, lease.job_id)
+                began = self._starts.pop(key, None)
                 if began is not None:
-                    self._durations[lease.job_id] = time.monotonic() - began
-                self._annotations[lease.job_id] = [a.render() for a in result.annotations]
+                    self._durations[key] = time.monotonic() - began
+                self._annotations[key] = [a.render() for a in result.annotations]
+                if result.reason:
+                    self._reasons[key] = result.reason
                 if self.events.on_job_end is not None:
                     self.events.on_job_end(lease, result)
             self._wake()
@@ -448,45 +626,60 @@ class Engine:
     async def _drive(
         self,
         store: Store,
-        run_id: int,
+        run_ids: list[int],
         labels: list[str],
         services: ServiceAccess | None = None,
     ) -> None:
         req = self.request
         count = req.local_runners if req.local_runners is not None else (os.cpu_count() or 1)
         done = anyio.Event()
+        finished: set[int] = set()
         events = self._job_events()
         templates = CheckoutTemplates(work_dir(self.state_dir))
 
         async def local_runner(index: int) -> None:
-            runner = Runner(
-                store,
-                RunnerOptions(
-                    name=f"{req.runner_name}-{os.getpid()}-{index}",
-                    labels=labels,
-                    state_dir=self.state_dir,
-                    secrets=dict(req.secrets),
-                    sandbox=req.sandbox,
-                    sandbox_network=req.sandbox_network,
-                    run_id=run_id,
-                    services=services,
-                    action_overrides=req.action_overrides,
-                ),
-                events,
-                templates,
-            )
+            runners = {
+                run_id: Runner(
+                    store,
+                    RunnerOptions(
+                        name=f"{req.runner_name}-{os.getpid()}-{index}",
+                        labels=labels,
+                        state_dir=self.state_dir,
+                        secrets=dict(req.secrets),
+                        sandbox=req.sandbox,
+                        sandbox_network=req.sandbox_network,
+                        run_id=run_id,
+                        skip=self.skip_reason,
+                        services=services,
+                        action_overrides=req.action_overrides,
+                    ),
+                    events,
+                    templates,
+                )
+                for run_id in run_ids
+            }
             while not done.is_set():
-                lease = await runner.claim()
+                lease = None
+                for run_id, runner in runners.items():
+                    if run_id not in finished:
+                        lease = await runner.claim()
+                        if lease is not None:
+                            break
                 if lease is None:
                     changed = self._changed
                     with anyio.move_on_after(_POLL):
                         await changed.wait()
                     continue
-                await runner.run_lease(lease)
+                await runners[lease.run_id].run_lease(lease)
 
         async def watch() -> None:
             last_reap = time.monotonic()
-            while not await self._run_finished(store, run_id):
+            while True:
+                for run_id in run_ids:
+                    if run_id not in finished and await self._run_finished(store, run_id):
+                        finished.add(run_id)
+                if len(finished) == len(run_ids):
+                    break
                 if time.monotonic() - last_reap > _REAP_EVERY:
                     await anyio.to_thread.run_sync(store.expire_leases)
                     last_reap = time.monotonic()
@@ -508,6 +701,74 @@ class Engine:
         finally:
             self._runners_scope = None
             templates.close()
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _filters_paths(wf: Any, event: str) -> bool:
+    filters = wf.on.get(event)
+    return isinstance(filters, Mapping) and ("paths" in filters or "paths-ignore" in filters)
+
+
+def _declared_inputs(wf: Any, event: str) -> set[str]:
+    if event == "workflow_dispatch":
+        return set(wf.workflow_dispatch_inputs)
+    return set()
+
+
+def _github_context(root: Path, event: str, local: LocalEvent) -> dict[str, Any]:
+    """The run's `github` context: the repository's, with the event's ref."""
+    gh = {k: v for k, v in local_github_context(root).items() if k != "workspace"}
+    gh.setdefault("repository", root.name)
+    gh.setdefault("actor", os.environ.get("USER", "preloop"))
+    for key in ("ref", "ref_name", "ref_type"):
+        gh.pop(key, None)
+    head = local.head_ref
+    if event.startswith("pull_request"):
+        base = (local.facts.ref or "").removeprefix("refs/heads/")
+        gh.update(
+            ref="refs/pull/1/merge",
+            ref_name="1/merge",
+            ref_type="branch",
+            head_ref=(head or "").removeprefix("refs/heads/"),
+            base_ref=base,
+        )
+    elif head:
+        is_tag = head.startswith("refs/tags/")
+        gh.update(
+            ref=head,
+            ref_name=head.removeprefix("refs/tags/" if is_tag else "refs/heads/"),
+            ref_type="tag" if is_tag else "branch",
+        )
+    return gh
+
+
+def _leg_labels(lease: Lease) -> tuple[str, ...]:
+    value = lease.spec.get("runs-on")
+    if isinstance(value, dict):
+        value = value.get("labels") or []
+    if isinstance(value, str):
+        value = [value]
+    ctx = {"matrix": lease.matrix or {}, "strategy": lease.strategy or {}}
+    labels: list[str] = []
+    for v in value or []:
+        if not isinstance(v, str):
+            continue
+        if "${{" in v:
+            try:
+                result = evaluate_template(v, ctx)
+            except PreloopError:
+                continue
+            items = result if isinstance(result, list) else [result]
+            labels.extend(str(x) for x in items if x)
+        else:
+            labels.append(v)
+    return tuple(labels)
 
 
 async def settle_cancelled(store: Store, run_id: int, reason: str) -> None:

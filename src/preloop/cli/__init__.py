@@ -6,6 +6,8 @@ from preloop.cli import (  # noqa: F401  (registration)
     cache,
     config_cmd,
     du,
+    hook,
+    listing,
     plan,
     run,
     runner,

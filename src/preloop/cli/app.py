@@ -7,10 +7,28 @@ import sys
 from typing import Any, NoReturn
 
 import click
+from rich.console import Console
 
 from preloop.errors import PreloopError
 
-__all__ = ["cli", "emit_json", "fail", "main"]
+__all__ = ["cli", "emit_json", "fail", "main", "make_console", "plural"]
+
+#: Width of output that is not a terminal: lines are never wrapped or cut.
+_PIPE_WIDTH = 1_000_000
+
+
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """`1 job`, `2 jobs` (`many` for irregular plurals: `1 entry`, `2 entries`)."""
+    return f"{count} {word if count == 1 else many or word + 's'}"
+
+
+def make_console(**kw: Any) -> Console:
+    """A console for command output: on a terminal, rich's own; anywhere else
+    (a pipe, a file, CI logs) lines are never wrapped or truncated."""
+    probe = Console(**kw)
+    if probe.is_terminal:
+        return probe
+    return Console(width=_PIPE_WIDTH, soft_wrap=True, **kw)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

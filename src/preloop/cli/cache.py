@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from preloop import config
 from preloop.actions.cache import actions_dir, list_cached_actions
-from preloop.cli.app import cli, emit_json, fail
+from preloop.cli.app import cli, emit_json, fail, make_console, plural
 from preloop.cli.services import actions_cache_document, print_actions_cache
 from preloop.errors import UsageError
 from preloop.snapshot import layout
@@ -115,7 +114,7 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
             }
         )
         return
-    console = Console(file=sys.stdout, soft_wrap=True)
+    console = make_console(file=sys.stdout)
     table = Table("key", "bytes", "last use (UTC)", "pins", "referenced by", box=None)
     for e in entries:
         referrers = "?" if e["referenced_by"] is None else ", ".join(e["referenced_by"]) or "-"
@@ -130,7 +129,8 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
         console.print(table)
     cap_text = "disabled" if cap == 0 else _human(cap)
     console.print(
-        f"{len(entries)} entries, {_human(total)} in {layout.cache_dir(state)} (cap {cap_text})",
+        f"{plural(len(entries), 'entry', 'entries')}, {_human(total)} in "
+        f"{layout.cache_dir(state)} (cap {cap_text})",
         highlight=False,
     )
     if refs_error:

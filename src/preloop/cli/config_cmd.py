@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from preloop import config
-from preloop.cli.app import cli, emit_json
+from preloop.cli.app import cli, emit_json, make_console
 
 
 @cli.command("config")
@@ -32,4 +31,4 @@ def config_command(as_json: bool) -> None:
     table = Table("setting", "value", "source", "meaning")
     for row in rows:
         table.add_row(row["name"], row["value"], row["source"], row["doc"])
-    Console().print(table)
+    make_console().print(table)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 import click
 
-from preloop.cli.app import cli, emit_json
+from preloop.cli.app import cli, emit_json, plural
 from preloop.errors import UsageError
 from preloop.workflow import (
     Plan,
@@ -17,7 +16,11 @@ from preloop.workflow import (
     plan,
     workflow_files,
 )
+from preloop.workflow.changes import event_facts, normalize_ref
+from preloop.workflow.event_inputs import check_inputs, parse_pairs
 from preloop.workflow.github_context import local_github_context
+from preloop.workflow.loader import EVENTS
+from preloop.workflow.triggers import Trigger, check_event_name, evaluate_trigger
 from preloop.workflow.yamltree import Diagnostic
 
 __all__ = ["plan_command", "stages"]
@@ -71,16 +74,6 @@ def stages(p: Plan) -> list[list[PlannedJob]]:
     return [out[k] for k in sorted(out)]
 
 
-def _parse_inputs(pairs: tuple[str, ...]) -> Mapping[str, str]:
-    inputs: dict[str, str] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise UsageError(f"--input {pair!r}: expected NAME=VALUE")
-        inputs[name] = value
-    return inputs
-
-
 @cli.command("plan")
 @click.option(
     "-f",
@@ -91,16 +84,38 @@ def _parse_inputs(pairs: tuple[str, ...]) -> Mapping[str, str]:
 )
 @click.option("--event", default="push", show_default=True, help="The triggering event.")
 @click.option("--input", "inputs", multiple=True, metavar="NAME=VALUE", help="A dispatch input.")
+@click.option("--ref", help="The ref the event is about (default: the current branch).")
+@click.option(
+    "--base", help="Count changed paths from the merge base with this revision (see `run`)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plans as JSON for scripts.")
-def plan_command(file: Path | None, event: str, inputs: tuple[str, ...], as_json: bool) -> None:
-    """Shows what a run would execute: jobs, matrix legs, and the stages they
-    run in. Nothing is executed. Invalid workflows are reported as
-    `path:line:col: message`, every problem at once."""
-    given = _parse_inputs(inputs)
+def plan_command(
+    file: Path | None,
+    event: str,
+    inputs: tuple[str, ...],
+    ref: str | None,
+    base: str | None,
+    as_json: bool,
+) -> None:
+    """Shows what a run would execute: which workflows the event triggers and
+    why (or why not: branch, tag and path filters), their jobs, matrix legs,
+    and the stages they run in. Nothing is executed. Invalid workflows are
+    reported as `path:line:col: message`, every problem at once."""
+    check_event_name(event, EVENTS)
+    given = parse_pairs("--input", inputs)
     # The file's own directory, not its target: a symlink (or a symlink loop,
     # reported by the loader as `file:1:1`) must not break the lookup.
     root = _find_root(Path.cwd() if file is None else file.absolute().parent)
     github = local_github_context(root)
+    local = event_facts(root, event, ref=ref, base=base)
+    if ref:
+        full = normalize_ref(ref)
+        is_tag = full.startswith("refs/tags/")
+        github.update(
+            ref=full,
+            ref_name=full.removeprefix("refs/tags/" if is_tag else "refs/heads/"),
+            ref_type="tag" if is_tag else "branch",
+        )
     if file is not None:
         paths = [file]
         explicit = True
@@ -111,7 +126,8 @@ def plan_command(file: Path | None, event: str, inputs: tuple[str, ...], as_json
             raise UsageError(
                 f"no workflows in {root / '.github' / 'workflows'}: pass one with -f FILE"
             )
-    plans: list[Plan] = []
+    plans: list[tuple[Plan, str]] = []
+    skipped: list[tuple[str, str]] = []
     problems: list[Diagnostic] = []
     for path in paths:
         try:
@@ -119,20 +135,50 @@ def plan_command(file: Path | None, event: str, inputs: tuple[str, ...], as_json
         except WorkflowError as exc:
             problems.extend(exc.diagnostics)
             continue
-        if not explicit and (not wf.triggered_by(event) or event == "workflow_call"):
-            continue
-        plans.append(plan(wf, event, inputs=given, github=github))
+        trig = evaluate_trigger(wf, local.facts)
+        if event == "workflow_call":
+            trig = Trigger(False, "workflow_call runs only from a caller")
+        if not trig.triggered:
+            skipped.append((wf.path, trig.reason))
+            if not explicit or event not in wf.on:
+                continue
+        declared = wf.workflow_dispatch_inputs if event == "workflow_dispatch" else {}
+        # Several workflows: each takes the inputs it declares (as a dispatch
+        # of that one workflow would); one workflow: every input is checked.
+        mine = given if len(paths) == 1 else {k: v for k, v in given.items() if k in declared}
+        typed = check_inputs(wf, event, mine) if event in wf.on else dict(given)
+        plans.append((plan(wf, event, inputs=typed, github=github), trig.reason))
     if problems:
         raise WorkflowError(problems, str(problems[0].path))
     if not plans:
-        raise UsageError(f"no workflow in .github/workflows is triggered by '{event}'")
+        detail = "; ".join(f"{p}: {r}" for p, r in skipped)
+        raise UsageError(f"no workflow in .github/workflows is triggered by '{event}': {detail}")
+    untriggered = {name for name, _ in skipped}
     if as_json:
-        emit_json([p.to_dict() for p in plans])
+        emit_json(
+            [
+                {
+                    **p.to_dict(),
+                    "trigger": {
+                        "triggered": not any(s[0] == p.workflow for s in skipped),
+                        "reason": why,
+                    },
+                }
+                for p, why in plans
+            ]
+        )
         return
-    for p in plans:
+    for p, why in plans:
         groups = stages(p)
         count = sum(len(g) for g in groups)
-        click.echo(f"{p.workflow} ({p.name}) on {p.event}: {count} jobs in {len(groups)} stages")
+        click.echo(
+            f"{p.workflow} ({p.name}) on {p.event}: {plural(count, 'job')} in "
+            f"{plural(len(groups), 'stage')}"
+        )
+        if p.workflow in untriggered:
+            click.echo(f"  not triggered: {why}")
+        else:
+            click.echo(f"  triggered: {why}")
         if p.concurrency is not None:
             group = p.concurrency.group or f"${{{{ {p.concurrency.group_expr} }}}}"
             click.echo(f"  concurrency: {group}")
@@ -145,6 +191,14 @@ def plan_command(file: Path | None, event: str, inputs: tuple[str, ...], as_json
                 elif j.runs_on:
                     extra = f"  [runs-on: {', '.join(j.runs_on)}]"
                 click.echo(f"    {j.name}{extra}")
+    shown = {p.workflow for p, _ in plans}
+    for name, reason in skipped:
+        if name not in shown:
+            click.echo(f"{name}: not triggered: {reason}")
+    if local.facts.event in ("push", "pull_request", "pull_request_target"):
+        changed = local.facts.changed_paths
+        seen = "changed paths unknown" if changed is None else plural(len(changed), "changed path")
+        click.echo(f"(ref {local.facts.ref or 'unknown'}; {seen}: {local.note})")
 
 
 def _find_root(start: Path) -> Path:

@@ -19,15 +19,23 @@ from rich.text import Text
 
 from preloop import config
 from preloop.actions.reference import Overrides, parse_overrides
-from preloop.cli.app import cli, emit_json
+from preloop.cli.app import cli, emit_json, make_console, plural
 from preloop.cli.secret_args import parse_secrets, sandbox_options, secret_options
 from preloop.control import JobInfo, Lease
-from preloop.engine import Engine, EngineEvents, RunOutcome, RunRequest
-from preloop.errors import PreloopError
+from preloop.engine import Engine, EngineEvents, RunOutcome, RunRequest, RunsOutcome, Selection
+from preloop.errors import UsageError
 from preloop.runner import JobResult
 from preloop.workflow import Plan
+from preloop.workflow.event_inputs import parse_pairs
 
-__all__ = ["parse_secrets", "print_summary"]
+__all__ = [
+    "annotation_lines",
+    "execute",
+    "parse_secrets",
+    "plural",
+    "print_runs_summary",
+    "print_summary",
+]
 
 _STYLE = {
     "success": "green",
@@ -46,7 +54,15 @@ def _duration(seconds: float | None) -> str:
     return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
 
 
-def print_summary(console: Console, outcome: RunOutcome, elapsed: float) -> None:
+def annotation_lines(job_name: str, notes: list[str]) -> list[str]:
+    """Annotations of a job, identical ones once with a count."""
+    counts: dict[str, int] = {}
+    for note in notes:
+        counts[note] = counts.get(note, 0) + 1
+    return [f"  {job_name}: {n}" + (f" (×{c})" if c > 1 else "") for n, c in counts.items()]
+
+
+def print_summary(console: Console, outcome: RunOutcome, elapsed: float | None = None) -> None:
     table = Table(title=f"run {outcome.run_id} · {outcome.workflow}", title_justify="left")
     table.add_column("job")
     table.add_column("result")
@@ -63,15 +79,42 @@ def print_summary(console: Console, outcome: RunOutcome, elapsed: float) -> None
         )
     console.print(table)
     for job in outcome.jobs:
-        for note in job.annotations:
-            console.print(f"  {job.name}: {note}", markup=False, highlight=False)
-        if job.conclusion == "failure" and job.reason:
+        for text in annotation_lines(job.name, job.annotations):
+            console.print(text, markup=False, highlight=False)
+        if job.reason and (
+            job.conclusion == "failure" or (job.conclusion == "skipped" and "runs-on" in job.reason)
+        ):
             console.print(f"  {job.name}: {job.reason}", markup=False, highlight=False)
-    verdict = "interrupted" if outcome.interrupted else outcome.conclusion
+    why = outcome.cancel_reason
+    if why:
+        console.print(f"  run {outcome.run_id} {why}", markup=False, highlight=False)
+    if elapsed is not None:
+        verdict = "interrupted" if outcome.interrupted else outcome.conclusion
+        console.print(
+            Text.assemble(
+                (f"{verdict}", _STYLE.get(verdict, "yellow")),
+                f" in {_duration(elapsed)} · logs: preloop logs {outcome.run_id}",
+            )
+        )
+
+
+def print_runs_summary(console: Console, outcomes: RunsOutcome, elapsed: float) -> None:
+    """Every run's table, the workflows not triggered, and one verdict."""
+    if len(outcomes.runs) == 1 and not outcomes.skipped:
+        print_summary(console, outcomes.runs[0], elapsed)
+        return
+    for outcome in outcomes.runs:
+        print_summary(console, outcome)
+    for skipped in outcomes.skipped:
+        console.print(f"not run: {skipped.path}: {skipped.reason}", markup=False, highlight=False)
+    verdict = "interrupted" if outcomes.interrupted else outcomes.conclusion
+    each = ", ".join(f"run {r.run_id} {r.conclusion}" for r in outcomes.runs)
+    logs = " / ".join(f"preloop logs {r.run_id}" for r in outcomes.runs)
     console.print(
         Text.assemble(
             (f"{verdict}", _STYLE.get(verdict, "yellow")),
-            f" in {_duration(elapsed)} · logs: preloop logs {outcome.run_id}",
+            f" in {_duration(elapsed)} · {plural(len(outcomes.runs), 'workflow run')}"
+            f" ({each}) · logs: {logs}",
         )
     )
 
@@ -83,18 +126,47 @@ class _Progress:
         self.console = console
         self.live_mode = live and not quiet
         self.quiet = quiet
-        self.jobs: dict[str, dict[str, Any]] = {}
-        self.order: list[str] = []
+        self.jobs: dict[tuple[int, str], dict[str, Any]] = {}
+        self.order: list[tuple[int, str]] = []
         self.live: Live | None = None
+        self.workflows: dict[int, str] = {}  # run id -> workflow name, when several
+        self.silent_after = float(config.get("PRELOOP_SILENT_STEP_NOTICE"))
+
+    def selected(self, selection: Selection) -> None:
+        if self.quiet:
+            return
+        for skipped in selection.skipped:
+            self.console.print(
+                f"not run: {skipped.path}: {skipped.reason}", markup=False, highlight=False
+            )
 
     def submitted(self, run_id: int, plan: Plan) -> None:
+        count = 0
         for job in plan.jobs:
             if job.kind == "job" or job.kind == "deferred":
-                self.order.append(job.id)
-                self.jobs[job.id] = {"name": job.name, "state": "queued", "start": None}
+                key = (run_id, job.id)
+                self.order.append(key)
+                self.jobs[key] = {"name": job.name, "state": "queued", "start": None}
+                count += 1
+        self.workflows[run_id] = plan.name
+        if len(self.workflows) == 2:  # now several: name every job with its workflow
+            for (rid, _), entry in self.jobs.items():
+                entry["name"] = f"{self.workflows[rid]} / {entry['name']}"
+        elif len(self.workflows) > 2:
+            for (rid, _), entry in self.jobs.items():
+                if rid == run_id:
+                    entry["name"] = f"{plan.name} / {entry['name']}"
         if not self.quiet and not self.live_mode:
-            self.console.print(f"run {run_id}: {plan.name} ({len(self.order)} jobs)", markup=False)
+            self.console.print(f"run {run_id}: {plan.name} ({plural(count, 'job')})", markup=False)
         self._changed()
+
+    def label(self, lease: Lease) -> str:
+        return self._label(lease.run_id, lease.name)
+
+    def _label(self, run_id: int, name: str) -> str:
+        if len(self.workflows) > 1:
+            return f"{self.workflows.get(run_id, run_id)} / {name}"
+        return name
 
     def _changed(self) -> None:
         # A state change shows at once, not at the next periodic refresh: a job
@@ -105,16 +177,28 @@ class _Progress:
             self.live.update(self.render(), refresh=True)
 
     def start(self, lease: Lease) -> None:
-        entry = self.jobs.setdefault(lease.job_id, {"name": lease.name})
-        if lease.job_id not in self.order:
-            self.order.append(lease.job_id)
-        entry.update(name=lease.name, state="running", start=time.monotonic())
+        key = (lease.run_id, lease.job_id)
+        entry = self.jobs.setdefault(key, {"name": lease.name})
+        if key not in self.order:
+            self.order.append(key)
+        now = time.monotonic()
+        entry.update(
+            name=self.label(lease), state="running", start=now, heard=now, step=None, lease=lease
+        )
         self._changed()
 
     def line(self, lease: Lease, text: str) -> None:
+        entry = self.jobs.get((lease.run_id, lease.job_id))
+        if entry is not None:
+            entry["heard"] = time.monotonic()
+            entry["noticed"] = False
+            if text.startswith("▶ "):
+                entry["step"] = text[2:]
+        self._print(f"[{self.label(lease)}] {text}")
+
+    def _print(self, out: str) -> None:
         if self.quiet:
             return
-        out = f"[{lease.name}] {text}"
         try:
             if self.live is not None:
                 self.live.console.print(out, markup=False, highlight=False)
@@ -126,37 +210,56 @@ class _Progress:
             # its log stays complete under the state directory.
             self.quiet = True
 
+    def tick(self) -> None:
+        """A still-running line for each job whose step has been silent for
+        `PRELOOP_SILENT_STEP_NOTICE` seconds (once per silence)."""
+        now = time.monotonic()
+        for entry in self.jobs.values():
+            if entry.get("state") != "running" or entry.get("noticed"):
+                continue
+            heard = entry.get("heard") or now
+            if now - heard >= self.silent_after:
+                entry["noticed"] = True
+                step = entry.get("step") or "the job"
+                elapsed = _duration(now - (entry.get("start") or now))
+                self._print(
+                    f"[{entry['name']}] … still running: {step} "
+                    f"(no output for {_duration(now - heard)}; job running {elapsed})"
+                )
+
     def end(self, lease: Lease, result: JobResult) -> None:
-        entry = self.jobs.setdefault(lease.job_id, {"name": lease.name, "start": None})
+        key = (lease.run_id, lease.job_id)
+        entry = self.jobs.setdefault(key, {"name": lease.name, "start": None})
         start = entry.get("start")
         entry.update(state=result.conclusion, elapsed=time.monotonic() - start if start else None)
         self._changed()
         if not self.quiet and not self.live_mode:
             self.console.print(
-                f"[{lease.name}] {_ICON.get(result.conclusion, '?')} {result.conclusion}",
+                f"[{self.label(lease)}] {_ICON.get(result.conclusion, '?')} {result.conclusion}",
                 markup=False,
                 highlight=False,
             )
 
-    def observe(self, jobs: list[JobInfo]) -> None:
+    def observe(self, run_id: int, jobs: list[JobInfo]) -> None:
         """Job states read from the store (the live view's poll)."""
         now = time.monotonic()
         for job in jobs:
+            key = (run_id, job.id)
             if job.status == "expanded" or job.kind == "caller":
                 # A deferred matrix became its legs; a caller folds its jobs.
-                self.jobs.pop(job.id, None)
-                if job.id in self.order:
-                    self.order.remove(job.id)
+                self.jobs.pop(key, None)
+                if key in self.order:
+                    self.order.remove(key)
                 continue
-            entry = self.jobs.get(job.id)
+            entry = self.jobs.get(key)
             if entry is None:
-                entry = {"name": job.name, "state": "queued", "start": None}
-                self.jobs[job.id] = entry
-                self.order.append(job.id)
+                entry = {"name": self._label(run_id, job.name), "state": "queued", "start": None}
+                self.jobs[key] = entry
+                self.order.append(key)
             if entry["state"] not in ("queued", "running"):
                 continue
             if job.status == "running" and entry["state"] == "queued":
-                entry.update(name=job.name, state="running", start=now)
+                entry.update(name=self._label(run_id, job.name), state="running", start=now)
             elif job.status == "completed" and job.conclusion:
                 start = entry.get("start")
                 entry.update(state=job.conclusion, elapsed=now - start if start else None)
@@ -202,11 +305,12 @@ class _Progress:
             on_job_start=self.start,
             on_job_line=self.line,
             on_job_end=self.end,
+            on_selected=self.selected,
         )
 
 
-async def _run(engine: Engine, progress: _Progress) -> RunOutcome | None:
-    outcome: RunOutcome | None = None
+async def _run(engine: Engine, progress: _Progress) -> RunsOutcome | None:
+    outcome: RunsOutcome | None = None
     error: Exception | None = None
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with anyio.create_task_group() as tg:
@@ -221,22 +325,32 @@ async def _run(engine: Engine, progress: _Progress) -> RunOutcome | None:
                 assert progress.live is not None
                 polled = 0.0
                 while True:
-                    if time.monotonic() - polled > 1.0 and engine.run_id is not None:
+                    if time.monotonic() - polled > 1.0 and engine.run_ids:
                         # Jobs other machines' runners run (and skips) show too.
                         polled = time.monotonic()
-                        store, run_id = engine.store, engine.run_id
+                        store = engine.store
                         if store is not None:
-                            with contextlib.suppress(PreloopError):
-                                jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
-                                progress.observe(jobs)
+                            for run_id in list(engine.run_ids):
+                                # A display poll only: the engine may be closing
+                                # the store as the runs end (sqlite3 or the pg
+                                # pool then raise); the next state comes anyway.
+                                with contextlib.suppress(Exception):
+                                    jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
+                                    progress.observe(run_id, jobs)
                     progress.live.update(progress.render())
                     await anyio.sleep(0.25)
 
+            async def ticker() -> None:
+                while True:
+                    await anyio.sleep(min(1.0, progress.silent_after / 4))
+                    progress.tick()
+
             tg.start_soon(on_signal)
+            tg.start_soon(ticker)
             if progress.live is not None:
                 tg.start_soon(refresh)
             try:
-                outcome = await engine.run()
+                outcome = await engine.run_all()
             except Exception as exc:  # re-raised bare below, not as an ExceptionGroup
                 error = exc
             tg.cancel_scope.cancel()
@@ -251,10 +365,15 @@ async def _run(engine: Engine, progress: _Progress) -> RunOutcome | None:
     "--file",
     "workflow",
     type=click.Path(path_type=Path, dir_okay=False),
-    help="Workflow file (default: the one .github/workflows file the event triggers).",
+    help="Workflow file (default: every .github/workflows file the event triggers).",
 )
 @click.option("--event", default="push", show_default=True, help="Event that triggers the run.")
-@click.option("--job", help="Run only this job (and the jobs it needs).")
+@click.option(
+    "--job",
+    "jobs",
+    multiple=True,
+    help="Run only this job (and the jobs it needs); repeatable.",
+)
 @click.option(
     "-j",
     "--jobs",
@@ -278,10 +397,38 @@ async def _run(engine: Engine, progress: _Progress) -> RunOutcome | None:
     help="Run a local directory in place of a remote action, or skip it (repeatable).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document at the end.")
+@click.option(
+    "--input", "inputs", multiple=True, metavar="NAME=VALUE", help="A workflow_dispatch input."
+)
+@click.option(
+    "--eventpath",
+    "event_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="A JSON event payload (github.event); default: one built from the repository.",
+)
+@click.option(
+    "--matrix",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Run only the matrix legs with this value; repeatable.",
+)
+@click.option(
+    "--platform",
+    "platforms",
+    multiple=True,
+    metavar="LABEL=host",
+    help="Run jobs with this runs-on label (windows-*, macos-*) on this host anyway.",
+)
+@click.option("--ref", help="The ref the event is about (default: the current branch).")
+@click.option(
+    "--base",
+    help="Count changed paths from the merge base with this revision "
+    "(default: the upstream, else origin/HEAD).",
+)
 def run_command(
     workflow: Path | None,
     event: str,
-    job: str | None,
+    jobs: tuple[str, ...],
     parallel: int | None,
     store: str | None,
     state_dir: Path | None,
@@ -291,19 +438,30 @@ def run_command(
     sandbox_network: str,
     actions: tuple[str, ...],
     as_json: bool,
+    inputs: tuple[str, ...],
+    event_path: Path | None,
+    matrix: tuple[str, ...],
+    platforms: tuple[str, ...],
+    ref: str | None,
+    base: str | None,
 ) -> None:
-    """Run this repository's workflow on a snapshot of the work tree.
+    """Run the workflows the event triggers on a snapshot of the work tree.
 
-    The snapshot holds staged, unstaged and untracked (not ignored) files; the
-    repository itself is not changed. Jobs run with GitHub's semantics on N local
-    runners. Exit status: 0 success, 1 failure, 130 interrupted (Ctrl-C cancels
-    the run and kills every step's process group).
+    Like GitHub, every workflow the event triggers (after its branch, tag and
+    path filters) is one run; all run in this one invocation. The snapshot
+    holds staged, unstaged and untracked (not ignored) files; the repository
+    itself is not changed. Exit status: 0 every run succeeded, 1 a run failed,
+    130 interrupted (Ctrl-C cancels the runs and kills every step's process group).
     """
+    platform_map = parse_pairs("--platform", platforms)
+    for label, where in platform_map.items():
+        if where.lower() != "host":
+            raise UsageError(f"--platform {label}={where}: only LABEL=host is supported")
     request = RunRequest(
         workspace=Path.cwd(),
         workflow=workflow,
         event=event,
-        job=job,
+        jobs=jobs,
         local_runners=parallel,
         store_url=store,
         state_dir=state_dir or config.state_dir(),
@@ -311,10 +469,23 @@ def run_command(
         sandbox=sandbox,
         sandbox_network=sandbox_network,
         action_overrides=parse_overrides(actions, "--action"),
+        inputs=parse_pairs("--input", inputs),
+        event_path=event_path,
+        matrix=parse_pairs("--matrix", matrix),
+        platforms=platform_map,
+        ref=ref,
+        base=base,
     )
     # Bad action settings fail here, once, rather than in every job.
     Overrides.from_env(os.environ)
-    console = Console(highlight=False)
+    sys.exit(execute(request, as_json=as_json))
+
+
+def execute(request: RunRequest, *, as_json: bool = False) -> int:
+    """Runs `request` with live output and the summary; returns the exit status
+    (0 every run succeeded, 1 a run failed, 130 interrupted). `NothingTriggered`
+    and other user errors propagate."""
+    console = make_console(highlight=False)
     progress = _Progress(console, live=console.is_terminal, quiet=as_json)
     engine = Engine(request, progress.events())
     started = time.monotonic()
@@ -329,11 +500,14 @@ def run_command(
     elapsed = time.monotonic() - started
     if outcome is None:
         click.echo("preloop: interrupted before the run was submitted", err=True)
-        sys.exit(130)
+        return 130
     if as_json:
-        emit_json({**outcome.to_dict(), "duration": round(elapsed, 3)})
+        document = outcome.to_dict()
+        if len(outcome.runs) == 1:  # one run: its fields at the top, as before
+            document = {**outcome.runs[0].to_dict(), **document}
+        emit_json({**document, "duration": round(elapsed, 3)})
     else:
-        print_summary(console, outcome, elapsed)
+        print_runs_summary(console, outcome, elapsed)
     if outcome.interrupted:
-        sys.exit(130)
-    sys.exit(0 if outcome.ok else 1)
+        return 130
+    return 0 if outcome.ok else 1

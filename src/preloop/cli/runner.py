@@ -19,7 +19,7 @@ import click
 
 from preloop import config
 from preloop.actions.reference import Overrides
-from preloop.cli.app import cli
+from preloop.cli.app import cli, plural
 from preloop.cli.secret_args import parse_secrets, sandbox_options, secret_options
 from preloop.control import open_store
 from preloop.errors import UsageError
@@ -97,4 +97,4 @@ def runner_command(
             anyio.run(_serve, runner)
         finally:
             runner.templates.close()
-        click.echo(f"runner {options.name}: stopped after {runner.jobs_run} jobs")
+        click.echo(f"runner {options.name}: stopped after {plural(runner.jobs_run, 'job')}")

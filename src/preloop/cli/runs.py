@@ -7,15 +7,14 @@ import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from preloop import config
-from preloop.cli.app import cli, emit_json
-from preloop.control import Store, UnknownRun, open_store
-from preloop.engine import default_store_url
+from preloop.cli.app import cli, emit_json, make_console
+from preloop.control import Store, UnknownRun
+from preloop.engine import default_store_url, open_user_store
 from preloop.errors import PreloopError
-from preloop.runner.logs import job_ids_with_logs, log_path
+from preloop.runner.logs import job_ids_with_logs, log_path, read_result, run_logs_name
 
 _store_option = click.option(
     "--store", help="Store URL (default: $PRELOOP_STORE_URL, else the lite store)."
@@ -53,7 +52,7 @@ RUN_ID = _RunId()
 
 def _open(store: str | None, state_dir: Path | None) -> tuple[Store, Path]:
     state = state_dir or config.state_dir()
-    return open_store(default_store_url(state, store)), state
+    return open_user_store(default_store_url(state, store), store), state
 
 
 @cli.command("status")
@@ -66,7 +65,7 @@ def status_command(
 ) -> None:
     """Recent runs, or the jobs of RUN_ID."""
     db, _ = _open(store, state_dir)
-    console = Console(highlight=False)
+    console = make_console(highlight=False)
     with db:
         if run_id is None:
             runs = db.list_runs()
@@ -121,33 +120,62 @@ def _run_dict(r: object) -> dict[str, object]:
 @click.argument("job", required=False)
 @_store_option
 @_state_option
-def logs_command(run_id: int, job: str | None, store: str | None, state_dir: Path | None) -> None:
-    """The log of JOB of RUN_ID (job id or name), or of every job, prefixed."""
+@click.option(
+    "--summary", is_flag=True, help="Print the step summaries (GITHUB_STEP_SUMMARY) instead."
+)
+def logs_command(
+    run_id: int, job: str | None, store: str | None, state_dir: Path | None, summary: bool
+) -> None:
+    """The log of JOB of RUN_ID (job id or name), or of every job, prefixed;
+    with --summary, the jobs' step summaries (Markdown) instead."""
     db, state = _open(store, state_dir)
     with db:
         try:
             db.get_run(run_id)
             jobs = db.list_jobs(run_id)
+            context = db.run_context(run_id)
         except UnknownRun:
             raise PreloopError(f"no run {run_id} in {db.url}: see `preloop status`") from None
-    have = set(job_ids_with_logs(state, run_id))
+        url = db.url
+    engine = (context.get("github") or {}).get("preloop_engine") or {}
+    key = engine.get("run_key") if isinstance(engine, dict) else None
+    name = run_logs_name(state, run_id, str(key) if key else None)
+    if name is None:
+        # Run ids repeat across stores: the logs here are another store's run.
+        raise PreloopError(
+            f"run {run_id} of {url} has no logs under {state / 'logs'} (the logs of run "
+            f"{run_id} there belong to another store's run; pass this store's --state-dir)"
+        )
+    have = set(job_ids_with_logs(state, name))
     if job is not None:
         match = [j for j in jobs if job in (j.id, j.name)]
         if not match:
             known = ", ".join(j.id for j in jobs if j.kind == "job")
             raise PreloopError(f"run {run_id} has no job {job!r} (jobs: {known})")
-        target = match[0]
-        if target.id not in have:
+        targets = match[:1]
+        if targets[0].id not in have:
             raise PreloopError(
-                f"run {run_id} job {target.id!r} has no log under {state / 'logs'} "
-                f"(status {target.status}; a runner on another machine keeps its own)"
+                f"run {run_id} job {targets[0].id!r} has no log under {state / 'logs'} "
+                f"(status {targets[0].status}; a runner on another machine keeps its own)"
             )
-        sys.stdout.write(log_path(state, run_id, target.id).read_text(errors="replace"))
+    else:
+        targets = [j for j in jobs if j.id in have]
+    if summary:
+        shown = 0
+        for j in targets:
+            result = read_result(state, name, j.id) or {}
+            text = str(result.get("summary") or "").strip()
+            if text:
+                click.echo(f"## {j.name}\n\n{text}\n")
+                shown += 1
+        if not shown:
+            click.echo(f"run {run_id}: no step summaries (nothing written to GITHUB_STEP_SUMMARY)")
         return
-    for j in jobs:
-        if j.id not in have:
-            continue
-        for line in log_path(state, run_id, j.id).read_text(errors="replace").splitlines():
+    if job is not None:
+        sys.stdout.write(log_path(state, name, targets[0].id).read_text(errors="replace"))
+        return
+    for j in targets:
+        for line in log_path(state, name, j.id).read_text(errors="replace").splitlines():
             click.echo(f"[{j.name}] {line}")
 
 

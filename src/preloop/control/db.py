@@ -226,6 +226,16 @@ class PgBackend(Backend):
         from psycopg_pool import ConnectionPool
 
         self.url = url
+        # One direct attempt first: an unreachable server or a permanent error
+        # (no such database, bad credentials) is one line at once, not the
+        # pool's retries and multi-line warnings until its timeout.
+        try:
+            psycopg.connect(url, connect_timeout=10).close()
+        except Exception as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            raise StoreError(
+                f"cannot connect to the PostgreSQL store {_redact(url)}: {reason}"
+            ) from None
         self._errors = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
         self._local = threading.local()
         self._held: list[Any] = []

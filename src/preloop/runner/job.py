@@ -189,7 +189,10 @@ def kill_tracked(tracking_id: str, *, prefix: bool = False) -> int:
     children forked meanwhile go too. Returns how many were killed."""
     needle = f"\0RUNNER_TRACKING_ID={tracking_id}".encode() + (b"" if prefix else b"\0")
     me = os.getpid()
-    killed = 0
+    # A killed process stays in /proc (environment readable) until it has
+    # exited and been reaped, so a later pass sees it again: count each
+    # process once, by pid and start time (a recycled pid is a new process).
+    killed: set[tuple[int, str]] = set()
     for _ in range(10):
         found = 0
         for entry in os.listdir("/proc"):
@@ -198,16 +201,23 @@ def kill_tracked(tracking_id: str, *, prefix: bool = False) -> int:
             try:
                 with open(f"/proc/{entry}/environ", "rb") as fh:
                     environ = fh.read()
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    stat = fh.read()
             except OSError:
                 continue  # gone, or another user's
-            if needle in b"\0" + environ:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(entry), signal.SIGKILL)
-                    found += 1
-        killed += found
+            if needle not in b"\0" + environ:
+                continue
+            fields = stat[stat.rfind(b")") + 2 :].split()
+            ident = (int(entry), fields[19].decode() if len(fields) > 19 else "")
+            if fields[:1] == [b"Z"] or ident in killed:
+                continue  # already dead (a zombie) or already killed by this call
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry), signal.SIGKILL)
+                killed.add(ident)
+                found += 1
         if not found:
             break
-    return killed
+    return len(killed)
 
 
 def _str(v: Any) -> str:

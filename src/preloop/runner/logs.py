@@ -17,7 +17,57 @@ from urllib.parse import quote, unquote
 
 from preloop.runner.job import JobResult
 
-__all__ = ["JobLog", "job_ids_with_logs", "log_path", "read_result", "result_path", "run_log_dir"]
+__all__ = [
+    "JobLog",
+    "job_ids_with_logs",
+    "log_path",
+    "mark_run",
+    "read_result",
+    "result_path",
+    "run_log_dir",
+    "run_logs_name",
+    "run_marker",
+]
+
+#: `<state>/logs/<run>/run-key`: the host-unique key of the run whose logs
+#: these are. Run ids repeat across stores sharing a state directory, so
+#: `preloop logs` checks it against the run it was asked for.
+_MARKER = "run-key"
+
+
+def mark_run(state_dir: Path, run_id: int | str, run_key: str) -> None:
+    """Makes `logs/<run_id>` the directory of the run with `run_key`: logs
+    of another run with the same id (another store) are moved aside to
+    `logs/<run_id>.<its key>` first. Called before the run's logs are opened."""
+    d = run_log_dir(state_dir, run_id)
+    current = run_marker(state_dir, run_id)
+    if current == run_key:
+        return
+    if current is not None:
+        aside = run_log_dir(state_dir, f"{run_id}.{current}")
+        if not aside.exists():
+            d.rename(aside)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".{_MARKER}.{run_key}"
+    tmp.write_text(run_key)
+    tmp.replace(d / _MARKER)
+
+
+def run_logs_name(state_dir: Path, run_id: int, run_key: str | None) -> str | None:
+    """The name under `logs/` holding the logs of run `run_id` with
+    `run_key`, or None when this state directory has none of that run."""
+    current = run_marker(state_dir, run_id)
+    if run_key is None or current is None or current == run_key:
+        return str(run_id)
+    aside = f"{run_id}.{run_key}"
+    return aside if run_log_dir(state_dir, aside).is_dir() else None
+
+
+def run_marker(state_dir: Path, run_id: int | str) -> str | None:
+    try:
+        return (run_log_dir(state_dir, run_id) / _MARKER).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def run_log_dir(state_dir: Path, run_id: int | str) -> Path:

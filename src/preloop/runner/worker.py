@@ -12,6 +12,7 @@ repeat until `stop` is set; an idle runner polls the store.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -36,7 +37,7 @@ from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_di
 from preloop.runner.commands import Annotation
 from preloop.runner.job import JobControl, JobHost, JobResult, execute_job, masked_result
 from preloop.runner.limits import RUN_OUTPUTS_MAX_BYTES, output_bytes
-from preloop.runner.logs import JobLog
+from preloop.runner.logs import JobLog, mark_run
 from preloop.runner.masking import Masker
 from preloop.runner.sandbox import bubblewrap_wrapper
 from preloop.services import ServiceAccess, job_environment
@@ -85,6 +86,8 @@ class RunnerOptions:
     services: ServiceAccess | None = None
     # `--action` overrides; PRELOOP_ACTION_OVERRIDES is added after them.
     action_overrides: tuple[Override, ...] = ()
+    # Why a claimed job is not run here (it is completed `skipped`), or None.
+    skip: Callable[[Lease], str | None] | None = None
 
 
 T = TypeVar("T")
@@ -155,6 +158,7 @@ class Runner:
         self.templates = templates or CheckoutTemplates(work_dir(options.state_dir))
         self.current: JobControl | None = None
         self.jobs_run = 0
+        self._run_keys: dict[int, str | None] = {}
 
     @property
     def labels(self) -> list[str]:
@@ -168,6 +172,20 @@ class Runner:
                 opts.name, self.labels, lease_seconds=opts.lease_seconds, run_id=opts.run_id
             ),
         )
+
+    async def _run_key(self, run_id: int) -> str | None:
+        """The host-unique key `preloop run` gave run `run_id` (None for runs
+        submitted otherwise): its logs are kept under it, since run ids repeat
+        across stores sharing a state directory. One read per run."""
+        if run_id not in self._run_keys:
+            try:
+                ctx = await store_call(self.store, lambda: self.store.run_context(run_id))
+            except PreloopError:
+                return None
+            engine = (ctx.get("github") or {}).get("preloop_engine")
+            key = engine.get("run_key") if isinstance(engine, dict) else None
+            self._run_keys[run_id] = str(key) if key else None
+        return self._run_keys[run_id]
 
     async def _heartbeat(self, lease: Lease, control: JobControl) -> None:
         opts = self.options
@@ -197,6 +215,12 @@ class Runner:
             work_dir(opts.state_dir)
             / f"{os.getpid()}-{lease.run_id}-{quote(lease.job_id, safe='')}-{uuid.uuid4().hex[:8]}"
         )
+        run_key = await self._run_key(lease.run_id)
+        if run_key is not None:
+            try:
+                mark_run(opts.state_dir, lease.run_id, run_key)
+            except OSError as exc:
+                _log.warning("logs of run %s: %s", lease.run_id, exc)
         log = JobLog(opts.state_dir, lease.run_id, lease.job_id)
         masker = Masker()
         for value in opts.secrets.values():
@@ -212,11 +236,16 @@ class Runner:
         if self.events.on_start is not None:
             self.events.on_start(lease)
         result: JobResult | None = None
+        skip = opts.skip(lease) if opts.skip is not None else None
+        if skip is not None:
+            line(f"skipped: {skip}")
+            result = JobResult("skipped", {}, [], [], "", skip)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._heartbeat, lease, control)
                 try:
-                    result = await self._execute(lease, control, job_dir, line, masker, where)
+                    if result is None:
+                        result = await self._execute(lease, control, job_dir, line, masker, where)
                 except Exception as exc:
                     # A bug or a spec this runner cannot read: the job fails
                     # (it must not read as cancelled, nor stay running).
@@ -233,12 +262,18 @@ class Runner:
                 if final.outputs:
                     final = await self._within_run_limit(lease, final, line)
                 try:
-                    await store_call(
+                    done = await store_call(
                         self.store,
                         lambda: self.store.complete_job(lease, final.conclusion, final.outputs),
                     )
                 except StoreError as exc:
                     line(masker.mask(f"preloop: the result could not be recorded: {exc}"))
+                else:
+                    if done.conclusion != final.conclusion:
+                        # The store's word is final (a job told to stop, by
+                        # fail-fast or a cancel, stays cancelled): show that.
+                        line(f"recorded as {done.conclusion} (was told to stop while it ran)")
+                        final = dataclasses.replace(final, conclusion=done.conclusion)
                 log.save_result(final)
                 log.close()
                 self.current = None

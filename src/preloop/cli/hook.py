@@ -1,0 +1,144 @@
+"""`preloop hook install|uninstall`: a git pre-push hook that runs the push
+event for the refs being pushed and blocks the push when a run fails.
+
+The hook chains a pre-push hook that was there before (it is kept as
+`pre-push.preloop-chained`, runs first with the same arguments and input,
+and is put back by `uninstall`). `PRELOOP_SKIP=1 git push` bypasses the
+workflows once. The hook runs the work tree, as `preloop run` does.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from preloop.cli.app import cli
+from preloop.engine import NothingTriggered, RunRequest
+from preloop.errors import UsageError
+
+__all__ = ["hook_group"]
+
+_MARK = "# preloop pre-push hook"
+_CHAINED = "pre-push.preloop-chained"
+_ZERO = "0" * 40
+
+
+def _hooks_dir(cwd: Path) -> Path:
+    proc = subprocess.run(
+        ["git", "rev-parse", "--git-path", "hooks"], cwd=cwd, capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise UsageError(f"{cwd} is not inside a git repository")
+    path = Path(proc.stdout.strip())
+    return path if path.is_absolute() else (cwd / path).resolve()
+
+
+def _script() -> str:
+    python = shlex.quote(sys.executable)
+    return f"""#!/bin/sh
+{_MARK}: installed by `preloop hook install`, removed by `preloop hook uninstall`.
+# Runs the push event's workflows for the pushed refs; a failed run blocks the push.
+# PRELOOP_SKIP=1 git push ... skips the workflows once.
+input=$(cat)
+hookdir=$(dirname "$0")
+if [ -x "$hookdir/{_CHAINED}" ]; then
+    printf '%s\\n' "$input" | "$hookdir/{_CHAINED}" "$@" || exit $?
+fi
+if [ "${{PRELOOP_SKIP:-}}" = "1" ]; then
+    echo "preloop: PRELOOP_SKIP=1: workflows not run for this push" >&2
+    exit 0
+fi
+printf '%s\\n' "$input" | {python} -m preloop hook pre-push "$@"
+"""
+
+
+@cli.group("hook")
+def hook_group() -> None:
+    """A git pre-push hook that runs the push workflows before each push."""
+
+
+@hook_group.command("install")
+def install_command() -> None:
+    """Install the pre-push hook in this repository (an existing hook is chained)."""
+    hooks = _hooks_dir(Path.cwd())
+    hooks.mkdir(parents=True, exist_ok=True)
+    hook = hooks / "pre-push"
+    if hook.exists() and _MARK in hook.read_text(errors="replace"):
+        click.echo(f"preloop: the pre-push hook is already installed at {hook}")
+        return
+    if hook.exists() or hook.is_symlink():
+        if (hooks / _CHAINED).exists():
+            raise UsageError(f"{hooks / _CHAINED} exists already: remove it or uninstall first")
+        hook.rename(hooks / _CHAINED)
+        chained = f" (the existing hook runs first, kept as {_CHAINED})"
+    else:
+        chained = ""
+    tmp = hooks / ".pre-push.preloop-tmp"
+    tmp.write_text(_script())
+    tmp.chmod(0o755)
+    tmp.replace(hook)
+    click.echo(f"preloop: pre-push hook installed at {hook}{chained}")
+
+
+@hook_group.command("uninstall")
+def uninstall_command() -> None:
+    """Remove the pre-push hook (a chained hook is put back)."""
+    hooks = _hooks_dir(Path.cwd())
+    hook = hooks / "pre-push"
+    if not hook.exists() or _MARK not in hook.read_text(errors="replace"):
+        raise UsageError(f"no preloop pre-push hook at {hook}")
+    chained = hooks / _CHAINED
+    if chained.exists() or chained.is_symlink():
+        chained.replace(hook)
+        click.echo(f"preloop: pre-push hook removed; the previous hook is back at {hook}")
+    else:
+        hook.unlink()
+        click.echo(f"preloop: pre-push hook removed from {hook}")
+
+
+@hook_group.command("pre-push", hidden=True)
+@click.argument("remote", required=False)
+@click.argument("url", required=False)
+def pre_push_command(remote: str | None, url: str | None) -> None:
+    """What the hook runs: git's pre-push input on stdin."""
+    from preloop.cli.run import execute
+
+    status = 0
+    for line in sys.stdin.read().splitlines():
+        parts = line.split()
+        if len(parts) != 4:
+            continue
+        _local_ref, local_sha, remote_ref, remote_sha = parts
+        if local_sha == _ZERO:
+            continue  # a deletion runs nothing
+        base = None
+        if remote_sha != _ZERO and _have(remote_sha):
+            base = remote_sha
+        click.echo(f"preloop: push of {remote_ref} to {remote or url or 'the remote'}")
+        try:
+            code = execute(
+                RunRequest(workspace=Path.cwd(), event="push", ref=remote_ref, base=base)
+            )
+        except NothingTriggered as exc:
+            click.echo(f"preloop: nothing to run: {exc}")
+            continue
+        if code != 0:
+            status = code
+    if status:
+        click.echo(
+            "preloop: push blocked: a workflow run failed (PRELOOP_SKIP=1 git push to skip once)",
+            err=True,
+        )
+    sys.exit(status)
+
+
+def _have(sha: str) -> bool:
+    proc = subprocess.run(
+        ["git", "cat-file", "-e", f"{sha}^{{commit}}"], capture_output=True, env=os.environ
+    )
+    return proc.returncode == 0

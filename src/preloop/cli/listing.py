@@ -1,0 +1,123 @@
+"""`preloop list`: every workflow's jobs, matrix legs and events (like `act -l`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+
+from preloop.cli.app import cli, emit_json, make_console
+from preloop.cli.plan import _find_root, stages
+from preloop.errors import UsageError
+from preloop.workflow import PlanError, WorkflowError, load_workflow, plan, workflow_files
+from preloop.workflow.github_context import local_github_context
+from preloop.workflow.loader import EVENTS
+from preloop.workflow.selection import foreign_platform
+from preloop.workflow.triggers import check_event_name
+from preloop.workflow.yamltree import Diagnostic
+
+__all__ = ["list_command"]
+
+
+def _planning_event(events: list[str], wanted: str | None) -> str | None:
+    if wanted is not None:
+        return wanted if wanted in events else None
+    for e in ("push", "pull_request", "workflow_dispatch"):
+        if e in events:
+            return e
+    return next((e for e in events if e != "workflow_call"), None)
+
+
+@cli.command("list")
+@click.option(
+    "-f",
+    "--file",
+    "file",
+    type=click.Path(path_type=Path),
+    help="One workflow file (default: every workflow in .github/workflows).",
+)
+@click.option("--event", help="Only workflows this event triggers (legs planned for it).")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON for scripts.")
+def list_command(file: Path | None, event: str | None, as_json: bool) -> None:
+    """Lists jobs and matrix legs with their stage, runs-on labels and the
+    events of their workflow. Nothing runs; `--job` and `--matrix` of
+    `preloop run` take the job ids and matrix values shown here."""
+    if event is not None:
+        check_event_name(event, EVENTS)
+    root = _find_root(Path.cwd() if file is None else file.resolve().parent)
+    paths = [file] if file is not None else workflow_files(root)
+    if not paths:
+        raise UsageError(f"no workflows in {root / '.github' / 'workflows'}: pass one with -f FILE")
+    github = local_github_context(root)
+    rows: list[dict[str, Any]] = []
+    problems: list[Diagnostic] = []
+    for path in paths:
+        try:
+            wf = load_workflow(path)
+        except WorkflowError as exc:
+            problems.extend(exc.diagnostics)
+            continue
+        events = sorted(wf.on)
+        if event is not None and event not in events:
+            continue
+        chosen = _planning_event(events, event)
+        planned = None
+        if chosen is not None:
+            try:
+                planned = plan(wf, chosen, github=github)
+            except PlanError:
+                planned = None  # e.g. a required dispatch input: list the jobs unexpanded
+        if planned is None:
+            for job in wf.jobs:
+                rows.append(_row(wf.path, wf.name, events, None, job.id, job.name or job.id, ()))
+            continue
+        for stage, group in enumerate(stages(planned), 1):
+            for j in group:
+                rows.append(
+                    _row(wf.path, wf.name, events, stage, j.base_id, j.name, j.runs_on, j.matrix)
+                )
+    if problems:
+        raise WorkflowError(problems, str(problems[0].path))
+    if as_json:
+        emit_json(rows)
+        return
+    table = Table("stage", "job id", "job name", "runs-on", "workflow", "file", "events", box=None)
+    for r in rows:
+        runs_on = ", ".join(r["runs_on"])
+        if r["skipped"]:
+            runs_on += " (not run here)"
+        table.add_row(
+            "" if r["stage"] is None else str(r["stage"]),
+            r["job"],
+            r["name"],
+            runs_on,
+            r["workflow_name"],
+            r["workflow"],
+            ",".join(r["events"]),
+        )
+    make_console(highlight=False).print(table)
+
+
+def _row(
+    path: str,
+    name: str,
+    events: list[str],
+    stage: int | None,
+    job: str,
+    display: str,
+    runs_on: tuple[str, ...],
+    matrix: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "workflow": path,
+        "workflow_name": name,
+        "events": events,
+        "stage": stage,
+        "job": job,
+        "name": display,
+        "runs_on": list(runs_on),
+        "matrix": matrix,
+        "skipped": foreign_platform(runs_on, {}),
+    }

@@ -1,0 +1,43 @@
+"""Store URLs as users type them: checked before anything is created.
+
+`check_store_url(url, origin)` accepts `postgresql://...` / `postgres://...`
+and `sqlite:///path` whose directory exists. Anything else (`postgres//x`,
+a `sqlite:///missing/dir/x.db`, a bare path) is a `UsageError` naming the
+URL, where it came from (`--store` or `PRELOOP_STORE_URL`) and what to write,
+so a typo never creates files.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from preloop.errors import UsageError
+
+__all__ = ["check_store_url"]
+
+_SCHEMES = ("postgresql://", "postgres://", "sqlite:///")
+
+
+def check_store_url(url: str, origin: str) -> str:
+    """`url` unchanged when it is a usable store URL (see the module docstring)."""
+    if url.startswith(("postgresql://", "postgres://")):
+        if len(url.split("://", 1)[1].strip("/")) == 0:
+            raise UsageError(f"{origin} {url!r}: the PostgreSQL URL names no server")
+        return url
+    if url.startswith("sqlite:///"):
+        path = Path(url[len("sqlite://") :])
+        if path.is_dir():
+            raise UsageError(f"{origin} {url!r}: {path} is a directory, not a database file")
+        if not path.parent.is_dir():
+            raise UsageError(
+                f"{origin} {url!r}: directory {path.parent} does not exist (create it first)"
+            )
+        return url
+    head = url.split("/", 1)[0] + "//"
+    near = difflib.get_close_matches(head, [s.rstrip("/") + "//" for s in _SCHEMES], n=1)
+    hint = f" (did you mean {near[0].replace('//', '://')}...?)" if near else ""
+    raise UsageError(
+        f"{origin} {url!r} is not a store URL: use postgresql://USER@HOST/DB or "
+        f"sqlite:///PATH{hint}"
+    )

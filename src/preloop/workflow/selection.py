@@ -1,0 +1,119 @@
+"""Narrowing a `Plan` to what the user asked for: jobs, matrix legs, platforms.
+
+- `select_jobs(plan, names)`: the named jobs (job keys, or `caller/inner`)
+  and every job they need; None when the plan has none of them.
+- `select_legs(plan, wanted)`: only the matrix legs whose values match every
+  `KEY=VALUE` given for a key their matrix has (`--matrix`); jobs without
+  those keys are kept whole. A matrix job with the key but no matching leg is
+  an error naming the values it has.
+- `foreign_platform(labels, platforms)`: why a job whose `runs-on` names
+  another operating system (`windows-*`, `macos-*`) is not run here, unless
+  `platforms` maps that label to `host`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from preloop.errors import UsageError
+from preloop.workflow import expressions as ex
+from preloop.workflow.plan import Plan, PlannedJob
+
+__all__ = ["FOREIGN_OS", "foreign_platform", "known_jobs", "select_jobs", "select_legs"]
+
+#: runs-on label prefixes of GitHub-hosted runners of other operating systems.
+FOREIGN_OS = {"windows": "Windows", "macos": "macOS"}
+
+
+def _rebuild(p: Plan, jobs: Sequence[PlannedJob]) -> Plan:
+    counts: dict[str, int] = {}
+    for j in jobs:
+        if j.cohort is not None:
+            counts[j.cohort] = counts.get(j.cohort, 0) + 1
+    cohorts = tuple(
+        replace(c, total=counts.get(c.id, 0))
+        for c in p.cohorts
+        if counts.get(c.id) or any(j.base_id == c.id and j.kind == "deferred" for j in jobs)
+    )
+    return replace(p, jobs=tuple(jobs), cohorts=cohorts)
+
+
+def select_jobs(p: Plan, names: Sequence[str]) -> Plan | None:
+    """Keeps the named jobs and everything they need; None if none is here."""
+    by_base: dict[str, list[PlannedJob]] = {}
+    for j in p.jobs:
+        by_base.setdefault(j.base_id, []).append(j)
+    wanted = [n for n in names if n in by_base]
+    if not wanted:
+        return None
+    keep: set[str] = set()
+    todo = list(wanted)
+    while todo:
+        base = todo.pop()
+        if base in keep:
+            continue
+        keep.add(base)
+        for j in by_base.get(base, []):
+            todo.extend(j.needs)
+            if j.caller:
+                todo.append(j.caller)
+            for inner in j.inner_job_ids:
+                todo.append(p.job(inner).base_id)
+    return _rebuild(p, [j for j in p.jobs if j.base_id in keep])
+
+
+def known_jobs(p: Plan) -> list[str]:
+    return sorted({j.base_id for j in p.jobs if "/" not in j.base_id})
+
+
+def select_legs(p: Plan, wanted: Mapping[str, str]) -> Plan:
+    """Keeps the matrix legs matching `wanted` (see the module docstring)."""
+    if not wanted:
+        return p
+    keep: list[PlannedJob] = []
+    offered: dict[str, dict[str, set[str]]] = {}
+    kept_by_base: dict[str, int] = {}
+    for j in p.jobs:
+        matrix = j.matrix or {}
+        relevant = {k: v for k, v in wanted.items() if k in matrix}
+        if j.kind == "job" and j.matrix is not None and relevant:
+            values = offered.setdefault(j.base_id, {})
+            ok = True
+            for k, v in relevant.items():
+                have = _text(matrix[k])
+                values.setdefault(k, set()).add(have)
+                if have != v:
+                    ok = False
+            if not ok:
+                continue
+            kept_by_base[j.base_id] = kept_by_base.get(j.base_id, 0) + 1
+        keep.append(j)
+    for base, values in offered.items():
+        if not kept_by_base.get(base):
+            shown = "; ".join(f"{k}: {', '.join(sorted(v))}" for k, v in sorted(values.items()))
+            asked = ", ".join(f"{k}={v}" for k, v in wanted.items() if k in values)
+            raise UsageError(f"{p.workflow}: no leg of job {base!r} has {asked} ({shown})")
+    return _rebuild(p, keep)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, dict | list):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return ex.coerce_string(value)
+
+
+def foreign_platform(labels: Sequence[str], platforms: Mapping[str, str]) -> str | None:
+    """The reason a job with `labels` is not run on this Linux host, or None."""
+    host = {k.lower() for k, v in platforms.items() if v.lower() == "host"}
+    for label in labels:
+        low = label.lower()
+        for prefix, name in FOREIGN_OS.items():
+            if (low == prefix or low.startswith(prefix + "-")) and low not in host:
+                return (
+                    f"runs-on {label} is a {name} runner; this host runs Linux "
+                    f"(run it here anyway with --platform {label}=host)"
+                )
+    return None

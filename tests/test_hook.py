@@ -1,0 +1,109 @@
+"""`preloop hook install`: a real `git push` to a local bare remote is blocked
+by a failing run, allowed by a passing one, and skipped with PRELOOP_SKIP=1."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.run_support import GIT_ID, make_repo
+
+FAILING = """\
+on:
+  push:
+    branches: [main]
+jobs:
+  check:
+    runs-on: ubuntu-latest
+    steps:
+      - run: test ! -e BROKEN
+"""
+
+
+def _env(state: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRELOOP_")}
+    env.update(PRELOOP_STATE_DIR=str(state), **extra)
+    return env
+
+
+def sh(repo: Path, state: Path, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(args), cwd=repo, env=_env(state, **extra), capture_output=True, text=True, timeout=300
+    )
+
+
+def remote_head(remote: Path) -> str:
+    out = subprocess.run(
+        ["git", "rev-parse", "-q", "--verify", "refs/heads/main"],
+        cwd=remote,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip()
+
+
+def test_pre_push_hook_blocks_allows_skips_and_chains(tmp_path: Path) -> None:
+    remote = tmp_path / "remote.git"
+    subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(remote)], check=True)
+    repo = make_repo(tmp_path / "repo", {".github/workflows/ci.yml": FAILING, "BROKEN": "x"})
+    state = tmp_path / "state"
+    git = ["git", *GIT_ID]
+    assert sh(repo, state, *git, "remote", "add", "origin", str(remote)).returncode == 0
+    hooks = repo / ".git" / "hooks"
+    hooks.mkdir(exist_ok=True)
+    chained_log = tmp_path / "chained.log"
+    (hooks / "pre-push").write_text(
+        f'#!/bin/sh\necho "chained $1" >> {chained_log}\ncat >/dev/null\n'
+    )
+    (hooks / "pre-push").chmod(0o755)
+
+    preloop = [sys.executable, "-m", "preloop"]
+    res = sh(repo, state, *preloop, "hook", "install")
+    assert res.returncode == 0, res.stderr
+    assert "existing hook runs first" in res.stdout
+    assert (hooks / "pre-push.preloop-chained").exists()
+    assert sh(repo, state, *preloop, "hook", "install").stdout.startswith(
+        "preloop: the pre-push hook is already installed"
+    )
+
+    # A failing run blocks the push; nothing reaches the remote.
+    res = sh(repo, state, *git, "push", "-q", "origin", "main")
+    assert res.returncode != 0, (res.stdout, res.stderr)
+    assert "push blocked: a workflow run failed" in res.stderr
+    assert "✗ failure" in res.stdout
+    assert remote_head(remote) == ""
+    assert chained_log.read_text() == "chained origin\n"
+
+    # PRELOOP_SKIP=1 bypasses it once.
+    res = sh(repo, state, *git, "push", "-q", "origin", "main", PRELOOP_SKIP="1")
+    assert res.returncode == 0, res.stderr
+    assert "PRELOOP_SKIP=1" in res.stderr
+    assert (
+        remote_head(remote)
+        == subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True
+        ).stdout.strip()
+    )
+
+    # Fixed: the run passes and the push goes through.
+    assert sh(repo, state, *git, "rm", "-q", "BROKEN").returncode == 0
+    assert sh(repo, state, *git, "commit", "-q", "-m", "fix").returncode == 0
+    res = sh(repo, state, *git, "push", "-q", "origin", "main")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert "✓ success" in res.stdout
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
+    assert remote_head(remote) == head.stdout.strip()
+
+    # A ref no workflow is triggered by passes (branches: [main] only).
+    res = sh(repo, state, *git, "push", "-q", "origin", "main:other")
+    assert res.returncode == 0, res.stderr
+    assert "nothing to run" in res.stdout
+
+    res = sh(repo, state, *preloop, "hook", "uninstall")
+    assert res.returncode == 0 and "previous hook is back" in res.stdout
+    assert "chained" in (hooks / "pre-push").read_text()
+    assert not (hooks / "pre-push.preloop-chained").exists()
+    res = sh(repo, state, *preloop, "hook", "uninstall")
+    assert res.returncode == 2 and "no preloop pre-push hook" in res.stderr

@@ -1,0 +1,314 @@
+"""`preloop run` runs what GitHub would: filters, every triggered workflow,
+inputs, payloads, job/leg selection and other platforms; lite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+from tests.run_support import Harness, git, make_repo
+
+from preloop.engine import Engine, NothingTriggered, RunRequest, RunsOutcome
+from preloop.errors import UsageError
+
+pytest_plugins = ["preloop.testing.control_fixtures"]
+
+WF = ".github/workflows/"
+
+
+def run_all(repo: Path, store_url: str, state: Path, **kw: object) -> tuple[RunsOutcome, Harness]:
+    h = Harness()
+    request = RunRequest(
+        workspace=repo, store_url=store_url, state_dir=state, local_runners=2, **kw
+    )  # type: ignore[arg-type]
+    return anyio.run(Engine(request, h.events()).run_all), h
+
+
+def by_workflow(out: RunsOutcome) -> dict[str, dict[str, str | None]]:
+    return {Path(r.workflow).name: {j.id: j.conclusion for j in r.jobs} for r in out.runs}
+
+
+def job(name: str, run: str = "echo ok", runs_on: str = "ubuntu-latest") -> str:
+    return f"  {name}:\n    runs-on: {runs_on}\n    steps:\n      - run: {run}\n"
+
+
+def test_every_triggered_workflow_runs_and_filtered_ones_never(
+    tmp_path: Path, store_url: str
+) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            WF + "ci.yml": "name: CI\non: push\njobs:\n" + job("test"),
+            WF + "lint.yml": "name: Lint\non:\n  push:\n    branches: [main]\njobs:\n"
+            + job("lint", "exit 1"),
+            WF + "release.yml": "on:\n  push:\n    tags: ['v*']\njobs:\n" + job("publish"),
+            WF + "docs.yml": "on:\n  push:\n    paths: ['docs/**']\njobs:\n" + job("docs"),
+        },
+    )
+    out, h = run_all(repo, store_url, tmp_path / "state")
+    assert by_workflow(out) == {"ci.yml": {"test": "success"}, "lint.yml": {"lint": "failure"}}
+    assert not out.ok and out.conclusion == "failure"
+    assert len({r.run_id for r in out.runs}) == 2
+    skipped = {s.path: s.reason for s in out.skipped}
+    assert skipped[WF + "release.yml"] == "branch 'main': on.push filters tags only"
+    assert skipped[WF + "docs.yml"].startswith("none of the 4 changed paths matches on.push.paths")
+    assert "publish" not in h.started and "docs" not in h.started
+
+    # A tag push: only the release workflow (ci too: no filter) runs.
+    git(repo, "tag", "v1.0")
+    out, _ = run_all(repo, store_url, tmp_path / "state", ref="refs/tags/v1.0", jobs=("publish",))
+    assert by_workflow(out) == {"release.yml": {"publish": "success"}}
+    assert out.ok
+
+
+def test_an_event_that_triggers_nothing_says_so(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(tmp_path / "repo", {WF + "ci.yml": "on: pull_request\njobs:\n" + job("a")})
+    with pytest.raises(NothingTriggered, match=r"'push' on refs/heads/main triggers no workflow"):
+        run_all(repo, store_url, tmp_path / "state")
+    with pytest.raises(UsageError, match="did you mean 'pull_request'"):
+        run_all(repo, store_url, tmp_path / "state", event="pull_requests")
+    out, _ = run_all(repo, store_url, tmp_path / "state", event="pull_request")
+    assert out.ok
+
+
+DISPATCH = """\
+on:
+  workflow_dispatch:
+    inputs:
+      env:
+        type: choice
+        options: [dev, prod]
+        required: true
+      dry:
+        type: boolean
+        default: true
+      count:
+        type: number
+        default: 2
+jobs:
+  show:
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          echo "env=${{ inputs.env }} dry=${{ inputs.dry }} count=${{ inputs.count }}"
+          echo "event=${{ github.event.inputs.env }} ref=${{ github.ref }}"
+"""
+
+
+def test_dispatch_inputs_are_typed_and_checked(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(tmp_path / "repo", {WF + "d.yml": DISPATCH})
+    state = tmp_path / "state"
+    bad = [
+        ({}, "input 'env' is required: pass --input env=VALUE (one of: dev, prod)"),
+        ({"env": "qa"}, "input 'env': 'qa' is not one of its options (dev, prod)"),
+        ({"env": "dev", "dry": "maybe"}, "input 'dry' is a boolean: 'maybe' is not true/false"),
+        ({"env": "dev", "count": "two"}, "input 'count' is a number: 'two' is not a number"),
+        ({"env": "dev", "colour": "x"}, "--input colour: no such input"),
+    ]
+    for inputs, message in bad:
+        with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            run_all(repo, store_url, state, event="workflow_dispatch", inputs=inputs)
+    assert not (state / "snapshots").exists() or not any((state / "snapshots").iterdir())
+    out, h = run_all(
+        repo, store_url, state, event="workflow_dispatch", inputs={"env": "prod", "dry": "False"}
+    )
+    assert out.ok
+    assert "env=prod dry=false count=2" in h.lines["show"]
+    assert "event=prod ref=refs/heads/main" in h.lines["show"]
+
+
+def test_eventpath_and_default_payload(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            WF + "e.yml": "on: [push, pull_request]\njobs:\n  show:\n    runs-on: ubuntu-latest\n"
+            "    steps:\n      - run: |\n"
+            '          echo "head=${{ github.event.head_commit.message }}"\n'
+            '          echo "after=${{ github.event.after }}"\n'
+            '          echo "pr=${{ github.event.pull_request.title }}"\n'
+            '          echo "repo=${{ github.event.repository.name }}"\n'
+            '          echo "head=${{ github.head_ref }} base=${{ github.base_ref }}"\n'
+        },
+    )
+    head = git(repo, "rev-parse", "HEAD").strip()
+    out, h = run_all(repo, store_url, tmp_path / "state")
+    assert out.ok
+    assert "head=init" in h.lines["show"] and f"after={head}" in h.lines["show"]
+    assert "repo=repo" in h.lines["show"]
+    out, h = run_all(repo, store_url, tmp_path / "state", event="pull_request")
+    assert out.ok and "pr=init" in h.lines["show"]  # the default payload's title
+    assert "head=main base=main" in h.lines["show"]
+    payload = tmp_path / "event.json"
+    payload.write_text(json.dumps({"pull_request": {"title": "Add a feature"}, "action": "opened"}))
+    out, h = run_all(repo, store_url, tmp_path / "state", event="pull_request", event_path=payload)
+    assert out.ok and "pr=Add a feature" in h.lines["show"]
+    payload.write_text("[1, 2]")
+    with pytest.raises(UsageError, match="must be a JSON object"):
+        run_all(repo, store_url, tmp_path / "state", event_path=payload)
+
+
+MATRIX = """\
+on: push
+jobs:
+  build:
+    runs-on: ubuntu-latest
+    steps: [{run: echo build}]
+  test:
+    needs: build
+    strategy:
+      matrix:
+        python: ['3.11', '3.12', '3.13']
+        os: [linux, bsd]
+    runs-on: ubuntu-latest
+    steps:
+      - run: echo "leg ${{ matrix.python }} ${{ matrix.os }}"
+  lint:
+    runs-on: ubuntu-latest
+    steps: [{run: echo lint}]
+  other:
+    runs-on: ubuntu-latest
+    steps: [{run: echo other}]
+"""
+
+
+def test_matrix_legs_and_repeated_jobs(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(tmp_path / "repo", {WF + "m.yml": MATRIX})
+    out, _h = run_all(
+        repo,
+        store_url,
+        tmp_path / "state",
+        jobs=("test", "lint"),
+        matrix={"python": "3.12", "os": "bsd"},
+    )
+    assert out.ok
+    names = sorted(j.name for j in out.runs[0].jobs)
+    assert names == ["build", "lint", "test (3.12, bsd)"]
+    with pytest.raises(UsageError, match=r"no leg of job 'test' has python=2.7"):
+        run_all(repo, store_url, tmp_path / "state", matrix={"python": "2.7"})
+    with pytest.raises(UsageError, match="--matrix arch: no matrix job"):
+        run_all(repo, store_url, tmp_path / "state", matrix={"arch": "x"})
+    with pytest.raises(UsageError, match=r"no job 'nope'.*jobs: build, lint, other, test"):
+        run_all(repo, store_url, tmp_path / "state", jobs=("nope",))
+
+
+PLATFORMS = """\
+on: push
+jobs:
+  build:
+    strategy:
+      matrix:
+        os: [ubuntu-latest, windows-latest, macos-14]
+    runs-on: ${{ matrix.os }}
+    steps:
+      - run: echo "built on ${{ matrix.os }}"
+  after:
+    needs: build
+    if: always()
+    runs-on: ubuntu-latest
+    steps:
+      - run: echo "build ${{ needs.build.result }}"
+"""
+
+
+def test_other_platforms_are_skipped_with_a_reason(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(tmp_path / "repo", {WF + "p.yml": PLATFORMS})
+    out, h = run_all(repo, store_url, tmp_path / "state")
+    jobs = {j.name: j for j in out.runs[0].jobs}
+    assert jobs["build (ubuntu-latest)"].conclusion == "success"
+    win = jobs["build (windows-latest)"]
+    assert win.conclusion == "skipped"
+    assert win.reason == (
+        "runs-on windows-latest is a Windows runner; this host runs Linux "
+        "(run it here anyway with --platform windows-latest=host)"
+    )
+    assert jobs["build (macos-14)"].conclusion == "skipped"
+    assert "built on windows-latest" not in h.all_text()
+    assert out.ok
+
+    out, h = run_all(
+        repo, store_url, tmp_path / "state", platforms={"windows-latest": "host"}, matrix={}
+    )
+    jobs = {j.name: j for j in out.runs[0].jobs}
+    assert jobs["build (windows-latest)"].conclusion == "success"
+    assert "built on windows-latest" in h.all_text()
+    assert jobs["build (macos-14)"].conclusion == "skipped"
+
+
+# --- the command line ------------------------------------------------------------
+
+
+def cli(repo: Path, state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRELOOP_")}
+    env["PRELOOP_STATE_DIR"] = str(state)
+    return subprocess.run(
+        [sys.executable, "-m", "preloop", *args],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_runs_two_workflows_with_one_summary_and_exit_status(tmp_path: Path) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            WF + "a.yml": "name: A\non: push\njobs:\n" + job("one"),
+            WF + "b.yml": "name: B\non: push\njobs:\n" + job("two", "exit 3"),
+            WF + "t.yml": "name: T\non:\n  push:\n    tags: ['v*']\njobs:\n" + job("three"),
+        },
+    )
+    state = tmp_path / "state"
+    out = cli(repo, state, "run")
+    assert out.returncode == 1, out.stderr
+    lines = out.stdout.splitlines()
+    assert "not run: .github/workflows/t.yml: branch 'main': on.push filters tags only" in lines
+    assert "run 1: A (1 job)" in lines and "run 2: B (1 job)" in lines
+    assert "[A / one] ok" in lines and "[B / two] ✗ failure" in lines
+    assert lines[-1].startswith("failure in ")
+    assert "2 workflow runs (run 1 success, run 2 failure)" in lines[-1]
+    doc = json.loads(cli(repo, state, "run", "--json", "--job", "one").stdout)
+    assert [r["name"] for r in doc["runs"]] == ["A"] and doc["conclusion"] == "success"
+
+    bad = cli(repo, state, "run", "--event", "pushh")
+    assert bad.returncode == 2
+    assert bad.stderr == (
+        "preloop: error: --event 'pushh' is not a GitHub Actions event; did you mean 'push'?\n"
+    )
+    none = cli(repo, state, "run", "--event", "release")
+    assert (
+        none.returncode == 1 and "'release' on refs/heads/main triggers no workflow" in none.stderr
+    )
+    assert "choose one with -f" not in none.stderr
+
+    plan = cli(repo, state, "plan", "--ref", "refs/tags/v2")
+    assert plan.returncode == 0, plan.stderr
+    assert "  triggered: tag 'v2' matches on.push.tags 'v*'" in plan.stdout.splitlines()
+
+
+def test_cli_list_shows_jobs_legs_and_events(tmp_path: Path) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            WF + "m.yml": MATRIX,
+            WF + "p.yml": PLATFORMS.replace("on: push", "on: [push, pull_request]"),
+        },
+    )
+    out = cli(repo, tmp_path / "state", "list", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    legs = [r["name"] for r in rows if r["job"] == "test"]
+    assert len(legs) == 6 and "test (3.12, bsd)" in legs
+    win = next(r for r in rows if r["name"] == "build (windows-latest)")
+    assert win["events"] == ["pull_request", "push"] and win["skipped"].startswith("runs-on")
+    assert {
+        r["stage"] for r in rows if r["job"] == "build" and r["workflow"].endswith("m.yml")
+    } == {1}
+    text = cli(repo, tmp_path / "state", "list")
+    assert "build (windows-latest)" in text.stdout and "(not run here)" in text.stdout

@@ -541,12 +541,17 @@ static int fingerprint_root(fwalk *w) {
 }
 
 int pl_fingerprint(const char *const *roots, size_t nroots, int mode, const char *coordination_dir,
-                   int nslots, pl_fp_result *per_root, pl_fp_result *total, pl_fp_error *error) {
+                   int nslots, const pl_slots *held, pl_fp_result *per_root, pl_fp_result *total,
+                   pl_fp_error *error) {
     memset(error, 0, sizeof *error);
     memset(total, 0, sizeof *total);
     pl_slot slot;
-    int rc = pl_slots_acquire(coordination_dir, nslots, 1, 0, &slot, &error->slots);
-    if (rc != 0) {
+    int rc = 0;
+    if (held) {
+        slot.fd = -1;
+        slot.dir_dev = held->dir_dev;
+        slot.dir_ino = held->dir_ino;
+    } else if ((rc = pl_slots_acquire(coordination_dir, nslots, 1, 0, &slot, &error->slots)) != 0) {
         error->kind = PL_FP_E_SLOTS;
         error->err = error->slots.err;
         return -1;
@@ -570,7 +575,8 @@ int pl_fingerprint(const char *const *roots, size_t nroots, int mode, const char
         total->files += per_root[i].files;
         total->bytes += per_root[i].bytes;
     }
-    close(slot.fd); /* releases the host slot */
+    if (slot.fd >= 0)
+        close(slot.fd); /* releases the host slot taken above */
     free(w.buf);
     free(w.rel);
     free(w.link);

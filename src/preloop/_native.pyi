@@ -27,10 +27,23 @@ def slots_prepare(directory: _Path, nslots: int = 4) -> None: ...
 def slots_acquire(
     directory: _Path, nslots: int = 4, blocking: bool = True, pid: int = 0
 ) -> tuple[int, int] | None: ...
+
+class SlotSet:
+    directory: _Path
+    nslots: int
+    def __init__(self, directory: _Path, nslots: int = 4) -> None: ...
+    @property
+    def holding(self) -> int: ...
+    def take(
+        self, blocking: bool = True, timeout: float = -1.0, pid: int = 0
+    ) -> tuple[int, int, bool] | None: ...
+    def give(self, fd: int, index: int, cached: bool) -> None: ...
+
 def fingerprint(
     roots: _Path | Iterable[_Path],
     mode: str = "content",
     directory: _Path | None = None,
+    held: SlotSet | None = None,
 ) -> tuple[str, int, int, list[tuple[str, str, int, int]]]: ...
 def set_test_hooks(
     after_read: Callable[[str], object] | None = None,

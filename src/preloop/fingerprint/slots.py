@@ -223,9 +223,9 @@ def lock_holders(directory: str | os.PathLike[str], names: list[str]) -> dict[st
                 pid = int(fields[4])
             except ValueError:
                 continue
-            name = wanted.get(key)
-            if name is not None and pid > 0 and pid not in found.setdefault(name, []):
-                found[name].append(pid)
+            holder = wanted.get(key)
+            if holder is not None and pid > 0 and pid not in found.setdefault(holder, []):
+                found[holder].append(pid)
     return found
 
 

@@ -193,7 +193,7 @@ class HostSlots:
                 by_pid.setdefault(pid, []).append(name)
         if not by_pid:
             return "no holder is visible in /proc/locks (another pid namespace?)"
-        parts = [f"pid {pid} ({', '.join(names)})" for pid, names in sorted(by_pid.items())]
+        parts = [f"pid {pid} ({', '.join(sorted(names))})" for pid, names in sorted(by_pid.items())]
         return "held by " + ", ".join(parts)
 
     def __repr__(self) -> str:

@@ -434,27 +434,32 @@ static int enter(pl_slots *h, pl_slots_error *e) {
     return 0;
 }
 
-/* True when another process (or descriptor) waits on slot i: waiters mark the slot
- * they park on with an OFD read lock on its first byte, which flock never sees. */
-static int has_waiter(int fd) {
+/* Waiters mark the slot they park on with an OFD read lock on one byte, which
+ * flock never sees: byte 0 for the first waiter of a slot, byte 1 for a second
+ * one, and so on, so a new waiter can find the shortest queue. */
+
+/* True when a waiter holds a mark on byte `level` of fd (level < 0: any byte). */
+static int marked(int fd, int level) {
     struct flock fl;
     memset(&fl, 0, sizeof fl);
     fl.l_type = F_WRLCK;
     fl.l_whence = SEEK_SET;
-    fl.l_start = 0;
-    fl.l_len = 1;
+    fl.l_start = level < 0 ? 0 : level;
+    fl.l_len = level < 0 ? 0 : 1;
     if (fcntl(fd, F_OFD_GETLK, &fl) != 0)
-        return 0; /* cannot tell: behave as before markers existed */
+        return 0; /* cannot tell: behave as before marks existed */
     return fl.l_type != F_UNLCK;
 }
 
-static int set_marker(int fd, short type) {
+static int has_waiter(int fd) { return marked(fd, -1); }
+
+static int set_marker(int fd, short type, int level) {
     struct flock fl;
     memset(&fl, 0, sizeof fl);
     fl.l_type = type;
     fl.l_whence = SEEK_SET;
-    fl.l_start = 0;
-    fl.l_len = 1;
+    fl.l_start = level;
+    fl.l_len = type == F_UNLCK ? 0 : 1;
     return fcntl(fd, F_OFD_SETLK, &fl);
 }
 
@@ -539,24 +544,28 @@ int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot 
         out->cached = 1;
         return PL_SLOTS_TAKEN;
     }
-    /* Full cap. Park on slot pid % N, or on the next slot no one else waits on, so
-     * waiters spread over the slots; the choice and the mark are made under
-     * admission, so two waiters never pick the same idle-of-waiters slot. */
+    /* Full cap. Park on slot pid % N, or on the next slot with the shortest queue
+     * of waiters, so waiters spread over the slots; the choice and the mark are
+     * made under admission, so two waiters do not pick the same place. */
     if (pid <= 0)
         pid = (long)getpid();
-    int slot = (int)(pid % h->nslots);
-    for (int k = 0; k < h->nslots; k++) {
-        int s = (int)((pid + k) % h->nslots);
-        if (!has_waiter(h->slotfd[s])) {
-            slot = s;
-            break;
+    int slot = (int)(pid % h->nslots), level = 0, chosen = 0;
+    for (int l = 0; l < 64 && !chosen; l++) {
+        for (int k = 0; k < h->nslots; k++) {
+            int s = (int)((pid + k) % h->nslots);
+            if (!marked(h->slotfd[s], l == 0 ? -1 : l)) {
+                slot = s;
+                level = l;
+                chosen = 1;
+                break;
+            }
         }
     }
     snprintf(name, sizeof name, "slot-%d", slot);
     /* A descriptor of its own: its lock conflicts with this process's other
      * holders of the same slot, which the cached descriptor's would not. */
     int fd = open_lock_file(h->dirfd, h->dir, name, error);
-    if (fd >= 0 && set_marker(fd, F_RDLCK) != 0) {
+    if (fd >= 0 && set_marker(fd, F_RDLCK, level) != 0) {
         int err = errno;
         close(fd);
         fd = lock_error(error, err, h->dir, name);
@@ -581,7 +590,7 @@ int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot 
             return PL_SLOTS_TIMEOUT;
         return lock_error(error, err, h->dir, name);
     }
-    (void)set_marker(fd, F_UNLCK); /* holding now, not waiting */
+    (void)set_marker(fd, F_UNLCK, 0); /* holding now, not waiting */
     __atomic_add_fetch(&h->holding, 1, __ATOMIC_RELAXED);
     out->fd = fd;
     out->slot = slot;

@@ -3,7 +3,9 @@
 Targets (issue 3), warm page cache, one run:
 - content fingerprint >= 1.2 GB/s on the mixed tree (>= 3.5x `sha256sum` over the
   tree via xargs), >= 170k files/s on the tiny tree; also vs
-  `git hash-object --stdin-paths` and Python `hashlib.sha256` file by file;
+  `git hash-object --stdin-paths` and Python `hashlib.sha256` file by file, and
+  (issue 17) the C read floor: bench/read_floor.c opens, reads and closes every
+  file and hashes nothing;
 - metadata fingerprint within 1.3x of `tree_bytes`;
 - uncontended acquire + release <= 20 µs (issue 17: <= 3 µs), beside a bare
   `fcntl.flock` LOCK_EX + LOCK_UN pair on an open descriptor (the floor);
@@ -84,8 +86,22 @@ def hashlib_tree(root: str) -> int:
     return count
 
 
+_FLOOR: list[str] = []
+
+
+def read_floor(root: str) -> int:
+    """bench/read_floor.c: nftw + open/read/close of every file, nothing hashed."""
+    if not _FLOOR:
+        out = Path(tempfile.mkdtemp(prefix="preloop-read-floor-")) / "read_floor"
+        src = Path(__file__).with_name("read_floor.c")
+        subprocess.run(["cc", "-O2", "-Wall", "-o", str(out), str(src)], check=True)
+        _FLOOR.append(str(out))
+    return int(subprocess.run([_FLOOR[0], root], capture_output=True, check=True).stdout)
+
+
 CONTENT: dict[str, Callable[[str], int]] = {
     "preloop": lambda root: fingerprint(root).files,
+    "C read floor (nftw)": read_floor,
     "sha256sum (xargs)": sha256sum_tree,
     "git hash-object": git_hash_object,
     "hashlib": hashlib_tree,

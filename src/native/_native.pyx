@@ -407,7 +407,7 @@ cdef void _full_scan_trampoline(const char *path) noexcept nogil:
 
 def set_test_hooks(after_read=None, full_scan=None):
     """Test-only: `after_read(path)` runs after a file's bytes were read and before its
-    second lstat; `full_scan(slot_path)` runs after a scan found every slot taken,
+    descriptor's fstat (the stability check); `full_scan(slot_path)` runs after a scan found every slot taken,
     before blocking on `slot_path`. None (the default) removes a hook."""
     global _after_read_callback, _full_scan_callback
     _after_read_callback = after_read

@@ -44,7 +44,7 @@ typedef struct {
 } pl_fp_result;
 
 /* Test hook, NULL in production: called in content mode after a file's bytes
- * were read and before it is lstat'ed again. */
+ * were read and before its descriptor is fstat'ed (the stability check). */
 extern void (*pl_fp_after_read_hook)(const char *path);
 
 /* Fingerprints `nroots` absolute, resolved, sorted, non-nested roots.

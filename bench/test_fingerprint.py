@@ -229,7 +229,7 @@ def test_contended_waiters_do_not_starve(benchmark: Any, coordination: Path) -> 
     def run(gate_w: int, children: list[subprocess.Popen[bytes]]) -> None:
         os.close(gate_w)
         for child in children:
-            out, err = child.communicate()
+            _out, err = child.communicate()
             assert child.returncode == 0, err
             results.append(json.loads(err.decode().splitlines()[-1]))
 

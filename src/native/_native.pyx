@@ -45,6 +45,27 @@ def tree_bytes(path, bint one_file_system=True):
 
 
 
+def remove_tree(path):
+    """Removes the tree at `path` (bottom-up unlinkat walk without the GIL; symlinks
+    never followed, other filesystems left alone) and returns (allocated_bytes,
+    apparent_bytes, error): what was really removed, a hard-linked inode counted
+    once, and None or the OSError of the first entry that could not be removed
+    (the walk goes on past it). A missing path removes nothing."""
+    cdef bytes root = os.fsencode(path)
+    cdef const char *c_root = root
+    cdef pl_tree_size size
+    cdef pl_error error
+    cdef int rc
+    with nogil:
+        rc = pl_remove_tree(c_root, &size, &error)
+    err = None
+    if rc != 0:
+        raw = error.path if error.path != NULL else b""
+        free(error.path)
+        err = OSError(error.err, os.strerror(error.err), os.fsdecode(raw))
+    return (size.allocated_bytes, size.apparent_bytes, err)
+
+
 # ---------------------------------------------------------------- SHA-256
 
 _IMPLS = {"auto": PL_SHA256_AUTO, "portable": PL_SHA256_PORTABLE, "hardware": PL_SHA256_HARDWARE}

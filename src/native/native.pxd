@@ -15,6 +15,7 @@ cdef extern from "walk.h" nogil:
         uint64_t symlinks
 
     int pl_tree_bytes(const char *root, int one_file_system, pl_tree_size *out, pl_error *error)
+    int pl_remove_tree(const char *root, pl_tree_size *removed, pl_error *error)
 
 
 cdef extern from "sha256.h" nogil:

@@ -29,7 +29,8 @@ the whole eviction (fail closed); only ENOENT means "absent".
 
 **Removal** unlinks the sidecars and renames `<key>.git` to a private
 `.evicting-<key>-<pid>-<nonce>` directory while the lock is held, then deletes
-the renamed tree after the lock is released. A crash leaves at worst an intact
+the renamed tree after the lock is released, in one native GIL-free `unlinkat`
+walk (`preloop.fs.remove_tree`) that counts the bytes it removes. A crash leaves at worst an intact
 repository without sidecars or that private directory, which the next prune
 removes once its process is gone. Only bytes really removed
 are subtracted from the total; a removal that fails part-way is reported as

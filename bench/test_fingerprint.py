@@ -3,10 +3,15 @@
 Targets (issue 3), warm page cache, one run:
 - content fingerprint >= 1.2 GB/s on the mixed tree (>= 3.5x `sha256sum` over the
   tree via xargs), >= 170k files/s on the tiny tree; also vs
-  `git hash-object --stdin-paths` and Python `hashlib.sha256` file by file;
+  `git hash-object --stdin-paths` and Python `hashlib.sha256` file by file, and
+  (issue 17) the C read floor: bench/read_floor.c opens, reads and closes every
+  file and hashes nothing;
 - metadata fingerprint within 1.3x of `tree_bytes`;
-- uncontended acquire + release <= 20 µs;
-- 16 contenders x 200 short holds: throughput as a fraction of ideal 4-way.
+- uncontended acquire + release <= 20 µs (issue 17: <= 3 µs), beside a bare
+  `fcntl.flock` LOCK_EX + LOCK_UN pair on an open descriptor (the floor);
+- 16 contenders x 200 short holds: throughput as a fraction of ideal 4-way;
+- issue 17: 8 processes x 1,000 acquisitions: no waiter starves (max wait within
+  4x the median hold).
 
 Figures (GB/s, files/s, fractions) are in each benchmark's extra_info and printed
 by `-s`; the ratio table comes from bench/conftest.py.
@@ -81,8 +86,22 @@ def hashlib_tree(root: str) -> int:
     return count
 
 
+_FLOOR: list[str] = []
+
+
+def read_floor(root: str) -> int:
+    """bench/read_floor.c: nftw + open/read/close of every file, nothing hashed."""
+    if not _FLOOR:
+        out = Path(tempfile.mkdtemp(prefix="preloop-read-floor-")) / "read_floor"
+        src = Path(__file__).with_name("read_floor.c")
+        subprocess.run(["cc", "-O2", "-Wall", "-o", str(out), str(src)], check=True)
+        _FLOOR.append(str(out))
+    return int(subprocess.run([_FLOOR[0], root], capture_output=True, check=True).stdout)
+
+
 CONTENT: dict[str, Callable[[str], int]] = {
     "preloop": lambda root: fingerprint(root).files,
+    "C read floor (nftw)": read_floor,
     "sha256sum (xargs)": sha256sum_tree,
     "git hash-object": git_hash_object,
     "hashlib": hashlib_tree,
@@ -137,6 +156,98 @@ def test_uncontended_acquire_release(benchmark: Any, coordination: Path) -> None
     benchmark.extra_info["µs"] = round(mean_us, 2)
     benchmark.extra_info["median µs"] = round(median_us, 2)
     print(f"\nuncontended acquire + release: mean {mean_us:.1f} µs, median {median_us:.1f} µs")
+
+
+def test_bare_flock_pair(benchmark: Any, coordination: Path) -> None:
+    import fcntl
+
+    prepare = HostSlots(coordination)
+    prepare.acquire().release()
+    fd = os.open(coordination / "slot-0", os.O_RDONLY)
+
+    def once() -> None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+    benchmark.group = "host slot acquire + release"
+    benchmark.extra_info["impl"] = "fcntl.flock pair (floor)"
+    try:
+        benchmark.pedantic(once, rounds=2000, iterations=10, warmup_rounds=100)
+    finally:
+        os.close(fd)
+
+
+FAIR_PROCS, FAIR_HOLDS, FAIR_HOLD_SECONDS = 8, 1000, 0.001
+
+FAIR_CONTENDER = """
+import json, sys, time
+from preloop.fingerprint import HostSlots
+slots = HostSlots(sys.argv[1])
+hold = float(sys.argv[3])
+sys.stdout.write("r")
+sys.stdout.flush()
+assert sys.stdin.read(1) == ""  # start together when the gate closes
+waits, holds = [], []
+for _ in range(int(sys.argv[2])):
+    t0 = time.perf_counter()
+    with slots.acquire():
+        t1 = time.perf_counter()
+        time.sleep(hold)
+        t2 = time.perf_counter()
+    waits.append(t1 - t0)
+    holds.append(t2 - t1)
+sys.stderr.write(json.dumps([waits, holds]) + "\\n")
+"""
+
+
+def test_contended_waiters_do_not_starve(benchmark: Any, coordination: Path) -> None:
+    import json
+    import statistics
+
+    HostSlots(coordination).acquire().release()
+    results: list[tuple[list[float], list[float]]] = []
+
+    def start() -> tuple[tuple[int, list[subprocess.Popen[bytes]]], dict[str, Any]]:
+        gate_r, gate_w = os.pipe()
+        ready_r, ready_w = os.pipe()
+        argv = [sys.executable, "-c", textwrap.dedent(FAIR_CONTENDER), str(coordination),
+                str(FAIR_HOLDS), str(FAIR_HOLD_SECONDS)]  # fmt: skip
+        children = [
+            subprocess.Popen(argv, stdin=gate_r, stdout=ready_w, stderr=subprocess.PIPE)
+            for _ in range(FAIR_PROCS)
+        ]
+        os.close(gate_r)
+        os.close(ready_w)
+        ready = b""
+        while len(ready) < FAIR_PROCS:
+            chunk = os.read(ready_r, FAIR_PROCS)
+            assert chunk
+            ready += chunk
+        os.close(ready_r)
+        return (gate_w, children), {}
+
+    def run(gate_w: int, children: list[subprocess.Popen[bytes]]) -> None:
+        os.close(gate_w)
+        for child in children:
+            _out, err = child.communicate()
+            assert child.returncode == 0, err
+            results.append(json.loads(err.decode().splitlines()[-1]))
+
+    benchmark.group = "8 processes x 1,000 acquisitions"
+    benchmark.extra_info["impl"] = "preloop"
+    benchmark.pedantic(run, setup=start, rounds=1, iterations=1)
+    waits = [w for ws, _ in results for w in ws]
+    holds = [h for _, hs in results for h in hs]
+    median_hold = statistics.median(holds)
+    max_wait = max(waits)
+    ratio = max_wait / median_hold
+    benchmark.extra_info["median hold ms"] = round(median_hold * 1e3, 3)
+    benchmark.extra_info["max wait ms"] = round(max_wait * 1e3, 3)
+    benchmark.extra_info["p99 wait ms"] = round(statistics.quantiles(waits, n=100)[98] * 1e3, 3)
+    benchmark.extra_info["max wait / median hold"] = round(ratio, 2)
+    print(f"\n8 x 1000 acquisitions: median hold {median_hold * 1e3:.2f} ms, "
+          f"max wait {max_wait * 1e3:.2f} ms ({ratio:.2f}x the median hold; target <= 4x), "
+          f"p99 wait {statistics.quantiles(waits, n=100)[98] * 1e3:.2f} ms")  # fmt: skip
 
 
 CONTENDERS, HOLDS, HOLD_SECONDS = 16, 200, 0.002

@@ -5,10 +5,11 @@ Every entry point releases the GIL for the whole of its syscalls and hashing.
 """
 import os
 import stat as _stat
+from time import monotonic as _monotonic
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_CheckSignals
-from libc.errno cimport EINTR
+from libc.errno cimport EINTR, errno
 from libc.stdlib cimport free, malloc
 
 from native cimport *
@@ -42,6 +43,27 @@ def tree_bytes(path, bint one_file_system=True):
         _raise_pl_error(&error)
     return (size.apparent_bytes, size.allocated_bytes, size.files, size.dirs, size.symlinks)
 
+
+
+def remove_tree(path):
+    """Removes the tree at `path` (bottom-up unlinkat walk without the GIL; symlinks
+    never followed, other filesystems left alone) and returns (allocated_bytes,
+    apparent_bytes, error): what was really removed, a hard-linked inode counted
+    once, and None or the OSError of the first entry that could not be removed
+    (the walk goes on past it). A missing path removes nothing."""
+    cdef bytes root = os.fsencode(path)
+    cdef const char *c_root = root
+    cdef pl_tree_size size
+    cdef pl_error error
+    cdef int rc
+    with nogil:
+        rc = pl_remove_tree(c_root, &size, &error)
+    err = None
+    if rc != 0:
+        raw = error.path if error.path != NULL else b""
+        free(error.path)
+        err = OSError(error.err, os.strerror(error.err), os.fsdecode(raw))
+    return (size.allocated_bytes, size.apparent_bytes, err)
 
 
 # ---------------------------------------------------------------- SHA-256
@@ -203,6 +225,72 @@ def slots_acquire(directory, int nslots=HOST_SLOTS, bint blocking=True, long pid
             raise _slots_exception(&e)
 
 
+cdef class SlotSet:
+    """The descriptors of one coordination directory, kept open between acquisitions
+    (see slots.h): an uncontended take+give is a few flock calls. Fork-safe: a child
+    re-opens on first use and never drops its parent's locks."""
+
+    cdef pl_slots h
+    cdef bint ready
+    cdef readonly object directory
+    cdef readonly int nslots
+
+    def __cinit__(self, directory, int nslots=HOST_SLOTS):
+        if nslots < 1:
+            raise ValueError(f"slots must be >= 1, got {nslots}")
+        cdef bytes d = _dir_bytes(directory)
+        self.ready = False
+        if pl_slots_init(&self.h, d, nslots) != 0:
+            raise MemoryError()
+        self.ready = True
+        self.directory = directory
+        self.nslots = nslots
+
+    def __dealloc__(self):
+        if self.ready:
+            pl_slots_destroy(&self.h)
+
+    @property
+    def holding(self):
+        """Slots held through this set now (in this process)."""
+        return self.h.holding
+
+    def take(self, bint blocking=True, double timeout=-1.0, long pid=0):
+        """Takes a slot: (fd, index, cached), or None when not blocking and every slot
+        is held, or when blocking and `timeout` seconds (>= 0) passed first. Never
+        waits when not blocking, not even for admission. `pid` (tests) picks the slot
+        a full-cap waiter prefers."""
+        cdef pl_slot s
+        cdef pl_slots_error e
+        cdef int rc
+        cdef long ms = -1 if timeout < 0 else <long>(timeout * 1000.0)
+        cdef int block = 1 if blocking else 0
+        started = _monotonic() if timeout > 0 else 0.0
+        while True:
+            if not blocking:
+                rc = pl_slots_take(&self.h, 0, 0, pid, &s, &e)
+            else:
+                with nogil:
+                    rc = pl_slots_take(&self.h, block, ms, pid, &s, &e)
+            if rc == PL_SLOTS_TAKEN:
+                return (s.fd, s.slot, s.cached != 0)
+            if rc == PL_SLOTS_BUSY or rc == PL_SLOTS_TIMEOUT:
+                return None
+            if not _interrupted(&e):
+                raise _slots_exception(&e)
+            if timeout >= 0:  # a signal ran its handlers: wait out the rest
+                ms = max(0, <long>((timeout - (_monotonic() - started)) * 1000.0))
+
+    def give(self, int fd, int index, bint cached):
+        """Releases a slot `take` returned."""
+        cdef pl_slot s
+        s.fd = fd
+        s.slot = index
+        s.cached = 1 if cached else 0
+        if pl_slots_give(&self.h, &s) != 0:
+            raise OSError(errno, os.strerror(errno))
+
+
 # ---------------------------------------------------------------- fingerprint
 
 cdef object _stat_dict(pl_fp_stat *s):
@@ -249,8 +337,9 @@ def _resolve_roots(roots):
     return ordered
 
 
-def fingerprint(roots, str mode="content", directory=None):
-    """Fingerprints roots under a host slot (blocking in the kernel for one).
+def fingerprint(roots, str mode="content", directory=None, SlotSet held=None):
+    """Fingerprints roots under a host slot (blocking in the kernel for one), or under
+    the slot the caller holds through `held` (which must hold one).
 
     Returns (digest, files, bytes, [(root, digest, files, bytes), ...]) with hex
     digests and roots as resolved str paths, in byte order.
@@ -264,6 +353,11 @@ def fingerprint(roots, str mode="content", directory=None):
         c_mode = PL_FP_METADATA
     else:
         raise ValueError(f"fingerprint mode must be 'content' or 'metadata', got {mode!r}")
+    cdef const pl_slots *c_held = NULL
+    if held is not None:
+        if held.h.holding <= 0:
+            raise ValueError("fingerprint(held=...) needs a SlotSet that holds a slot")
+        c_held = &held.h
     ordered = _resolve_roots(roots)
     cdef bytes d = _dir_bytes(directory if directory is not None else coordination_dir())
     cdef const char *c_dir = d
@@ -283,7 +377,7 @@ def fingerprint(roots, str mode="content", directory=None):
             c_roots[i] = <bytes>ordered[i]
         while True:
             with nogil:
-                rc = pl_fingerprint(c_roots, n, c_mode, c_dir, _HOST_SLOTS, per, &total, &e)
+                rc = pl_fingerprint(c_roots, n, c_mode, c_dir, _HOST_SLOTS, c_held, per, &total, &e)
             if rc == 0:
                 break
             if e.kind == PL_FP_E_SLOTS:
@@ -334,7 +428,7 @@ cdef void _full_scan_trampoline(const char *path) noexcept nogil:
 
 def set_test_hooks(after_read=None, full_scan=None):
     """Test-only: `after_read(path)` runs after a file's bytes were read and before its
-    second lstat; `full_scan(slot_path)` runs after a scan found every slot taken,
+    descriptor's fstat (the stability check); `full_scan(slot_path)` runs after a scan found every slot taken,
     before blocking on `slot_path`. None (the default) removes a hook."""
     global _after_read_callback, _full_scan_callback
     _after_read_callback = after_read

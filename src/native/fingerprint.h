@@ -44,14 +44,16 @@ typedef struct {
 } pl_fp_result;
 
 /* Test hook, NULL in production: called in content mode after a file's bytes
- * were read and before it is lstat'ed again. */
+ * were read and before its descriptor is fstat'ed (the stability check). */
 extern void (*pl_fp_after_read_hook)(const char *path);
 
 /* Fingerprints `nroots` absolute, resolved, sorted, non-nested roots.
  * per_root[i] gets root i's digest; *total the digest over all roots (and the
- * summed counts). Takes a slot in `coordination_dir` first (blocking).
+ * summed counts). Takes a slot in `coordination_dir` first (blocking), unless
+ * `held` is a handle through which the caller already holds one.
  * 0 ok, -1 with *error filled. Touches no Python object. */
 int pl_fingerprint(const char *const *roots, size_t nroots, int mode, const char *coordination_dir,
-                   int nslots, pl_fp_result *per_root, pl_fp_result *total, pl_fp_error *error);
+                   int nslots, const pl_slots *held, pl_fp_result *per_root, pl_fp_result *total,
+                   pl_fp_error *error);
 
 #endif

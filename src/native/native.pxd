@@ -15,6 +15,7 @@ cdef extern from "walk.h" nogil:
         uint64_t symlinks
 
     int pl_tree_bytes(const char *root, int one_file_system, pl_tree_size *out, pl_error *error)
+    int pl_remove_tree(const char *root, pl_tree_size *removed, pl_error *error)
 
 
 cdef extern from "sha256.h" nogil:
@@ -50,10 +51,25 @@ cdef extern from "slots.h" nogil:
     ctypedef struct pl_slot:
         int fd
         int slot
+        int cached
         uint64_t dir_dev
         uint64_t dir_ino
 
+    ctypedef struct pl_slots:
+        long holding
+        uint64_t dir_dev
+        uint64_t dir_ino
+
+    int PL_SLOTS_TAKEN
+    int PL_SLOTS_BUSY
+    int PL_SLOTS_TIMEOUT
+
     void (*pl_slots_full_hook)(const char *slot_path)
+    int pl_slots_init(pl_slots *h, const char *dir, int nslots)
+    void pl_slots_destroy(pl_slots *h)
+    int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot *out,
+                      pl_slots_error *error)
+    int pl_slots_give(pl_slots *h, const pl_slot *slot)
     int pl_slots_prepare(const char *dir, int nslots, pl_slots_error *error)
     int pl_slots_acquire(const char *dir, int nslots, int blocking, long pid, pl_slot *out,
                          pl_slots_error *error)
@@ -90,5 +106,5 @@ cdef extern from "fingerprint.h" nogil:
 
     void (*pl_fp_after_read_hook)(const char *path)
     int pl_fingerprint(const char *const *roots, size_t nroots, int mode,
-                       const char *coordination_dir, int nslots, pl_fp_result *per_root,
-                       pl_fp_result *total, pl_fp_error *error)
+                       const char *coordination_dir, int nslots, const pl_slots *held,
+                       pl_fp_result *per_root, pl_fp_result *total, pl_fp_error *error)

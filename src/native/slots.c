@@ -3,6 +3,8 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -214,99 +216,427 @@ static int lock_error(pl_slots_error *e, int err, const char *dir, const char *n
     return fail(e, PL_SLOTS_E_LOCK, err, dir, name);
 }
 
-int pl_slots_acquire(const char *dir, int nslots, int blocking, long pid, pl_slot *out,
-                     pl_slots_error *error) {
+/* ------------------------------------------------------------ timed waits
+ *
+ * flock(2) has no timeout. A bounded wait arms a per-thread POSIX timer that
+ * signals this thread (SIGEV_THREAD_ID) at the deadline and every 10 ms after it,
+ * so the blocked flock returns EINTR; the handler does nothing. The wait still
+ * blocks in the kernel: nothing polls before the deadline. */
+
+#define WAKE_SIGNAL (SIGRTMAX - 5)
+#define WAKE_REPEAT_NS 10000000L
+
+static void wake_handler(int sig) { (void)sig; }
+
+static pthread_once_t wake_once = PTHREAD_ONCE_INIT;
+
+static void install_wake_handler(void) {
+    struct sigaction old;
+    if (sigaction(WAKE_SIGNAL, NULL, &old) != 0)
+        return;
+    /* Someone else's handler interrupts the wait as well as ours would. */
+    if (!(old.sa_flags & SA_SIGINFO) && (old.sa_handler == SIG_DFL || old.sa_handler == SIG_IGN)) {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = wake_handler;
+        sigemptyset(&sa.sa_mask);
+        sa.sa_flags = 0; /* no SA_RESTART: the blocked flock must return EINTR */
+        (void)sigaction(WAKE_SIGNAL, &sa, NULL);
+    }
+}
+
+static long now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static long remaining(long deadline) {
+    long left = deadline - now_ms();
+    return left > 0 ? left : 0;
+}
+
+/* flock(fd, LOCK_EX) within timeout_ms (< 0: unbounded). 0 ok; -1 with errno
+ * ETIMEDOUT, EINTR (another signal: the caller checks for it and retries) or the
+ * flock error. */
+static int timed_lock(int fd, long timeout_ms) {
+    if (timeout_ms < 0)
+        return flock(fd, LOCK_EX);
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0)
+        return 0;
+    if (errno != EWOULDBLOCK)
+        return -1;
+    if (timeout_ms == 0) {
+        errno = ETIMEDOUT;
+        return -1;
+    }
+    (void)pthread_once(&wake_once, install_wake_handler);
+    long deadline = now_ms() + timeout_ms;
+    struct sigevent sev;
+    memset(&sev, 0, sizeof sev);
+    sev.sigev_notify = SIGEV_THREAD_ID;
+    sev.sigev_signo = WAKE_SIGNAL;
+#ifdef sigev_notify_thread_id
+    sev.sigev_notify_thread_id = gettid();
+#else
+    sev._sigev_un._tid = gettid();
+#endif
+    timer_t timer;
+    if (timer_create(CLOCK_MONOTONIC, &sev, &timer) != 0)
+        return -1;
+    sigset_t wake, old;
+    sigemptyset(&wake);
+    sigaddset(&wake, WAKE_SIGNAL);
+    int masked = pthread_sigmask(SIG_UNBLOCK, &wake, &old) == 0;
+    struct itimerspec its;
+    memset(&its, 0, sizeof its);
+    its.it_value.tv_sec = timeout_ms / 1000;
+    its.it_value.tv_nsec = (timeout_ms % 1000) * 1000000L;
+    its.it_interval.tv_nsec = WAKE_REPEAT_NS;
+    int rc, err = 0;
+    if (timer_settime(timer, 0, &its, NULL) != 0) {
+        rc = -1;
+        err = errno;
+    } else {
+        rc = flock(fd, LOCK_EX);
+        if (rc != 0) {
+            err = errno;
+            if (err == EINTR && now_ms() >= deadline)
+                err = ETIMEDOUT;
+        }
+    }
+    (void)timer_delete(timer);
+    if (masked)
+        (void)pthread_sigmask(SIG_SETMASK, &old, NULL);
+    errno = err;
+    return rc;
+}
+
+/* ------------------------------------------------------------ handles */
+
+/* Bumped in every forked child: a handle opened under another generation belongs
+ * to the parent, whose locks its descriptors (shared open file descriptions) carry. */
+static unsigned long generation = 1;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void bump_generation(void) { __atomic_add_fetch(&generation, 1, __ATOMIC_RELAXED); }
+static void install_atfork(void) { (void)pthread_atfork(NULL, NULL, bump_generation); }
+
+int pl_slots_init(pl_slots *h, const char *dir, int nslots) {
+    memset(h, 0, sizeof *h);
+    (void)pthread_once(&atfork_once, install_atfork);
+    h->dirfd = h->admfd = -1;
+    h->nslots = nslots;
+    h->dir = strdup(dir);
+    h->slotfd = malloc((size_t)nslots * sizeof *h->slotfd);
+    h->held = calloc((size_t)nslots, 1);
+    if (!h->dir || !h->slotfd || !h->held) {
+        free(h->dir);
+        free(h->slotfd);
+        free(h->held);
+        h->dir = NULL;
+        h->slotfd = NULL;
+        h->held = NULL;
+        return -1;
+    }
+    for (int i = 0; i < nslots; i++)
+        h->slotfd[i] = -1;
+    pthread_mutex_init(&h->mu, NULL);
+    return 0;
+}
+
+static void close_fds(pl_slots *h) {
+    if (h->dirfd >= 0)
+        close(h->dirfd);
+    if (h->admfd >= 0)
+        close(h->admfd);
+    for (int i = 0; i < h->nslots; i++) {
+        if (h->slotfd[i] >= 0)
+            close(h->slotfd[i]);
+        h->slotfd[i] = -1;
+        h->held[i] = 0;
+    }
+    h->dirfd = h->admfd = -1;
+    h->generation = 0;
+}
+
+void pl_slots_destroy(pl_slots *h) {
+    if (!h->dir)
+        return;
+    close_fds(h);
+    pthread_mutex_destroy(&h->mu);
+    free(h->dir);
+    free(h->slotfd);
+    free(h->held);
+    memset(h, 0, sizeof *h);
+}
+
+/* Opens the directory, admission and every slot file (creating what is missing).
+ * Called with h->mu held. */
+static int open_handle(pl_slots *h, pl_slots_error *e) {
+    h->dirfd = open_dir(h->dir, h->nslots, 1, e);
+    if (h->dirfd < 0)
+        return -1;
+    struct stat dst;
+    if (fstat(h->dirfd, &dst) != 0) {
+        int err = errno;
+        close_fds(h);
+        return fail(e, PL_SLOTS_E_OPEN, err, h->dir, NULL);
+    }
+    h->dir_dev = (uint64_t)dst.st_dev;
+    h->dir_ino = (uint64_t)dst.st_ino;
+    char name[32];
+    for (int i = -1; i < h->nslots; i++) {
+        if (i < 0)
+            snprintf(name, sizeof name, "admission");
+        else
+            snprintf(name, sizeof name, "slot-%d", i);
+        int fd = open_lock_file(h->dirfd, h->dir, name, e);
+        if (fd < 0 && e->kind == PL_SLOTS_E_OPEN && e->err == ENOENT) {
+            /* A directory made by hand or an older run: add the missing files. */
+            free(e->path);
+            memset(e, 0, sizeof *e);
+            if (ensure_files(h->dirfd, h->dir, h->nslots, e) == 0)
+                fd = open_lock_file(h->dirfd, h->dir, name, e);
+        }
+        if (fd < 0) {
+            close_fds(h);
+            return -1;
+        }
+        if (i < 0)
+            h->admfd = fd;
+        else
+            h->slotfd[i] = fd;
+    }
+    h->generation = __atomic_load_n(&generation, __ATOMIC_RELAXED);
+    return 0;
+}
+
+/* Locks the handle's mutex (held only for bookkeeping, never across a wait) and
+ * opens the descriptors on first use, or again in a forked child. */
+static int enter(pl_slots *h, pl_slots_error *e) {
+    unsigned long gen = __atomic_load_n(&generation, __ATOMIC_RELAXED);
+    if (h->generation != 0 && h->generation != gen) {
+        /* A forked child: the inherited descriptors share the parent's open file
+         * descriptions and locks. Drop them without unlocking; the mutex may have
+         * been held by a thread that does not exist here. */
+        pthread_mutex_init(&h->mu, NULL);
+        h->holding = 0;
+        close_fds(h);
+    }
+    int rc = pthread_mutex_lock(&h->mu);
+    if (rc != 0)
+        return lock_error(e, rc, h->dir, NULL);
+    if (h->dirfd < 0 && open_handle(h, e) != 0) {
+        pthread_mutex_unlock(&h->mu);
+        return -1;
+    }
+    return 0;
+}
+
+/* Waiters mark the slot they park on with an OFD read lock on one byte, which
+ * flock never sees: byte 0 for the first waiter of a slot, byte 1 for a second
+ * one, and so on, so a new waiter can find the shortest queue. */
+
+/* True when a waiter holds a mark on byte `level` of fd (level < 0: any byte). */
+static int marked(int fd, int level) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = level < 0 ? 0 : level;
+    fl.l_len = level < 0 ? 0 : 1;
+    if (fcntl(fd, F_OFD_GETLK, &fl) != 0)
+        return 0; /* cannot tell: behave as before marks existed */
+    return fl.l_type != F_UNLCK;
+}
+
+static int has_waiter(int fd) { return marked(fd, -1); }
+
+static int set_marker(int fd, short type, int level) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = level;
+    fl.l_len = type == F_UNLCK ? 0 : 1;
+    return fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+/* One pass over the slots this handle does not hold, with h->mu held: the index
+ * taken (marked held), -1 when none is free to take, -2 with *e on an error. */
+static int scan(pl_slots *h, pl_slots_error *e) {
+    for (int i = 0; i < h->nslots; i++) {
+        if (h->held[i])
+            continue;
+        if (flock(h->slotfd[i], LOCK_EX | LOCK_NB) != 0) {
+            if (errno == EWOULDBLOCK)
+                continue;
+            int err = errno;
+            char name[32];
+            snprintf(name, sizeof name, "slot-%d", i);
+            lock_error(e, err, h->dir, name);
+            return -2;
+        }
+        /* Free, but a waiter parked on it is about to be woken: leave it to them,
+         * or they could wait forever behind processes that release and rescan. */
+        if (has_waiter(h->slotfd[i])) {
+            (void)flock(h->slotfd[i], LOCK_UN);
+            continue;
+        }
+        h->held[i] = 1;
+        __atomic_add_fetch(&h->holding, 1, __ATOMIC_RELAXED);
+        return i;
+    }
+    return -1;
+}
+
+int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot *out,
+                  pl_slots_error *error) {
     memset(error, 0, sizeof *error);
     out->fd = -1;
     out->slot = -1;
-    int dirfd = open_dir(dir, nslots, 1, error);
-    if (dirfd < 0)
+    out->cached = 0;
+    long deadline = timeout_ms >= 0 ? now_ms() + timeout_ms : -1;
+    if (enter(h, error) != 0)
         return -1;
-    struct stat dst;
-    if (fstat(dirfd, &dst) != 0) {
-        int err = errno;
-        close(dirfd);
-        return fail(error, PL_SLOTS_E_OPEN, err, dir, NULL);
-    }
-    out->dir_dev = (uint64_t)dst.st_dev;
-    out->dir_ino = (uint64_t)dst.st_ino;
-
-    int adm = open_lock_file(dirfd, dir, "admission", error);
-    if (adm < 0 && error->kind == PL_SLOTS_E_OPEN && error->err == ENOENT) {
-        /* A directory made by hand or an older run: add the missing files. */
-        free(error->path);
-        memset(error, 0, sizeof *error);
-        if (ensure_files(dirfd, dir, nslots, error) == 0)
-            adm = open_lock_file(dirfd, dir, "admission", error);
-    }
-    if (adm < 0) {
-        close(dirfd);
-        return -1;
-    }
-    if (flock(adm, LOCK_EX) != 0) {
-        int err = errno;
-        close(adm);
-        close(dirfd);
-        return lock_error(error, err, dir, "admission");
-    }
+    out->dir_dev = h->dir_dev;
+    out->dir_ino = h->dir_ino;
     char name[32];
-    for (int i = 0; i < nslots; i++) {
-        snprintf(name, sizeof name, "slot-%d", i);
-        int fd = open_lock_file(dirfd, dir, name, error);
-        if (fd < 0 && error->kind == PL_SLOTS_E_OPEN && error->err == ENOENT) {
-            free(error->path);
-            memset(error, 0, sizeof *error);
-            if (ensure_files(dirfd, dir, nslots, error) == 0)
-                fd = open_lock_file(dirfd, dir, name, error);
+    /* Fast path, before admission: LOCK_NB alone decides who gets a free slot, so
+     * an uncontended acquire is one flock and one lock query. Admission orders the
+     * scans of processes that may have to wait, and their choice of slot. */
+    int got = scan(h, error);
+    if (got != -1 || !blocking) {
+        pthread_mutex_unlock(&h->mu);
+        if (got >= 0) {
+            out->fd = h->slotfd[got];
+            out->slot = got;
+            out->cached = 1;
+            return PL_SLOTS_TAKEN;
         }
-        if (fd < 0) {
-            close(adm);
-            close(dirfd);
-            return -1;
-        }
-        if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
-            close(adm);
-            close(dirfd);
-            out->fd = fd;
-            out->slot = i;
-            return 0;
-        }
+        return got == -2 ? -1 : PL_SLOTS_BUSY;
+    }
+    int admfd = h->admfd;
+    pthread_mutex_unlock(&h->mu);
+
+    /* Admission, outside the mutex (a holder in another process may keep it for
+     * long), within the same deadline as the slot. */
+    if (timed_lock(admfd, deadline < 0 ? -1 : remaining(deadline)) != 0) {
         int err = errno;
-        close(fd);
-        if (err != EWOULDBLOCK) {
-            close(adm);
-            close(dirfd);
-            return lock_error(error, err, dir, name);
-        }
+        if (err == ETIMEDOUT)
+            return PL_SLOTS_TIMEOUT;
+        return lock_error(error, err, h->dir, "admission");
     }
-    close(adm); /* full cap: admission serializes scans only, never waiting */
-    if (!blocking) {
-        close(dirfd);
-        return 1;
+    int rc = pthread_mutex_lock(&h->mu);
+    if (rc != 0) {
+        (void)flock(admfd, LOCK_UN);
+        return lock_error(error, rc, h->dir, NULL);
     }
+    got = scan(h, error);
+    if (got != -1) {
+        (void)flock(admfd, LOCK_UN);
+        pthread_mutex_unlock(&h->mu);
+        if (got == -2)
+            return -1;
+        out->fd = h->slotfd[got];
+        out->slot = got;
+        out->cached = 1;
+        return PL_SLOTS_TAKEN;
+    }
+    /* Full cap. Park on slot pid % N, or on the next slot with the shortest queue
+     * of waiters, so waiters spread over the slots; the choice and the mark are
+     * made under admission, so two waiters do not pick the same place. */
     if (pid <= 0)
         pid = (long)getpid();
-    int slot = (int)(pid % nslots);
+    int slot = (int)(pid % h->nslots), level = 0, chosen = 0;
+    for (int l = 0; l < 64 && !chosen; l++) {
+        for (int k = 0; k < h->nslots; k++) {
+            int s = (int)((pid + k) % h->nslots);
+            if (!marked(h->slotfd[s], l == 0 ? -1 : l)) {
+                slot = s;
+                level = l;
+                chosen = 1;
+                break;
+            }
+        }
+    }
     snprintf(name, sizeof name, "slot-%d", slot);
-    int fd = open_lock_file(dirfd, dir, name, error);
-    close(dirfd);
+    /* A descriptor of its own: its lock conflicts with this process's other
+     * holders of the same slot, which the cached descriptor's would not. */
+    int fd = open_lock_file(h->dirfd, h->dir, name, error);
+    if (fd >= 0 && set_marker(fd, F_RDLCK, level) != 0) {
+        int err = errno;
+        close(fd);
+        fd = lock_error(error, err, h->dir, name);
+    }
+    (void)flock(admfd, LOCK_UN);
+    pthread_mutex_unlock(&h->mu);
     if (fd < 0)
         return -1;
     if (pl_slots_full_hook) {
-        size_t len = strlen(dir) + strlen(name) + 2;
+        size_t len = strlen(h->dir) + strlen(name) + 2;
         char *p = malloc(len);
         if (p) {
-            snprintf(p, len, "%s/%s", dir, name);
+            snprintf(p, len, "%s/%s", h->dir, name);
             pl_slots_full_hook(p);
             free(p);
         }
     }
-    if (flock(fd, LOCK_EX) != 0) {
+    if (timed_lock(fd, deadline < 0 ? -1 : remaining(deadline)) != 0) {
         int err = errno;
         close(fd);
-        return lock_error(error, err, dir, name);
+        if (err == ETIMEDOUT)
+            return PL_SLOTS_TIMEOUT;
+        return lock_error(error, err, h->dir, name);
     }
+    (void)set_marker(fd, F_UNLCK, 0); /* holding now, not waiting */
+    __atomic_add_fetch(&h->holding, 1, __ATOMIC_RELAXED);
     out->fd = fd;
     out->slot = slot;
-    return 0;
+    out->cached = 0;
+    return PL_SLOTS_TAKEN;
+}
+
+int pl_slots_give(pl_slots *h, const pl_slot *slot) {
+    unsigned long gen = __atomic_load_n(&generation, __ATOMIC_RELAXED);
+    if (!slot->cached) {
+        /* Our own descriptor: closing it releases the slot. In a forked child the
+         * close only drops the child's reference; the parent keeps its lock. */
+        if (h->generation == gen)
+            __atomic_sub_fetch(&h->holding, 1, __ATOMIC_RELAXED);
+        return close(slot->fd);
+    }
+    if (h->generation != gen)
+        return 0; /* the parent's lock, on a shared description: not ours to drop */
+    if (pthread_mutex_lock(&h->mu) != 0)
+        return -1;
+    int rc = 0;
+    if (slot->slot >= 0 && slot->slot < h->nslots && h->held[slot->slot] &&
+        h->slotfd[slot->slot] == slot->fd) {
+        rc = flock(slot->fd, LOCK_UN);
+        h->held[slot->slot] = 0;
+        __atomic_sub_fetch(&h->holding, 1, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&h->mu);
+    return rc;
+}
+
+int pl_slots_acquire(const char *dir, int nslots, int blocking, long pid, pl_slot *out,
+                     pl_slots_error *error) {
+    pl_slots h;
+    if (pl_slots_init(&h, dir, nslots) != 0) {
+        memset(error, 0, sizeof *error);
+        out->fd = -1;
+        return fail(error, PL_SLOTS_E_NOMEM, ENOMEM, dir, NULL);
+    }
+    int rc = pl_slots_take(&h, blocking, -1, pid, out, error);
+    if (rc == PL_SLOTS_TAKEN && out->cached) {
+        /* Hand the held descriptor to the caller: closing it releases the slot. */
+        h.slotfd[out->slot] = -1;
+        h.held[out->slot] = 0;
+        out->cached = 0;
+    }
+    pl_slots_destroy(&h);
+    return rc;
 }

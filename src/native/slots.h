@@ -12,6 +12,7 @@
 #ifndef PRELOOP_SLOTS_H
 #define PRELOOP_SLOTS_H
 
+#include <pthread.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -33,12 +34,37 @@ typedef struct {
     char *path; /* malloc'd; caller frees */
 } pl_slots_error;
 
-/* A held slot: close(fd) releases it. dev/ino identify the directory. */
+/* A held slot. dev/ino identify the directory. `cached` slots are held through
+ * the handle's own descriptor (release with pl_slots_give); others own `fd`
+ * (closing it releases the slot). */
 typedef struct {
     int fd;
     int slot;
+    int cached;
     uint64_t dir_dev, dir_ino;
 } pl_slot;
+
+/* The descriptors of one coordination directory, kept open between acquisitions
+ * (directory, admission, one per slot) so an uncontended acquire+release is a few
+ * flock calls. Fork-safe: a child process re-opens on first use (a pthread_atfork
+ * handler bumps a generation), never unlocking or reusing its parent's locks. */
+typedef struct {
+    char *dir;
+    int nslots;
+    unsigned long generation; /* of the process that opened the descriptors */
+    int dirfd, admfd;
+    int *slotfd;
+    unsigned char *held; /* slots this handle holds through slotfd[i] */
+    long holding;        /* slots held now through this handle (cached or not) */
+    uint64_t dir_dev, dir_ino;
+    pthread_mutex_t mu;
+} pl_slots;
+
+enum {
+    PL_SLOTS_TAKEN = 0,  /* got a slot */
+    PL_SLOTS_BUSY = 1,   /* non-blocking: every slot is held */
+    PL_SLOTS_TIMEOUT = 2 /* blocking with a timeout: it passed first */
+};
 
 /* Test hook, NULL in production: called after a scan found every slot taken and
  * admission was released, just before blocking on `slot_path`. */
@@ -52,5 +78,22 @@ int pl_slots_prepare(const char *dir, int nslots, pl_slots_error *error);
  * returns 1 instead of waiting when every slot is taken. 0 ok, -1 error. */
 int pl_slots_acquire(const char *dir, int nslots, int blocking, long pid, pl_slot *out,
                      pl_slots_error *error);
+
+/* A handle for `dir`; opens nothing yet. 0 ok, -1 out of memory. */
+int pl_slots_init(pl_slots *h, const char *dir, int nslots);
+
+/* Closes the handle's descriptors. Slots held through it (cached) are released. */
+void pl_slots_destroy(pl_slots *h);
+
+/* Takes a slot through the handle: PL_SLOTS_TAKEN, PL_SLOTS_BUSY (blocking=0 and
+ * every slot held: never waits, not even for admission), PL_SLOTS_TIMEOUT (blocking,
+ * timeout_ms >= 0 elapsed), or -1 with *error (EINTR: a signal; retry). timeout_ms
+ * < 0 waits without bound. `pid` picks the slot a full-cap waiter prefers. */
+int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot *out,
+                  pl_slots_error *error);
+
+/* Releases a slot taken through the handle (LOCK_UN, or close for a waiter's own
+ * descriptor). In a forked child the parent's slot is left alone. 0 ok, -1 errno. */
+int pl_slots_give(pl_slots *h, const pl_slot *slot);
 
 #endif

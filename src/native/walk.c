@@ -18,6 +18,7 @@
 typedef struct {
     uint64_t dev;
     uint64_t ino;
+    uint64_t size, blocks; /* the directory's own, counted when it is removed */
     uint32_t len;
 } rec_hdr;
 
@@ -46,6 +47,9 @@ typedef struct {
     size_t depth, frames_cap; /* depth = number of frames on the stack */
     size_t open_count, lowest_open;
     inode_set links;
+    int remove;           /* pl_remove_tree: unlink every entry, count what goes */
+    int first_err;        /* removal keeps going after a failure; this is the first */
+    char *first_err_path;
 } walker;
 
 char *pl_path_join(const char *prefix, const char *name, size_t name_len) {
@@ -132,7 +136,21 @@ static int inode_set_add(inode_set *s, uint64_t dev, uint64_t ino) {
     return 1;
 }
 
-static int arena_push(walker *w, uint64_t dev, uint64_t ino, const char *name, size_t len) {
+/* True when (dev, ino) is in the set. */
+static int inode_set_has(const inode_set *s, uint64_t dev, uint64_t ino) {
+    if (s->used == 0)
+        return 0;
+    uint64_t key = ino + 1;
+    size_t j = (size_t)((dev * 0x9E3779B97F4A7C15ULL) ^ key) & (s->cap - 1);
+    while (s->slots[2 * j + 1] != 0) {
+        if (s->slots[2 * j] == dev && s->slots[2 * j + 1] == key)
+            return 1;
+        j = (j + 1) & (s->cap - 1);
+    }
+    return 0;
+}
+
+static int arena_push(walker *w, const struct stat *st, const char *name, size_t len) {
     size_t need = (sizeof(rec_hdr) + len + 1 + 7) & ~(size_t)7; /* names are NUL-terminated */
     if (w->arena_len + need > w->arena_cap) {
         size_t ncap = w->arena_cap ? w->arena_cap : 64 * 1024;
@@ -144,7 +162,8 @@ static int arena_push(walker *w, uint64_t dev, uint64_t ino, const char *name, s
         w->arena = na;
         w->arena_cap = ncap;
     }
-    rec_hdr h = {dev, ino, (uint32_t)len};
+    rec_hdr h = {(uint64_t)st->st_dev, (uint64_t)st->st_ino, (uint64_t)st->st_size,
+                 (uint64_t)st->st_blocks, (uint32_t)len};
     memcpy(w->arena + w->arena_len, &h, sizeof h);
     memcpy(w->arena + w->arena_len + sizeof h, name, len);
     w->arena[w->arena_len + sizeof h + len] = '\0';
@@ -170,6 +189,9 @@ static int account(walker *w, const struct stat *st) {
         o->allocated_bytes += (uint64_t)st->st_blocks * 512;
         return 1;
     }
+    if (w->remove && st->st_nlink == 1 &&
+        inode_set_has(&w->links, (uint64_t)st->st_dev, (uint64_t)st->st_ino))
+        return 0; /* the last link of an inode counted when its first link went */
     if (st->st_nlink > 1) {
         int fresh = inode_set_add(&w->links, (uint64_t)st->st_dev, (uint64_t)st->st_ino);
         if (fresh < 0)
@@ -183,6 +205,36 @@ static int account(walker *w, const struct stat *st) {
         o->files++;
     o->apparent_bytes += (uint64_t)st->st_size;
     o->allocated_bytes += (uint64_t)st->st_blocks * 512;
+    return 0;
+}
+
+/* Removal keeps going past an entry it cannot remove (like `rm -rf`) and reports
+ * the first failure with its path. */
+static void note_failure(walker *w, int err, size_t frame_idx, const char *name, size_t len) {
+    if (w->first_err != 0)
+        return;
+    w->first_err = err;
+    w->first_err_path = frame_path(w, frame_idx, name, len);
+}
+
+/* Removal mode, one listed entry: unlinks a non-directory and counts it once
+ * removed; returns 1 for a directory to descend into (removed after its
+ * contents), 0 otherwise, -1 out of memory. */
+static int remove_entry(walker *w, int dirfd, size_t top, const char *name, const struct stat *st) {
+    if (S_ISDIR(st->st_mode)) {
+        if (w->one_fs && (uint64_t)st->st_dev != w->root_dev) {
+            note_failure(w, EXDEV, top, name, strlen(name)); /* a mount point: left alone */
+            return 0;
+        }
+        return 1;
+    }
+    if (unlinkat(dirfd, name, 0) != 0) {
+        if (errno != ENOENT)
+            note_failure(w, errno, top, name, strlen(name));
+        return 0;
+    }
+    if (account(w, st) < 0)
+        return fail_nomem(w);
     return 0;
 }
 
@@ -209,10 +261,20 @@ static int scan_top(walker *w) {
                     continue; /* vanished mid-walk */
                 return fail(w, errno, top, name, strlen(name));
             }
-            int descend = account(w, &st);
-            if (descend < 0)
-                return fail_nomem(w);
-            if (descend && arena_push(w, (uint64_t)st.st_dev, (uint64_t)st.st_ino, name, strlen(name)) != 0)
+            if (w->remove) {
+                int rc = remove_entry(w, fd, top, name, &st);
+                if (rc < 0)
+                    return -1;
+                if (rc == 0)
+                    continue;
+            } else {
+                int descend = account(w, &st);
+                if (descend < 0)
+                    return fail_nomem(w);
+                if (!descend)
+                    continue;
+            }
+            if (arena_push(w, &st, name, strlen(name)) != 0)
                 return fail_nomem(w);
         }
     }
@@ -306,6 +368,29 @@ static int push_frame(walker *w, int fd, uint64_t dev, uint64_t ino, size_t name
     return 0;
 }
 
+/* Removal mode: frame `idx` (just popped) is empty now; removes it from its parent
+ * and counts it. 0 (a failure is noted, not fatal), -1 on a fatal error. */
+static int remove_dir(walker *w, size_t idx) {
+    size_t parent = idx - 1;
+    int e = ensure_open(w, parent);
+    if (e == ENOENT)
+        return 0;
+    if (e != 0)
+        return -1;
+    rec_hdr h;
+    memcpy(&h, w->arena + w->frames[idx].name_off, sizeof h);
+    const char *name = w->arena + w->frames[idx].name_off + sizeof h;
+    if (unlinkat(w->frames[parent].fd, name, AT_REMOVEDIR) != 0) {
+        if (errno != ENOENT)
+            note_failure(w, errno, parent, name, h.len);
+        return 0;
+    }
+    w->out->dirs++;
+    w->out->apparent_bytes += h.size;
+    w->out->allocated_bytes += h.blocks * 512;
+    return 0;
+}
+
 static int walk_tree(walker *w, int root_fd, const struct stat *root_st) {
     if (push_frame(w, root_fd, (uint64_t)root_st->st_dev, (uint64_t)root_st->st_ino, 0) != 0) {
         close(root_fd);
@@ -322,6 +407,8 @@ static int walk_tree(walker *w, int root_fd, const struct stat *root_st) {
             w->depth--;
             if (w->lowest_open > w->depth)
                 w->lowest_open = w->depth;
+            if (w->remove && top > 0 && remove_dir(w, top) != 0)
+                return -1;
             continue;
         }
         size_t off = f->pend_next;
@@ -396,6 +483,80 @@ int pl_tree_bytes(const char *root, int one_file_system, pl_tree_size *out, pl_e
     for (size_t i = 0; i < w.depth; i++)
         if (w.frames[i].fd >= 0)
             close(w.frames[i].fd);
+    free(w.buf);
+    free(w.arena);
+    free(w.frames);
+    free(w.links.slots);
+    return rc;
+}
+
+int pl_remove_tree(const char *root, pl_tree_size *removed, pl_error *error) {
+    memset(removed, 0, sizeof *removed);
+    error->err = 0;
+    error->path = NULL;
+    walker w;
+    memset(&w, 0, sizeof w);
+    w.root = root;
+    w.one_fs = 1;
+    w.remove = 1;
+    w.out = removed;
+    w.error = error;
+
+    struct stat st;
+    if (lstat(root, &st) != 0) {
+        if (errno == ENOENT)
+            return 0; /* nothing to remove */
+        error->err = errno;
+        error->path = strdup(root);
+        return -1;
+    }
+    w.root_dev = (uint64_t)st.st_dev;
+    if (!S_ISDIR(st.st_mode)) {
+        if (unlink(root) != 0) {
+            if (errno == ENOENT)
+                return 0;
+            error->err = errno;
+            error->path = strdup(root);
+            return -1;
+        }
+        int r = account(&w, &st);
+        free(w.links.slots);
+        return r < 0 ? fail_nomem(&w) : 0;
+    }
+    int fd = open(root, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+        error->err = errno;
+        error->path = strdup(root);
+        return -1;
+    }
+    w.buf = malloc(DENTS_BUF_SIZE);
+    int rc;
+    if (!w.buf) {
+        close(fd);
+        rc = fail_nomem(&w);
+    } else {
+        rc = walk_tree(&w, fd, &st);
+    }
+    for (size_t i = 0; i < w.depth; i++)
+        if (w.frames[i].fd >= 0)
+            close(w.frames[i].fd);
+    if (rc == 0) {
+        if (rmdir(root) == 0) {
+            removed->dirs++;
+            removed->apparent_bytes += (uint64_t)st.st_size;
+            removed->allocated_bytes += (uint64_t)st.st_blocks * 512;
+        } else if (errno != ENOENT && w.first_err == 0) {
+            w.first_err = errno;
+            w.first_err_path = strdup(root);
+        }
+        if (w.first_err != 0) {
+            error->err = w.first_err;
+            error->path = w.first_err_path;
+            w.first_err_path = NULL;
+            rc = -1;
+        }
+    }
+    free(w.first_err_path);
     free(w.buf);
     free(w.arena);
     free(w.frames);

@@ -30,6 +30,13 @@ typedef struct {
  * without the GIL: touches no Python object. */
 int pl_tree_bytes(const char *root, int one_file_system, pl_tree_size *out, pl_error *error);
 
+/* Removes the tree at `root` (a directory or a single entry) with a GIL-free
+ * unlinkat walk, bottom-up, never following symlinks or leaving the filesystem.
+ * *removed counts what was really removed, like pl_tree_bytes (a hard-linked
+ * inode once). An entry that cannot be removed is skipped and the walk goes on;
+ * returns 0, or -1 with *error naming the first failure. A missing root is 0. */
+int pl_remove_tree(const char *root, pl_tree_size *removed, pl_error *error);
+
 /* Join a path prefix and a byte name into a fresh malloc'd string (NULL on ENOMEM). */
 char *pl_path_join(const char *prefix, const char *name, size_t name_len);
 

@@ -23,6 +23,7 @@ __all__ = [
     "parse_bool",
     "parse_bytes",
     "parse_nonnegative_int",
+    "parse_optional_seconds",
     "parse_path",
     "parse_positive_int",
     "preloop_home",
@@ -90,6 +91,21 @@ def parse_nonnegative_int(raw: str) -> int:
     return value
 
 
+def parse_optional_seconds(raw: str) -> float | None:
+    """Seconds >= 0 (`30`, `2.5`); empty means no bound (None)."""
+    if not raw.strip():
+        return None
+    try:
+        value = float(raw.strip().removesuffix("s"))
+    except ValueError:
+        raise ValueError(
+            f"expected seconds such as 30 or 2.5, or empty for none, got {raw!r}"
+        ) from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"expected seconds >= 0, or empty for none, got {raw!r}")
+    return value
+
+
 def parse_bool(raw: str) -> bool:
     """1/0, true/false, yes/no, on/off."""
     value = raw.strip().lower()
@@ -138,6 +154,13 @@ KNOBS: dict[str, Knob] = {
             "/var/tmp/preloop-coordination",
             parse_path,
             "Host directory of the fingerprint slot semaphore (tests); never derived from TMPDIR.",
+        ),
+        Knob(
+            "PRELOOP_FINGERPRINT_SLOT_TIMEOUT",
+            "",
+            parse_optional_seconds,
+            "Seconds a fingerprint waits for a host slot before failing; empty waits without "
+            "bound. A wait over 3 s logs which pids hold the slots.",
         ),
         Knob(
             "PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from preloop import _native
 
-__all__ = ["TreeSize", "tree_bytes"]
+__all__ = ["TreeSize", "remove_tree", "tree_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,3 +35,17 @@ def tree_bytes(path: str | os.PathLike[str], *, one_file_system: bool = True) ->
     skipped; any other error raises `OSError` whose `filename` is the exact path.
     """
     return TreeSize(*_native.tree_bytes(os.fspath(path), one_file_system))
+
+
+def remove_tree(path: str | os.PathLike[str]) -> tuple[int, OSError | None]:
+    """Removes the tree (or single entry) at `path`, like `rm -rf`, in one native
+    bottom-up `unlinkat` walk without the GIL: symlinks are never followed and
+    other filesystems mounted below are left alone.
+
+    Returns the allocated bytes really removed (a hard-linked inode counted once)
+    and None, or the `OSError` of the first entry that could not be removed: the
+    walk goes on past it, so everything removable is gone. A missing path removes
+    nothing and is not an error.
+    """
+    allocated, _apparent, error = _native.remove_tree(os.fspath(path))
+    return allocated, error

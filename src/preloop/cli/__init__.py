@@ -1,21 +1,34 @@
 """The `preloop` command. Each command group lives in its own module here and
-registers itself on `cli` when imported below."""
+registers itself on `cli` when imported; `preloop.cli.commands.COMMANDS` says
+which module defines which command, so only the command that runs is imported.
 
-from preloop.cli import (  # noqa: F401  (registration)
-    actions,
-    cache,
-    config_cmd,
-    du,
-    hook,
-    listing,
-    plan,
-    run,
-    runner,
-    runs,
-    services,
-    snapshot,
-)
-from preloop.cli import fingerprint as _fingerprint  # noqa: F401  (registration)
-from preloop.cli.app import cli, main
+`preloop --version` is answered before click is imported: it is what scripts and
+shells run most to probe for the tool.
+"""
+
+from __future__ import annotations
+
+import sys
 
 __all__ = ["cli", "main"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (see `preloop.cli.app.main`)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args in (["--version"], ["-V"]):
+        from preloop import version
+
+        sys.stdout.write(f"preloop, version {version()}\n")
+        sys.exit(0)
+    from preloop.cli.app import main as run_main
+
+    run_main(argv)
+
+
+def __getattr__(name: str) -> object:
+    if name == "cli":
+        from preloop.cli.app import cli
+
+        return cli
+    raise AttributeError(f"module 'preloop.cli' has no attribute {name!r}")

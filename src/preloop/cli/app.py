@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import importlib
 import sys
 from typing import Any, NoReturn
 
@@ -31,8 +31,52 @@ def make_console(**kw: Any) -> Console:
     return Console(width=_PIPE_WIDTH, soft_wrap=True, **kw)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(None, "-V", "--version", package_name="preloop", prog_name="preloop")
+class LazyGroup(click.Group):
+    """A group whose commands are imported on first use, from `COMMANDS`.
+
+    `preloop --version` and `preloop du` then import click and little else; help
+    still lists every command (it imports them all, which only help pays for).
+    """
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        from preloop.cli.commands import COMMANDS
+
+        return sorted(set(COMMANDS) | set(self.commands))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands:
+            from preloop.cli.commands import COMMANDS
+
+            module = COMMANDS.get(cmd_name)
+            if module is None:
+                return None
+            # The module registers its commands on `cli` as it is imported.
+            importlib.import_module(module)
+        return self.commands.get(cmd_name)
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from preloop import version
+
+    click.echo(f"preloop, version {version()}")
+    ctx.exit()
+
+
+@click.group(
+    cls=LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
+@click.option(
+    "-V",
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="Show the version and exit.",
+)
 def cli() -> None:
     """Run GitHub Actions workflows against a snapshot of your workspace.
 
@@ -43,6 +87,8 @@ def cli() -> None:
 
 def emit_json(document: Any) -> None:
     """Prints one JSON document for scripts (sorted keys, trailing newline)."""
+    import json  # here, not at the top: most commands print no JSON
+
     click.echo(json.dumps(document, indent=2, sort_keys=True, default=str))
 
 

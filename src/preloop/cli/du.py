@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 
 import click
 
@@ -12,14 +11,14 @@ from preloop.fs import tree_bytes
 
 
 @cli.command("du")
-@click.argument("path", type=click.Path(path_type=Path))
+@click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 @click.option(
     "--cross-filesystems",
     is_flag=True,
     help="Descend into other filesystems mounted below PATH (default: stay on one, like du -x).",
 )
-def du_command(path: Path, as_json: bool, cross_filesystems: bool) -> None:
+def du_command(path: str, as_json: bool, cross_filesystems: bool) -> None:
     """Size of the tree at PATH, counted like `du`.
 
     Apparent bytes match `du -sb`, allocated bytes `du -s --block-size=1`;
@@ -30,7 +29,7 @@ def du_command(path: Path, as_json: bool, cross_filesystems: bool) -> None:
     except OSError as exc:
         fail(f"cannot size {exc.filename or path}: {exc.strerror or exc}")
     if as_json:
-        emit_json({"path": str(path), **asdict(size)})
+        emit_json({"path": path, **asdict(size)})
         return
     click.echo(
         f"{size.apparent_bytes}\tapparent bytes\n"

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from preloop import _native
-from preloop.fingerprint.slots import coordination_dir
+from preloop import _native, config
+from preloop.fingerprint.slots import HostSlots, coordination_dir
 
 __all__ = ["Fingerprint", "FingerprintMode", "fingerprint"]
 
@@ -36,6 +36,8 @@ class Fingerprint:
 def fingerprint(roots: Root | Iterable[Root], *, mode: FingerprintMode = "content") -> Fingerprint:
     """Fingerprints `roots` in `mode` under a host slot.
 
+    Waits for a slot without bound, or `PRELOOP_FINGERPRINT_SLOT_TIMEOUT` seconds
+    (then `SlotWaitTimeout`, naming the pids that hold the slots).
     Roots are resolved, de-duplicated and sorted; a missing root or a root inside
     another raises `FingerprintRootError`. A file that changes while it is hashed
     raises `TreeChangedWhileHashing`; other I/O errors raise `OSError` naming the
@@ -46,7 +48,15 @@ def fingerprint(roots: Root | Iterable[Root], *, mode: FingerprintMode = "conten
     if isinstance(roots, str | os.PathLike):
         roots = [roots]
     paths = [os.fspath(r) for r in roots]
-    digest, files, size, per_root = _native.fingerprint(paths, mode, coordination_dir())
+    directory = coordination_dir()
+    slots = _host_slots(directory)
+    timeout: float | None = config.get("PRELOOP_FINGERPRINT_SLOT_TIMEOUT")
+    # The slot is taken here rather than inside the native walk so the wait can be
+    # bounded and can say who holds the slots; the walk checks that one is held.
+    with slots.acquire(timeout):
+        digest, files, size, per_root = _native.fingerprint(
+            paths, mode, directory, held=slots.native
+        )
     return Fingerprint(
         digest=digest,
         files=files,
@@ -54,3 +64,16 @@ def fingerprint(roots: Root | Iterable[Root], *, mode: FingerprintMode = "conten
         roots={root: root_digest for root, root_digest, _, _ in per_root},
         mode=mode,
     )
+
+
+_SLOTS: dict[str, HostSlots] = {}
+
+
+def _host_slots(directory: os.PathLike[str] | str) -> HostSlots:
+    """One `HostSlots` per coordination directory per process: its descriptors stay
+    open between walks."""
+    key = os.fspath(directory)
+    slots = _SLOTS.get(key)
+    if slots is None:
+        slots = _SLOTS[key] = HostSlots(directory)
+    return slots

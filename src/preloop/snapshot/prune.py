@@ -29,7 +29,8 @@ the whole eviction (fail closed); only ENOENT means "absent".
 
 **Removal** unlinks the sidecars and renames `<key>.git` to a private
 `.evicting-<key>-<pid>-<nonce>` directory while the lock is held, then deletes
-the renamed tree after the lock is released. A crash leaves at worst an intact
+the renamed tree after the lock is released, in one native GIL-free `unlinkat`
+walk (`preloop.fs.remove_tree`) that counts the bytes it removes. A crash leaves at worst an intact
 repository without sidecars or that private directory, which the next prune
 removes once its process is gone. Only bytes really removed
 are subtracted from the total; a removal that fails part-way is reported as
@@ -55,9 +56,7 @@ import functools
 import logging
 import os
 import secrets
-import shutil
 import stat
-import sys
 import threading
 import time
 import weakref
@@ -71,7 +70,7 @@ import anyio.abc
 
 from preloop import config
 from preloop.errors import ConfigError, PreloopError
-from preloop.fs import tree_bytes
+from preloop.fs import remove_tree, tree_bytes
 from preloop.snapshot import layout
 from preloop.snapshot.holders import sweep_abandoned_run_repositories
 from preloop.snapshot.hooks import register_after_capture
@@ -495,7 +494,7 @@ def _remove_leftovers(state_dir: Path, names: list[str]) -> list[str]:
         pid = int(pid_text[1])
         if pid != os.getpid() and pid_exists(pid):
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
         if not os.path.lexists(path):
             removed.append(name)
     return removed
@@ -518,31 +517,14 @@ def _unlink_counted(path: Path) -> tuple[int, str | None]:
     return st.st_blocks * 512, None
 
 
-def _delete_tree(trash: Path, estimate: int) -> tuple[int, str | None]:
-    """Deletes a renamed-aside repository: (bytes removed, error). On a failure
-    part-way, the bytes still present are measured and not counted. `estimate`
-    (the size measured before the lock) stands in if the tree cannot be sized."""
-    try:
-        before = _allocated(trash)
-    except OSError:
-        before = estimate
-    errors: list[str] = []
-
-    def record(exc: BaseException, path: str) -> None:
-        if not isinstance(exc, FileNotFoundError):
-            errors.append(f"{path}: {getattr(exc, 'strerror', None) or exc}")
-
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(trash, onexc=lambda _f, p, exc: record(exc, p))
-    else:
-        shutil.rmtree(trash, onerror=lambda _f, p, info: record(info[1], p))
-    if not errors:
-        return before, None
-    try:
-        remaining = _allocated(trash)
-    except OSError:
-        remaining = before  # cannot even measure what is left: claim nothing
-    return max(0, before - remaining), errors[0]
+def _delete_tree(trash: Path) -> tuple[int, str | None]:
+    """Deletes a renamed-aside repository: (bytes removed, error). One native
+    unlinkat walk without the GIL that counts what it really removes, so a failure
+    part-way claims only the bytes that are gone."""
+    freed, err = remove_tree(trash)
+    if err is None:
+        return freed, None
+    return freed, f"{err.filename or trash}: {err.strerror or err}"
 
 
 @dataclass
@@ -658,7 +640,7 @@ def _retire(run: _Run, usage: CacheEntryUsage) -> None:
         try:
             if run.hooks.before_remove is not None:
                 run.hooks.before_remove(key, trash)
-            n, err = _delete_tree(trash, usage.repository_bytes)
+            n, err = _delete_tree(trash)
         finally:
             with _active_trash_lock:
                 _active_trash.discard(str(trash))

@@ -1,0 +1,119 @@
+"""Command start-up: the modules a command imports (an import budget, not a timing),
+and the lazy command table staying complete."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+from preloop.cli import cli
+from preloop.cli.commands import COMMANDS
+
+# Imported by no command that does not need it: the scheduler, the workflow
+# loader, the runner, rich, YAML, async I/O and the database drivers.
+HEAVY = (
+    "anyio",
+    "asyncio",
+    "importlib.metadata",
+    "psycopg",
+    "rich",
+    "sqlite3",
+    "yaml",
+    "preloop.control",
+    "preloop.engine",
+    "preloop.runner",
+    "preloop.snapshot",
+    "preloop.workflow",
+)
+
+
+def imported_modules(*args: str) -> set[str]:
+    """The modules `preloop ARGS...` imports, from `python -X importtime`."""
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "preloop", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = set()
+    for line in r.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            name = line.rsplit("|", 1)[1].strip()
+            if name != "imported package":
+                names.add(name)
+    return names
+
+
+def _heavy(names: set[str]) -> list[str]:
+    return sorted(n for n in names if any(n == h or n.startswith(h + ".") for h in HEAVY))
+
+
+def test_version_import_budget() -> None:
+    names = imported_modules("--version")
+    assert not _heavy(names)
+    # `--version` is answered before the command framework is imported at all.
+    assert "click" not in names
+    assert {n for n in names if n.startswith("preloop")} <= {
+        "preloop",
+        "preloop.__main__",
+        "preloop.cli",
+        "preloop._version",
+    }
+    # The interpreter's own start-up plus a handful; today about 45 modules.
+    assert len(names) <= 70, sorted(names)
+
+
+def test_du_import_budget(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"x")
+    names = imported_modules("du", str(tmp_path))
+    assert not _heavy(names)
+    assert {n for n in names if n.startswith("preloop.cli.")} <= {
+        "preloop.cli.app",
+        "preloop.cli.commands",
+        "preloop.cli.du",
+    }
+    assert len(names) <= 130, sorted(names)
+
+
+def test_help_lists_every_command() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "preloop", "--help"], capture_output=True, text=True, check=False
+    )
+    assert r.returncode == 0, r.stderr
+    listed = r.stdout.split("Commands:", 1)[1].split()
+    for name in COMMANDS:
+        assert name in listed
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_command_table_entry_defines_its_command(name: str) -> None:
+    ctx = click.Context(cli)
+    command = cli.get_command(ctx, name)
+    assert command is not None, f"{COMMANDS[name]} does not register {name!r} on cli"
+    assert command.name == name
+
+
+def test_every_registered_command_is_in_the_table() -> None:
+    ctx = click.Context(cli)
+    for name in list(COMMANDS):
+        cli.get_command(ctx, name)
+    # A module that registers a command the table does not name would make that
+    # command appear only after some other command's module happened to load.
+    assert set(cli.commands) <= set(COMMANDS)
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "preloop", "no-such-command"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 2
+    assert "No such command 'no-such-command'" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,348 @@
+"""Bounded waits on the coordination directory, the descriptors kept per
+`HostSlots` (and re-opened after fork), and parked waiters not starved.
+
+Holders are real processes holding real flock locks, synchronised by pipes."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from preloop import _native
+from preloop.fingerprint import HostSlots, Slot, SlotWaitTimeout, prepare_host_coordination
+
+HOLDER = """
+    import fcntl, os, sys
+    directory, names = sys.argv[1], sys.argv[2].split(",")
+    fds = []
+    for name in names:
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        fds.append(fd)
+    print("held", flush=True)
+    sys.stdin.readline()  # until the test closes our stdin
+"""
+
+
+@pytest.fixture(autouse=True)
+def _no_hooks() -> Iterator[None]:
+    yield
+    _native.set_test_hooks()
+
+
+class Holder:
+    """A process holding exclusive flocks on coordination files until stopped."""
+
+    def __init__(self, directory: Path, names: list[str], prefix: list[str] | None = None):
+        self.proc = subprocess.Popen(
+            [*(prefix or []), sys.executable, "-c", textwrap.dedent(HOLDER), str(directory),
+             ",".join(names)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline() == "held\n"
+        self.pid = self.proc.pid
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        assert self.proc.wait(60) == 0
+
+
+ALL_SLOTS = ["slot-0", "slot-1", "slot-2", "slot-3"]
+
+
+def in_thread(fn: Callable[[], Any]) -> Any:
+    """Runs fn in a thread; a call that blocks instead of returning fails the test."""
+    out: list[Any] = []
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the call blocked"
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+def test_try_acquire_does_not_wait_for_a_held_admission_lock(tmp_path: Path) -> None:
+    directory = prepare_host_coordination(tmp_path / "c")
+    holder = Holder(directory, ["admission"])
+    try:
+        slot = in_thread(HostSlots(directory).try_acquire)
+        assert slot is not None and slot.index == 0
+        slot.release()
+    finally:
+        holder.stop()
+
+
+def test_try_acquire_returns_none_when_admission_and_slots_are_held(tmp_path: Path) -> None:
+    directory = prepare_host_coordination(tmp_path / "c")
+    holder = Holder(directory, ["admission", *ALL_SLOTS])
+    try:
+        assert in_thread(HostSlots(directory).try_acquire) is None
+    finally:
+        holder.stop()
+
+
+def test_blocking_acquire_with_free_slots_ignores_a_held_admission(tmp_path: Path) -> None:
+    directory = prepare_host_coordination(tmp_path / "c")
+    holder = Holder(directory, ["admission"])
+    try:
+        slot = in_thread(lambda: HostSlots(directory).acquire(timeout=0))
+        slot.release()
+    finally:
+        holder.stop()
+
+
+@pytest.mark.parametrize("names", [ALL_SLOTS, ["admission", *ALL_SLOTS]], ids=["slots", "all"])
+def test_acquire_times_out_naming_the_holder(tmp_path: Path, names: list[str]) -> None:
+    directory = prepare_host_coordination(tmp_path / "c")
+    holder = Holder(directory, names)
+    try:
+        with pytest.raises(SlotWaitTimeout) as caught:
+            in_thread(lambda: HostSlots(directory, report_after=0.1).acquire(timeout=0.3))
+        message = str(caught.value)
+        assert "within 0.3 s (PRELOOP_FINGERPRINT_SLOT_TIMEOUT)" in message
+        assert f"pid {holder.pid} (" in message
+        assert "slot-0" in message
+        assert caught.value.path == str(directory)
+    finally:
+        holder.stop()
+    # Nothing was left held: the slots are usable at once.
+    slot = HostSlots(directory).try_acquire()
+    assert slot is not None
+    slot.release()
+
+
+def test_a_long_wait_logs_who_holds_the_slots(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = prepare_host_coordination(tmp_path / "c")
+    holder = Holder(directory, ALL_SLOTS)
+    released = threading.Event()
+
+    def release_after_report(record: logging.LogRecord) -> bool:
+        if "waiting" in record.getMessage() and not released.is_set():
+            released.set()
+            threading.Thread(target=holder.stop).start()
+        return True
+
+    logger = logging.getLogger("preloop.fingerprint")
+    logger.addFilter(release_after_report)
+    try:
+        with caplog.at_level(logging.WARNING, logger="preloop.fingerprint"):
+            slot = in_thread(lambda: HostSlots(directory, report_after=0.1).acquire())
+        slot.release()
+    finally:
+        logger.removeFilter(release_after_report)
+        if not released.is_set():
+            holder.stop()
+    assert released.is_set()
+    assert any(f"held by pid {holder.pid} (slot-0, " in r.getMessage() for r in caplog.records)
+
+
+def test_lock_holders_reads_the_kernel_lock_table(tmp_path: Path) -> None:
+    directory = prepare_host_coordination(tmp_path / "c")
+    holder = Holder(directory, ["slot-2", "admission"])
+    try:
+        assert HostSlots(directory).holders() == {
+            "admission": [holder.pid],
+            "slot-2": [holder.pid],
+        }
+    finally:
+        holder.stop()
+    assert HostSlots(directory).holders() == {}
+
+
+def test_a_free_slot_with_a_parked_waiter_is_left_to_that_waiter(tmp_path: Path) -> None:
+    directory = prepare_host_coordination(tmp_path / "c")
+    holder = Holder(directory, ["slot-0"])
+    mine = [HostSlots(directory).try_acquire() for _ in range(3)]
+    assert sorted(s.index for s in mine if s) == [1, 2, 3]
+    parked = threading.Event()
+    _native.set_test_hooks(full_scan=lambda path: parked.set())
+    waiter = HostSlots(directory, pid=4)  # parks on slot-0
+    got: list[Slot] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire()))
+    thread.start()
+    assert parked.wait(30)
+    holder.stop()  # slot-0 is free now; its waiter may not have woken yet
+    # A scanner arriving now must not take slot-0 from the waiter parked on it.
+    assert HostSlots(directory).try_acquire() is None
+    thread.join(30)
+    assert not thread.is_alive()
+    assert got[0].index == 0
+    for slot in [*mine, *got]:
+        assert slot is not None
+        slot.release()
+
+
+def test_waiters_spread_over_slots_nobody_waits_on(tmp_path: Path) -> None:
+    directory = prepare_host_coordination(tmp_path / "c")
+    holder = Holder(directory, ALL_SLOTS)
+    paths: list[str] = []
+    parked = threading.Semaphore(0)
+
+    def on_park(path: str) -> None:
+        paths.append(path)
+        parked.release()
+
+    _native.set_test_hooks(full_scan=on_park)
+    got: list[Slot] = []
+    threads = []
+    for _ in range(2):
+        # Both prefer slot 1 (pid 5 % 4); the second parks on the next free of waiters.
+        t = threading.Thread(target=lambda: got.append(HostSlots(directory, pid=5).acquire()))
+        t.start()
+        assert parked.acquire(timeout=30)
+        threads.append(t)
+    assert paths == [str(directory / "slot-1"), str(directory / "slot-2")]
+    holder.stop()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    assert sorted(s.index for s in got) == [1, 2]
+    for slot in got:
+        slot.release()
+
+
+def test_forked_child_reopens_and_never_drops_the_parents_slot(tmp_path: Path) -> None:
+    directory = prepare_host_coordination(tmp_path / "c")
+    slots = HostSlots(directory)
+    parents = slots.try_acquire()
+    assert parents is not None and parents.index == 0
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: exits with a status the parent checks
+        status = 1
+        try:
+            os.close(r)
+            # The inherited descriptor shares the parent's lock: releasing the
+            # inherited Slot must not unlock it, and the child takes another slot.
+            parents.release()
+            child = slots.try_acquire()
+            others = [slots.try_acquire() for _ in range(3)]
+            status = 0 if child is not None and child.index == 1 and others[2] is None else 2
+            os.write(w, b"%d" % (child.index if child else -1))
+        finally:
+            os._exit(status)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        assert pipe.read() == b"1"
+    assert os.waitpid(pid, 0)[1] == 0
+    # The parent still holds slot 0: a separate process sees it taken.
+    probe = os.open(directory / "slot-0", os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(probe)
+    assert parents.held
+    parents.release()
+    # After the child exited, its slot is free again, and so is the parent's.
+    again = [slots.try_acquire() for _ in range(4)]
+    assert sorted(s.index for s in again if s) == [0, 1, 2, 3]
+    for slot in again:
+        assert slot is not None
+        slot.release()
+
+
+def test_slots_held_through_one_handle_are_distinct_across_threads(tmp_path: Path) -> None:
+    slots = HostSlots(tmp_path / "c")
+    barrier = threading.Barrier(4)
+    got: list[Slot] = []
+    lock = threading.Lock()
+
+    def take() -> None:
+        barrier.wait()
+        slot = slots.acquire()
+        with lock:
+            got.append(slot)
+
+    threads = [threading.Thread(target=take) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(s.index for s in got) == [0, 1, 2, 3]
+    assert slots.try_acquire() is None
+    for slot in got:
+        slot.release()
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to act as another user",
+)
+
+
+@needs_root
+def test_fingerprint_command_honours_the_timeout_against_another_user(
+    public_tmp: Path,
+) -> None:
+    directory = prepare_host_coordination(public_tmp / "coordination")
+    tree = public_tmp / "tree"
+    tree.mkdir()
+    (tree / "f").write_text("x")
+    holder = Holder(
+        directory,
+        ["admission", *ALL_SLOTS],
+        prefix=["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"],
+    )
+    env = {
+        **os.environ,
+        "PRELOOP_COORDINATION_DIR": str(directory),
+        "PRELOOP_FINGERPRINT_SLOT_TIMEOUT": "0.5",
+    }
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "preloop", "fingerprint", str(tree)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        holder.stop()
+    assert r.returncode == 1
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"preloop: error: no fingerprint slot in {directory} became free")
+    assert f"pid {holder.pid} (" in lines[0]
+
+
+def test_fingerprint_timeout_knob_is_validated(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    env = {**os.environ, "PRELOOP_FINGERPRINT_SLOT_TIMEOUT": "soon"}
+    r = subprocess.run(
+        [sys.executable, "-m", "preloop", "fingerprint", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert r.returncode == 2
+    assert r.stderr.startswith("preloop: error: PRELOOP_FINGERPRINT_SLOT_TIMEOUT: ")

@@ -486,3 +486,25 @@ def test_runs_sharing_a_store_only_run_their_own_jobs(tmp_path: Path) -> None:
     assert h.started == ["build"]
     with open_store(url) as store:
         assert store.get_job(foreign_id, "build").status == "queued"
+
+
+def test_repository_is_owner_slash_name_without_a_github_origin(
+    tmp_path: Path, store_url: str
+) -> None:
+    # @actions/github's context.repo throws unless GITHUB_REPOSITORY is owner/repo.
+    repo = make_repo(
+        tmp_path / "widget",
+        workflow(
+            """\
+            on: push
+            jobs:
+              show:
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo "repo=$GITHUB_REPOSITORY owner=${{ github.repository_owner }}"
+            """
+        ),
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "success"
+    assert "repo=local/widget owner=local" in h.lines["show"]

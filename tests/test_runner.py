@@ -551,3 +551,16 @@ def test_steps_are_tagged_by_the_run_key_and_other_runs_are_spared(tmp_path: Pat
         other.kill()
         other.wait()
         os.close(pidfd)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_debug_lines_only_with_step_debug_logging(tmp_path: Path, debug: bool) -> None:
+    # GitHub shows `::debug::` only when ACTIONS_STEP_DEBUG is true, and then
+    # tells steps with RUNNER_DEBUG=1; real actions log heavily at debug level.
+    _, lines = run_job(
+        tmp_path,
+        [{"run": 'echo "::debug::tool cache probe"\necho "runner debug=${RUNNER_DEBUG:-0}"'}],
+        secrets={"ACTIONS_STEP_DEBUG": "true"} if debug else None,
+    )
+    assert ("debug: tool cache probe" in lines) is debug
+    assert f"runner debug={1 if debug else 0}" in lines

@@ -724,7 +724,10 @@ def _declared_inputs(wf: Any, event: str) -> set[str]:
 def _github_context(root: Path, event: str, local: LocalEvent) -> dict[str, Any]:
     """The run's `github` context: the repository's, with the event's ref."""
     gh = {k: v for k, v in local_github_context(root).items() if k != "workspace"}
-    gh.setdefault("repository", root.name)
+    # Always `owner/name` as on GitHub: @actions/github's `context.repo`
+    # throws on a name without an owner (a repository with no GitHub origin).
+    gh.setdefault("repository", f"local/{root.name}")
+    gh.setdefault("repository_owner", str(gh["repository"]).split("/", 1)[0])
     gh.setdefault("actor", os.environ.get("USER", "preloop"))
     for key in ("ref", "ref_name", "ref_type"):
         gh.pop(key, None)

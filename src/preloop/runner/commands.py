@@ -151,8 +151,9 @@ class WorkflowCommandParser:
     """Interprets one step's output line by line. `line()` returns the text to
     log (None to hide the line), after masking."""
 
-    def __init__(self, masker: Masker, job: str, step: str) -> None:
+    def __init__(self, masker: Masker, job: str, step: str, *, debug: bool = False) -> None:
         self.masker = masker
+        self._debug = debug  # show `::debug::` lines (step debug logging)
         self.effects = CommandEffects()
         self._job = job
         self._step = step
@@ -203,7 +204,7 @@ class WorkflowCommandParser:
             # the join of two properties.
             return self.masker.mask(ann.render())
         if name == "debug":
-            return self.masker.mask(f"debug: {data}")
+            return self.masker.mask(f"debug: {data}") if self._debug else None
         if name == "set-output" and "name" in props:
             self.effects.outputs[props["name"]] = data
             return None

@@ -266,6 +266,14 @@ class _Execution:
         self.commands_dir.mkdir(parents=True, exist_ok=True)
         for value in secrets.values():
             masker.add(value)
+        # GitHub shows `::debug::` lines only with step debug logging on (the
+        # ACTIONS_STEP_DEBUG secret or variable), and then tells steps so with
+        # RUNNER_DEBUG=1; actions such as setup-python and the artifact client
+        # are very talkative at debug level.
+        self.step_debug = any(
+            str(source.get("ACTIONS_STEP_DEBUG", "")).lower() == "true"
+            for source in (secrets, contexts.get("vars") or {}, host.base_env or os.environ)
+        )
         github = dict(contexts.get("github") or {})
         github["workspace"] = str(host.workspace)  # the job's checkout, never the source
         github.setdefault("job", self.job_key)
@@ -584,8 +592,10 @@ class _Execution:
         files = self.step_files()
         penv = self.process_env(env, files, scope)
         penv["RUNNER_TRACKING_ID"] = self.tracking_id
+        if self.step_debug:
+            penv["RUNNER_DEBUG"] = "1"
         launcher = self.host.wrap(argv) if self.host.wrap is not None else argv
-        parser = WorkflowCommandParser(self.masker, self.job_key, name)
+        parser = WorkflowCommandParser(self.masker, self.job_key, name, debug=self.step_debug)
 
         def on_line(raw: str) -> None:
             shown = parser.line(raw)

@@ -269,10 +269,10 @@ def default_store_url(state_dir: Path, given: str | None = None) -> str:
     """`given`, else `$PRELOOP_STORE_URL`, else the lite store in `state_dir`.
     A URL the user gave is checked first (a typo is an error, never a file)."""
     if given:
-        return check_store_url(given, "--store")
+        return check_store_url(given, "--store", state_dir)
     env = config.get("PRELOOP_STORE_URL") or None
     if env:
-        return check_store_url(str(env), "PRELOOP_STORE_URL")
+        return check_store_url(str(env), "PRELOOP_STORE_URL", state_dir)
     return f"sqlite:///{Path(state_dir).absolute() / 'preloop.db'}"
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
-from rich.console import Console
 
 from preloop.errors import PreloopError
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["cli", "emit_json", "fail", "main", "make_console", "plural"]
 
@@ -25,6 +27,8 @@ def plural(count: int, word: str, many: str | None = None) -> str:
 def make_console(**kw: Any) -> Console:
     """A console for command output: on a terminal, rich's own; anywhere else
     (a pipe, a file, CI logs) lines are never wrapped or truncated."""
+    from rich.console import Console  # here: `preloop du` and `--version` never load rich
+
     probe = Console(**kw)
     if probe.is_terminal:
         return probe

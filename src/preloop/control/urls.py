@@ -1,10 +1,10 @@
 """Store URLs as users type them: checked before anything is created.
 
 `check_store_url(url, origin)` accepts `postgresql://...` / `postgres://...`
-and `sqlite:///path` whose directory exists. Anything else (`postgres//x`,
-a `sqlite:///missing/dir/x.db`, a bare path) is a `UsageError` naming the
-URL, where it came from (`--store` or `PRELOOP_STORE_URL`) and what to write,
-so a typo never creates files.
+and `sqlite:///path` whose directory exists (or is the state directory).
+Anything else (`postgres//x`, a `sqlite:///missing/dir/x.db`, a bare path)
+is a `UsageError` naming the URL, where it came from (`--store` or
+`PRELOOP_STORE_URL`) and what to write, so a typo never creates files.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ __all__ = ["check_store_url"]
 _SCHEMES = ("postgresql://", "postgres://", "sqlite:///")
 
 
-def check_store_url(url: str, origin: str) -> str:
-    """`url` unchanged when it is a usable store URL (see the module docstring)."""
+def check_store_url(url: str, origin: str, state_dir: Path | None = None) -> str:
+    """`url` unchanged when it is a usable store URL (see the module docstring).
+    A database directly in `state_dir` is fine before that directory exists:
+    preloop creates its state directory itself."""
     if url.startswith(("postgresql://", "postgres://")):
         if len(url.split("://", 1)[1].strip("/")) == 0:
             raise UsageError(f"{origin} {url!r}: the PostgreSQL URL names no server")
@@ -29,7 +31,8 @@ def check_store_url(url: str, origin: str) -> str:
         path = Path(url[len("sqlite://") :])
         if path.is_dir():
             raise UsageError(f"{origin} {url!r}: {path} is a directory, not a database file")
-        if not path.parent.is_dir():
+        own = state_dir is not None and _same(path.parent, Path(state_dir).absolute())
+        if not path.parent.is_dir() and not own:
             raise UsageError(
                 f"{origin} {url!r}: directory {path.parent} does not exist (create it first)"
             )
@@ -41,3 +44,8 @@ def check_store_url(url: str, origin: str) -> str:
         f"{origin} {url!r} is not a store URL: use postgresql://USER@HOST/DB or "
         f"sqlite:///PATH{hint}"
     )
+
+
+def _same(a: Path, b: Path) -> bool:
+    # `sqlite:////abs` leaves `//abs`, which POSIX paths keep apart from `/abs`.
+    return "/" + str(a).lstrip("/") == "/" + str(b).lstrip("/")

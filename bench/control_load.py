@@ -32,7 +32,8 @@ from preloop.testing.pg import scratch_schema
 from preloop.testing.plans import profile_plan, with_runs_on
 
 ENGINES = 2
-CLAIMERS_PER_ENGINE = 2
+CAPACITY = int(os.environ.get("PRELOOP_BENCH_CAPACITY", "16"))  # jobs one engine runs at once
+THREADS_PER_ENGINE = int(os.environ.get("PRELOOP_BENCH_THREADS", "2"))
 RESULTS: list[dict[str, Any]] = []
 
 
@@ -61,7 +62,8 @@ def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
                 "preloop.testing.load",
                 url,
                 str(run_id),
-                str(CLAIMERS_PER_ENGINE),
+                str(CAPACITY),
+                str(THREADS_PER_ENGINE),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -89,7 +91,6 @@ def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
     assert completions == len(plan.jobs)
     holds = sum(r["settle_lock_holds"] for r in reports)
     waits = sum(r["lock_run_waits"] for r in reports)
-    ops = sum(r["complete_ops"] for r in reports)
     return {
         "store": "pg" if url.startswith("postgres") else "lite",
         "profile": profile,
@@ -107,7 +108,10 @@ def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
         "mean_lock_run_wait_ms": round(sum(r["lock_run_wait_ns"] for r in reports) / waits / 1e6, 3)
         if waits
         else None,
-        "statements_per_completion": round(sum(r["complete_statements"] for r in reports) / ops, 2),
+        "statements_per_completion": round(
+            sum(r["complete_statements"] for r in reports) / completions, 3
+        ),
+        "fast_path_misses": sum(r["fallbacks"] for r in reports),
         "deadlock_retries": sum(r["deadlock_retries"] for r in reports),
     }
 

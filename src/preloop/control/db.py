@@ -11,7 +11,10 @@ transactions never deadlock; several processes wait on the busy timeout).
 
 pg: a `psycopg_pool.ConnectionPool`; READ COMMITTED; a transaction that hits
 a deadlock or serialization failure is retried from the start (counted, so
-tests can assert there were none).
+tests can assert there were none). Connections are in autocommit mode: a
+transaction is an explicit BEGIN ... COMMIT (`Backend.transaction`), and an
+operation that is one statement (a server-side function doing its own work,
+a claim) runs as that statement alone, one round trip (`Backend.statement`).
 """
 
 from __future__ import annotations
@@ -156,6 +159,12 @@ class Backend(ABC):
     def transaction(self, op: str, fn: Callable[[Tx], T]) -> T:
         """Runs `fn` in one transaction (retried whole on a pg deadlock)."""
 
+    def statement(self, op: str, fn: Callable[[Tx], T]) -> T:
+        """Runs `fn`, which issues exactly one statement, as its own
+        transaction: on PostgreSQL one round trip (autocommit, no BEGIN or
+        COMMIT); on SQLite the same as `transaction`."""
+        return self.transaction(op, fn)
+
     @abstractmethod
     def close(self) -> None:
         """Releases the connection(s)."""
@@ -244,7 +253,7 @@ class PgBackend(Backend):
             url,
             min_size=1,
             max_size=max_size,
-            kwargs={"row_factory": dict_row, "autocommit": False},
+            kwargs={"row_factory": dict_row, "autocommit": True},
             open=False,
         )
         try:
@@ -296,6 +305,24 @@ class PgBackend(Backend):
                 continue
             except psycopg.OperationalError:
                 # A broken connection goes back to the pool (which replaces it).
+                self._drop_connection(conn)
+                raise
+            self._finish(tx, time.perf_counter_ns())
+            return result
+
+    def statement(self, op: str, fn: Callable[[Tx], T]) -> T:
+        import psycopg
+
+        while True:
+            conn = self._connection()
+            try:
+                with conn.cursor() as cur:
+                    tx = Tx(self, cur, op)
+                    result = fn(tx)
+            except self._errors:
+                self.counters.add_deadlock_retry()
+                continue
+            except psycopg.OperationalError:
                 self._drop_connection(conn)
                 raise
             self._finish(tx, time.perf_counter_ns())

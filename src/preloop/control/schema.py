@@ -256,12 +256,162 @@ _V4: list[Statement] = [
     },
 ]
 
+# Migration 5, PostgreSQL only: a runner's completions and its next claims as
+# one statement in autocommit (one round trip, one transaction): the common
+# path of a batch of one run's jobs. It takes the run row first (lock order),
+# ends the jobs (lease-guarded), counts them in their units and hands freed
+# cohort slots to the next parked plain legs, then claims up to `p_limit`
+# queued jobs (`FOR UPDATE SKIP LOCKED`, never waiting). Anything the cascade
+# must decide in Python (a unit or the run ending, a failure, a concurrency
+# group, a caller, a lease not held, two legs of one unit setting outputs)
+# raises SQLSTATE PLSLO, which undoes the whole statement; the store then
+# runs the batch as an ordinary transaction.
+_COMPLETE_CLAIM_FN = """CREATE OR REPLACE FUNCTION preloop_complete_claim(
+    p_run BIGINT, p_jobs TEXT[], p_conclusions TEXT[], p_outputs TEXT[], p_tokens TEXT[],
+    p_now DOUBLE PRECISION, p_runner TEXT, p_labels TEXT[], p_limit INT,
+    p_expires DOUBLE PRECISION, p_only_run BIGINT)
+RETURNS TABLE (settled JSON, claimed JSON, wait_us BIGINT)
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    n INT := coalesce(cardinality(p_jobs), 0);
+    t0 TIMESTAMPTZ := clock_timestamp();
+    waited BIGINT := 0;
+    left_jobs INT;
+    n_done INT; n_slow INT; n_ended INT; n_multi INT; n_cancelled INT;
+    v_settled JSON; v_slots JSON; v_claimed JSON;
+    c RECORD; got INT; odd INT;
+BEGIN
+    IF n > 0 THEN
+        UPDATE runs SET remaining_jobs = remaining_jobs - n WHERE id = p_run
+            RETURNING remaining_jobs INTO left_jobs;
+        IF NOT FOUND OR left_jobs <= 0 THEN
+            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+        END IF;
+        waited := (extract(epoch FROM clock_timestamp() - t0) * 1000000)::BIGINT;
+        WITH i AS (
+            SELECT * FROM unnest(p_jobs, p_conclusions, p_outputs, p_tokens)
+                AS i(id, conclusion, outputs, token)
+        ), d AS (
+            UPDATE jobs j SET status = 'completed',
+                conclusion = CASE WHEN j.cancel_requested = 1 AND i.conclusion <> 'skipped'
+                                  THEN 'cancelled' ELSE i.conclusion END,
+                outputs = i.outputs, completed_at = p_now, lease_token = NULL
+            FROM i
+            WHERE j.run_id = p_run AND j.id = i.id AND j.status = 'running'
+              AND j.lease_token = i.token
+            RETURNING j.id, j.base_id, j.cohort, j.kind, j.holds_slot, j.holds_group,
+                j.continue_on_error, j.anc_fail, j.anc_bad, j.conclusion, i.outputs
+        ), e AS (
+            SELECT d.*, CASE WHEN d.conclusion = 'failure' AND d.continue_on_error = 1
+                             THEN 'success' ELSE d.conclusion END AS eff FROM d
+        ), a AS (
+            SELECT base_id, count(*) AS cnt,
+                count(*) FILTER (WHERE eff = 'success') AS ns,
+                count(*) FILTER (WHERE eff = 'cancelled') AS nc,
+                count(*) FILTER (WHERE eff NOT IN ('success', 'failure', 'cancelled')) AS nk,
+                max(anc_fail) AS af, max(anc_bad) AS ab,
+                count(*) FILTER (WHERE outputs <> '{{}}') AS n_out,
+                max(outputs) FILTER (WHERE outputs <> '{{}}') AS outs
+            FROM e GROUP BY base_id
+        ), u AS (
+            UPDATE units SET remaining = units.remaining - a.cnt,
+                n_success = units.n_success + a.ns,
+                n_cancelled = units.n_cancelled + a.nc,
+                n_skipped = units.n_skipped + a.nk,
+                anc_fail = GREATEST(units.anc_fail, a.af),
+                anc_bad = GREATEST(units.anc_bad, a.ab),
+                outputs = CASE WHEN a.outs IS NULL THEN units.outputs
+                               ELSE (units.outputs::JSONB || a.outs::JSONB)::TEXT END
+            FROM a WHERE units.run_id = p_run AND units.base_id = a.base_id
+            RETURNING units.remaining
+        )
+        SELECT (SELECT count(*) FROM e),
+               (SELECT count(*) FROM e
+                 WHERE kind <> 'job' OR holds_group IS NOT NULL OR eff = 'failure'),
+               (SELECT count(*) FROM u WHERE remaining <= 0),
+               (SELECT count(*) FROM a WHERE n_out > 1),
+               (SELECT count(*) FROM e WHERE eff = 'cancelled'),
+               (SELECT json_agg(json_build_array(id, conclusion)) FROM e),
+               (SELECT json_agg(s) FROM (SELECT cohort, count(*) AS freed FROM e
+                                          WHERE holds_slot = 1 GROUP BY cohort) s)
+          INTO n_done, n_slow, n_ended, n_multi, n_cancelled, v_settled, v_slots;
+        IF n_done < n OR n_slow > 0 OR n_ended > 0 OR n_multi > 0 THEN
+            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+        END IF;
+        IF n_cancelled > 0 THEN
+            UPDATE runs SET cancelled_jobs = cancelled_jobs + n_cancelled WHERE id = p_run;
+        END IF;
+        FOR c IN SELECT x.cohort, x.freed
+                   FROM json_to_recordset(coalesce(v_slots, '[]'::JSON))
+                     AS x(cohort TEXT, freed INT)
+        LOOP
+            WITH q AS (
+                SELECT p.id, (p.kind = 'job' AND p.conc_group IS NULL
+                              AND p.conc_group_expr IS NULL) AS plain
+                FROM jobs p WHERE p.run_id = p_run AND p.cohort = c.cohort
+                  AND p.status = 'parked' ORDER BY p.seq LIMIT c.freed
+            ), h AS (
+                UPDATE jobs SET status = 'queued', holds_slot = 1 FROM q
+                WHERE jobs.run_id = p_run AND jobs.id = q.id AND q.plain
+                RETURNING 1
+            )
+            SELECT (SELECT count(*) FROM q), (SELECT count(*) FROM q WHERE NOT plain)
+              INTO got, odd;
+            IF odd > 0 THEN
+                RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+            END IF;
+            IF got < c.freed THEN
+                UPDATE cohorts SET active = active - (c.freed - got)
+                    WHERE run_id = p_run AND id = c.cohort;
+            END IF;
+        END LOOP;
+    END IF;
+    IF p_limit > 0 THEN
+        IF p_only_run IS NULL THEN
+            WITH q AS (
+                SELECT j.run_id, j.id FROM jobs j
+                WHERE j.status = 'queued' AND NOT EXISTS (
+                    SELECT 1 FROM json_array_elements_text(j.runs_on::JSON) AS l(v)
+                    WHERE l.v <> ALL (p_labels))
+                ORDER BY j.run_id, j.seq LIMIT p_limit FOR UPDATE SKIP LOCKED
+            ), w AS (
+                UPDATE jobs j SET status = 'running', runner = p_runner,
+                    lease_token = replace(gen_random_uuid()::TEXT, '-', ''),
+                    lease_expires = p_expires, started_at = p_now, attempt = j.attempt + 1
+                FROM q WHERE j.run_id = q.run_id AND j.id = q.id
+                RETURNING j.run_id, j.id, j.seq, j.name, j.attempt, j.spec, j.matrix,
+                    j.strategy, j.timeout_minutes, j.lease_token
+            )
+            SELECT json_agg(w ORDER BY w.run_id, w.seq) INTO v_claimed FROM w;
+        ELSE
+            WITH q AS (
+                SELECT j.run_id, j.id FROM jobs j
+                WHERE j.status = 'queued' AND j.run_id = p_only_run AND NOT EXISTS (
+                    SELECT 1 FROM json_array_elements_text(j.runs_on::JSON) AS l(v)
+                    WHERE l.v <> ALL (p_labels))
+                ORDER BY j.run_id, j.seq LIMIT p_limit FOR UPDATE SKIP LOCKED
+            ), w AS (
+                UPDATE jobs j SET status = 'running', runner = p_runner,
+                    lease_token = replace(gen_random_uuid()::TEXT, '-', ''),
+                    lease_expires = p_expires, started_at = p_now, attempt = j.attempt + 1
+                FROM q WHERE j.run_id = q.run_id AND j.id = q.id
+                RETURNING j.run_id, j.id, j.seq, j.name, j.attempt, j.spec, j.matrix,
+                    j.strategy, j.timeout_minutes, j.lease_token
+            )
+            SELECT json_agg(w ORDER BY w.run_id, w.seq) INTO v_claimed FROM w;
+        END IF;
+    END IF;
+    RETURN QUERY SELECT v_settled, v_claimed, waited;
+END
+$fn$"""
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
     # A re-run points at the run it repeats.
     ["ALTER TABLE runs ADD COLUMN rerun_of BIGINT"],
     _V4,
+    [{"pg": _COMPLETE_CLAIM_FN, "lite": None}],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

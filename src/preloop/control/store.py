@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -76,6 +75,7 @@ __all__ = [
     "Completion",
     "Heartbeat",
     "JobInfo",
+    "JobResultItem",
     "Lease",
     "NonTerminalConclusion",
     "RunInfo",
@@ -154,6 +154,14 @@ class Completion:
     job_id: str
     conclusion: str
     changed: bool  # False for a duplicate completion
+    # `complete_and_claim` only: why this result was not recorded (the lease
+    # is no longer held, the run is gone); `complete_job` raises instead.
+    error: str | None = None
+
+
+#: One runner result for `Store.complete_and_claim`: the lease, its
+#: conclusion and its outputs (None: no outputs).
+JobResultItem = tuple["Lease", str, "dict[str, Any] | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,54 +356,30 @@ class Store:
         `runs-on` labels are all among `labels` (case-insensitive). With
         `run_id`, only that run's jobs: the local runners of a `preloop run`
         serve their own run, never another one sharing the store."""
-        wanted = sorted({lb.strip().lower() for lb in labels if lb.strip()})
-        only_run = "" if run_id is None else " AND j.run_id = ?"
-        run_args: tuple[int, ...] = () if run_id is None else (run_id,)
-        token = secrets.token_hex(16)
+        leases = self.claim_jobs(
+            runner, labels, limit=1, lease_seconds=lease_seconds, run_id=run_id
+        )
+        return leases[0] if leases else None
 
-        def tx_fn(tx: Tx) -> Lease | None:
-            now = time.time()
-            marks = ", ".join("?" for _ in wanted)
-            if not wanted:
-                match = "j.runs_on = '[]'"
-                lock = " FOR UPDATE SKIP LOCKED" if tx.dialect == "pg" else ""
-            elif tx.dialect == "pg":
-                match = (
-                    "NOT EXISTS (SELECT 1 FROM json_array_elements_text(j.runs_on::json) AS l(v) "
-                    f"WHERE l.v NOT IN ({marks}))"
-                )
-                lock = " FOR UPDATE SKIP LOCKED"
-            else:
-                match = (
-                    f"NOT EXISTS (SELECT 1 FROM json_each(j.runs_on) WHERE value NOT IN ({marks}))"
-                )
-                lock = ""
-            row = tx.one(
-                "UPDATE jobs SET status = 'running', runner = ?, lease_token = ?, "
-                "lease_expires = ?, started_at = ?, attempt = attempt + 1 "
-                "WHERE (run_id, id) = (SELECT j.run_id, j.id FROM jobs j "
-                f"WHERE j.status = 'queued' AND {match}{only_run} "
-                f"ORDER BY j.run_id, j.seq LIMIT 1{lock}) "
-                "RETURNING run_id, id, name, attempt, spec, matrix, strategy, timeout_minutes",
-                (runner, token, now + lease_seconds, now, *wanted, *run_args),
-            )
-            if row is None:
-                return None
-            return Lease(
-                run_id=int(row["run_id"]),
-                job_id=row["id"],
-                name=row["name"],
-                token=token,
-                runner=runner,
-                expires_at=now + lease_seconds,
-                attempt=int(row["attempt"]),
-                spec=_loads(row["spec"]),
-                matrix=_loads(row["matrix"]),
-                strategy=_loads(row["strategy"]),
-                timeout_minutes=float(row["timeout_minutes"]),
-            )
-
-        return self._db.transaction("claim_job", tx_fn)
+    def claim_jobs(
+        self,
+        runner: str,
+        labels: Sequence[str],
+        *,
+        limit: int,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        run_id: int | None = None,
+    ) -> list[Lease]:
+        """Claims up to `limit` queued jobs (a runner's free capacity) in one
+        statement, in the order `claim_job` takes them; fewer (or none) when
+        fewer are claimable. A max-parallel matrix never has more legs queued
+        than its free slots, so a batch never exceeds the cap either."""
+        claim = _Claim.of(runner, labels, limit, lease_seconds, run_id)
+        if claim.limit <= 0:
+            return []
+        if self.dialect == "pg":
+            return self._db.statement("claim_job", lambda tx: self._pg_call(tx, [], claim)[1])
+        return self._db.transaction("claim_job", lambda tx: _claim_lite(tx, claim))
 
     def heartbeat(self, lease: Lease, *, lease_seconds: float = DEFAULT_LEASE_SECONDS) -> Heartbeat:
         """Extends `lease`; tells the runner whether to stop."""
@@ -410,7 +394,7 @@ class Store:
                 return Heartbeat(held=False, cancel_requested=True)
             return Heartbeat(held=True, cancel_requested=bool(row["cancel_requested"]))
 
-        return self._db.transaction("heartbeat", tx_fn)
+        return self._db.statement("heartbeat", tx_fn)
 
     def job_context(self, run_id: int, job_id: str) -> dict[str, Any]:
         """The contexts a runner evaluates steps with: `needs` (direct needs:
@@ -442,9 +426,147 @@ class Store:
     ) -> Completion:
         """A runner's result for its leased job. Idempotent; a job that was
         cancelled (or told to stop) stays cancelled."""
-        return self._settle(
-            "complete_job", lease.run_id, lease.job_id, conclusion, outputs, None, lease.token
+        done, _ = self._complete_many("complete_job", [(lease, conclusion, outputs)], None)
+        if isinstance(done[0], Exception):
+            raise done[0]
+        return done[0]
+
+    def complete_and_claim(
+        self,
+        results: Sequence[JobResultItem],
+        runner: str,
+        labels: Sequence[str],
+        *,
+        limit: int | None = None,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        run_id: int | None = None,
+    ) -> tuple[list[Completion], list[Lease]]:
+        """A runner's results and its next claims in one transaction: every
+        `(lease, conclusion, outputs)` is completed as `complete_job` would,
+        then up to `limit` queued jobs (default: one per result, the capacity
+        the results freed) are claimed as `claim_jobs` would. On PostgreSQL
+        the common case is one statement (`preloop_complete_claim`, one round
+        trip); a result whose cascade needs more (a unit or the run ending, a
+        failure, a concurrency group) runs the batch as one ordinary
+        transaction. A result that cannot be recorded (its lease is gone)
+        comes back with `error` set instead of raising."""
+        claim = _Claim.of(
+            runner, labels, len(results) if limit is None else limit, lease_seconds, run_id
         )
+        done, leases = self._complete_many("complete_and_claim", results, claim)
+        return [
+            d
+            if isinstance(d, Completion)
+            else Completion(lease.run_id, lease.job_id, conclusion, False, str(d))
+            for d, (lease, conclusion, _) in zip(done, results, strict=True)
+        ], leases
+
+    def _complete_many(
+        self, op: str, results: Sequence[JobResultItem], claim: _Claim | None
+    ) -> tuple[list[Completion | PreloopError], list[Lease]]:
+        for lease, conclusion, _ in results:
+            _check_terminal(lease.run_id, lease.job_id, conclusion)
+        if self.dialect == "pg" and len({lease.run_id for lease, _, _ in results}) <= 1:
+            fast = self._complete_fast(op, results, claim)
+            if fast is not None:
+                return fast
+        groups: set[str] = set()
+
+        one_run = len({lease.run_id for lease, _, _ in results}) == 1
+
+        def tx_fn(tx: Tx) -> tuple[list[Completion | PreloopError], list[Lease]]:
+            done: list[Completion | PreloopError] = []
+            if tx.dialect == "lite" and one_run:
+                fast = _complete_lite_fast(tx, results)
+                if fast is not None:
+                    leases = _claim_lite(tx, claim) if claim is not None and claim.limit else []
+                    return list(fast), leases
+            # Runs in id order: two batches never wait on each other's run rows.
+            order = sorted(range(len(results)), key=lambda i: results[i][0].run_id)
+            by_index: dict[int, Completion | PreloopError] = {}
+            for i in order:
+                lease, conclusion, outputs = results[i]
+                try:
+                    by_index[i] = self._settle_tx(
+                        tx,
+                        lease.run_id,
+                        lease.job_id,
+                        conclusion,
+                        outputs,
+                        None,
+                        lease.token,
+                        groups,
+                    )
+                except (UnknownRun, StoreError) as exc:
+                    by_index[i] = exc
+            done = [by_index[i] for i in range(len(results))]
+            leases: list[Lease] = []
+            if claim is not None and claim.limit > 0:
+                if tx.dialect == "pg":
+                    leases = self._pg_call(tx, [], claim)[1]
+                else:
+                    leases = _claim_lite(tx, claim)
+            return done, leases
+
+        result = self._db.transaction(op, tx_fn)
+        self._retry_groups(groups)
+        return result
+
+    def _complete_fast(
+        self, op: str, results: Sequence[JobResultItem], claim: _Claim | None
+    ) -> tuple[list[Completion | PreloopError], list[Lease]] | None:
+        """The PostgreSQL one-statement path; None when the batch needs the
+        cascade in Python (nothing was written then)."""
+        import psycopg
+
+        def fn(tx: Tx) -> tuple[list[Completion | PreloopError], list[Lease]]:
+            settled, leases = self._pg_call(tx, results, claim)
+            return list(settled), leases
+
+        try:
+            return self._db.statement(op, fn)
+        except psycopg.Error as exc:
+            if exc.sqlstate != _SLOW_PATH:
+                raise
+            self.counters.add_statements(op + ".fallback", 1)
+            return None
+
+    def _pg_call(
+        self, tx: Tx, results: Sequence[JobResultItem], claim: _Claim | None
+    ) -> tuple[list[Completion], list[Lease]]:
+        """One `preloop_complete_claim` call: `results` (all of one run) and
+        `claim`; raises psycopg's error with SQLSTATE PLSLO when the batch
+        needs the Python cascade."""
+        now = time.time()
+        run_id = results[0][0].run_id if results else None
+        t0 = time.perf_counter_ns()
+        row = tx.one(
+            "SELECT settled, claimed, wait_us FROM preloop_complete_claim("
+            "?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?)",
+            (
+                run_id,
+                [lease.job_id for lease, _, _ in results],
+                [conclusion for _, conclusion, _ in results],
+                [_dumps(outputs or {}) for _, _, outputs in results],
+                [lease.token for lease, _, _ in results],
+                now,
+                claim.runner if claim else "",
+                claim.labels if claim else [],
+                claim.limit if claim else 0,
+                now + (claim.lease_seconds if claim else 0.0),
+                claim.run_id if claim else None,
+            ),
+        )
+        assert row is not None
+        if results:
+            tx.note_lock_run_wait(t0, int(row["wait_us"]) * 1000)
+        conclusions = {job_id: conclusion for job_id, conclusion in row["settled"] or []}
+        done = [
+            Completion(lease.run_id, lease.job_id, conclusions[lease.job_id], True)
+            for lease, _, _ in results
+        ]
+        leases = [_lease(r, claim, now) for r in row["claimed"] or []] if claim else []
+        return done, leases
 
     def settle_job(
         self,
@@ -457,71 +579,69 @@ class Store:
     ) -> Completion:
         """Ends any not-yet-ended job (the engine's path: a job that could not
         start, a local failure). Same guards as `complete_job`."""
-        return self._settle("settle_job", run_id, job_id, conclusion, outputs, reason, None)
+        _check_terminal(run_id, job_id, conclusion)
+        groups: set[str] = set()
+        result = self._db.transaction(
+            "settle_job",
+            lambda tx: self._settle_tx(
+                tx, run_id, job_id, conclusion, outputs, reason, None, groups
+            ),
+        )
+        self._retry_groups(groups)
+        return result
 
-    def _settle(
+    def _settle_tx(
         self,
-        op: str,
+        tx: Tx,
         run_id: int,
         job_id: str,
         conclusion: str,
         outputs: dict[str, Any] | None,
         reason: str | None,
         token: str | None,
+        groups: set[str],
     ) -> Completion:
-        if conclusion not in TERMINAL:
-            raise NonTerminalConclusion(
-                f"run {run_id} job {job_id!r}: {conclusion!r} does not end a job; "
-                f"use one of {', '.join(sorted(TERMINAL))}"
+        """Ends one job inside `tx` and runs its cascade; the concurrency
+        groups to retry after commit are added to `groups`."""
+        # The common path is three statements: the run row (locked by the
+        # write that counts the job as ended), the job row (guarded: only
+        # a live job, only the lease holder), and its unit.
+        if tx.dialect == "pg":
+            return self._settle_pg(tx, run_id, job_id, conclusion, outputs, reason, token, groups)
+        run = tx.lock_run(run_id, settle_delta=-1)
+        if run is None:
+            raise UnknownRun(f"no run {run_id} in the store {self.url}")
+        lease_guard = " AND status = 'running' AND lease_token = ?" if token else ""
+        job = tx.one(
+            "UPDATE jobs SET status = 'completed', conclusion = CASE WHEN "
+            "cancel_requested = 1 AND ? <> 'skipped' THEN 'cancelled' ELSE ? END, "
+            "outputs = ?, reason = ?, completed_at = ?, lease_token = NULL "
+            "WHERE run_id = ? AND id = ? AND status NOT IN ('completed', 'expanded', 'folding')"
+            f"{lease_guard} RETURNING {_JOB}, conclusion",
+            (
+                conclusion,
+                conclusion,
+                _dumps(outputs or {}),
+                reason,
+                time.time(),
+                run_id,
+                job_id,
+                *((token,) if token else ()),
+            ),
+        )
+        if job is None:
+            tx.execute(
+                "UPDATE runs SET remaining_jobs = remaining_jobs + 1 WHERE id = ?", (run_id,)
             )
-        groups: set[str] = set()
-
-        def tx_fn(tx: Tx) -> Completion:
-            # The common path is three statements: the run row (locked by the
-            # write that counts the job as ended), the job row (guarded: only
-            # a live job, only the lease holder), and its unit.
-            if tx.dialect == "pg":
-                return self._settle_pg(
-                    tx, run_id, job_id, conclusion, outputs, reason, token, groups
-                )
-            run = tx.lock_run(run_id, settle_delta=-1)
-            if run is None:
-                raise UnknownRun(f"no run {run_id} in the store {self.url}")
-            lease_guard = " AND status = 'running' AND lease_token = ?" if token else ""
-            job = tx.one(
-                "UPDATE jobs SET status = 'completed', conclusion = CASE WHEN "
-                "cancel_requested = 1 AND ? <> 'skipped' THEN 'cancelled' ELSE ? END, "
-                "outputs = ?, reason = ?, completed_at = ?, lease_token = NULL "
-                "WHERE run_id = ? AND id = ? AND status NOT IN ('completed', 'expanded', 'folding')"
-                f"{lease_guard} RETURNING {_JOB}, conclusion",
-                (
-                    conclusion,
-                    conclusion,
-                    _dumps(outputs or {}),
-                    reason,
-                    time.time(),
-                    run_id,
-                    job_id,
-                    *((token,) if token else ()),
-                ),
-            )
-            if job is None:
-                tx.execute(
-                    "UPDATE runs SET remaining_jobs = remaining_jobs + 1 WHERE id = ?", (run_id,)
-                )
-                return _not_settled(tx, run_id, job_id)
-            c = _Cascade(tx, self)
-            c.note_run(run)
-            if int(run["remaining_jobs"]) == 0:
-                c.pending_end[run_id] = run
-            c.after_conclude(job, job["conclusion"], outputs or {})
-            c.finish()
-            groups.update(c.retry_groups)
-            return Completion(run_id, job_id, job["conclusion"], True)
-
-        result = self._db.transaction(op, tx_fn)
-        self._retry_groups(groups)
-        return result
+            return _not_settled(tx, run_id, job_id)
+        c = _Cascade(tx, self)
+        c.note_run(run)
+        if int(run["remaining_jobs"]) == 0:
+            c.pending_end[run_id] = run
+        c.after_conclude(job, job["conclusion"], outputs or {})
+        c.finish()
+        groups.update(c.retry_groups)
+        return Completion(run_id, job_id, job["conclusion"], True)
 
     def _settle_pg(
         self,
@@ -802,6 +922,190 @@ def _rerun_statement(sql: str, new: int, old: int, keep: int) -> tuple[str, tupl
     values = {"new": new, "old": old, "keep": keep}
     params = tuple(values[n] for n in marker.findall(sql))
     return marker.sub("?", sql), params
+
+
+_SLOW_PATH = "PLSLO"  # preloop_complete_claim: this batch needs the Python cascade
+
+
+def _check_terminal(run_id: int, job_id: str, conclusion: str) -> None:
+    if conclusion not in TERMINAL:
+        raise NonTerminalConclusion(
+            f"run {run_id} job {job_id!r}: {conclusion!r} does not end a job; "
+            f"use one of {', '.join(sorted(TERMINAL))}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    """What a runner asks for: up to `limit` jobs its `labels` all cover."""
+
+    runner: str
+    labels: list[str]
+    limit: int
+    lease_seconds: float
+    run_id: int | None
+
+    @staticmethod
+    def of(
+        runner: str, labels: Sequence[str], limit: int, lease_seconds: float, run_id: int | None
+    ) -> _Claim:
+        wanted = sorted({lb.strip().lower() for lb in labels if lb.strip()})
+        return _Claim(runner, wanted, max(0, int(limit)), lease_seconds, run_id)
+
+
+def _claim_lite(tx: Tx, claim: _Claim) -> list[Lease]:
+    """The claim statement on SQLite (one writer: no row locks to skip)."""
+    now = time.time()
+    if claim.labels:
+        marks = ", ".join("?" for _ in claim.labels)
+        match = f"NOT EXISTS (SELECT 1 FROM json_each(j.runs_on) WHERE value NOT IN ({marks}))"
+    else:
+        match = "j.runs_on = '[]'"
+    only_run = "" if claim.run_id is None else " AND j.run_id = ?"
+    rows = tx.execute(
+        "UPDATE jobs SET status = 'running', runner = ?, lease_token = lower(hex(randomblob(16))), "
+        "lease_expires = ?, started_at = ?, attempt = attempt + 1 "
+        "WHERE rowid IN (SELECT j.rowid FROM jobs j "
+        f"WHERE j.status = 'queued' AND {match}{only_run} "
+        "ORDER BY j.run_id, j.seq LIMIT ?) "
+        "RETURNING run_id, id, seq, name, attempt, spec, matrix, strategy, timeout_minutes, "
+        "lease_token",
+        (
+            claim.runner,
+            now + claim.lease_seconds,
+            now,
+            *claim.labels,
+            *(() if claim.run_id is None else (claim.run_id,)),
+            claim.limit,
+        ),
+    )
+    rows.sort(key=lambda r: (int(r["run_id"]), int(r["seq"])))
+    return [_lease(r, claim, now) for r in rows]
+
+
+class _SlowPath(Exception):
+    """The batch needs the cascade in Python (see `_complete_lite_fast`)."""
+
+
+def _complete_lite_fast(tx: Tx, results: Sequence[JobResultItem]) -> list[Completion] | None:
+    """SQLite's counterpart of `preloop_complete_claim`'s completion half: a
+    batch of one run's results as a few set-based statements inside a
+    savepoint; None (the savepoint rolled back, nothing written) when the
+    batch needs the Python cascade. The same rules decide as on PostgreSQL."""
+    run_id = results[0][0].run_id
+    tx.execute("SAVEPOINT complete_fast")
+    try:
+        done = _lite_fast_body(tx, run_id, results)
+    except _SlowPath:
+        tx.execute("ROLLBACK TO complete_fast")
+        tx.execute("RELEASE complete_fast")
+        return None
+    tx.execute("RELEASE complete_fast")
+    return done
+
+
+def _lite_fast_body(tx: Tx, run_id: int, results: Sequence[JobResultItem]) -> list[Completion]:
+    n = len(results)
+    run = tx.one(
+        "UPDATE runs SET remaining_jobs = remaining_jobs - ? WHERE id = ? RETURNING remaining_jobs",
+        (n, run_id),
+    )
+    if run is None or int(run["remaining_jobs"]) <= 0:
+        raise _SlowPath
+    values = ", ".join("(?, ?, ?, ?)" for _ in results)
+    params: list[Any] = []
+    for lease, conclusion, outputs in results:
+        params += [lease.job_id, conclusion, _dumps(outputs or {}), lease.token]
+    rows = tx.execute(
+        "UPDATE jobs SET status = 'completed', conclusion = CASE WHEN jobs.cancel_requested = 1 "
+        "AND v.column2 <> 'skipped' THEN 'cancelled' ELSE v.column2 END, outputs = v.column3, "
+        "completed_at = ?, lease_token = NULL "
+        f"FROM (VALUES {values}) AS v WHERE jobs.run_id = ? AND jobs.id = v.column1 "
+        "AND jobs.status = 'running' AND jobs.lease_token = v.column4 "
+        "RETURNING jobs.id, base_id, cohort, kind, holds_slot, holds_group, continue_on_error, "
+        "anc_fail, anc_bad, conclusion, outputs",
+        (time.time(), *params, run_id),
+    )
+    if len(rows) < n:
+        raise _SlowPath  # a lease not held, a duplicate: the slow path says which
+    units: dict[str, list[int]] = {}  # base -> [count, success, cancelled, skipped, af, ab]
+    unit_outputs: dict[str, list[str]] = {}
+    slots: dict[str, int] = {}
+    cancelled = 0
+    for r in rows:
+        eff = r["conclusion"]
+        if eff == "failure" and r["continue_on_error"]:
+            eff = "success"
+        if r["kind"] != "job" or r["holds_group"] is not None or eff == "failure":
+            raise _SlowPath
+        u = units.setdefault(r["base_id"], [0, 0, 0, 0, 0, 0])
+        u[0] += 1
+        u[1 if eff == "success" else 2 if eff == "cancelled" else 3] += 1
+        u[4] = max(u[4], int(r["anc_fail"]))
+        u[5] = max(u[5], int(r["anc_bad"]))
+        cancelled += eff == "cancelled"
+        if r["outputs"] != "{}":
+            unit_outputs.setdefault(r["base_id"], []).append(r["outputs"])
+        if r["holds_slot"]:
+            slots[r["cohort"]] = slots.get(r["cohort"], 0) + 1
+    for base, (cnt, ns, nc, nk, af, ab) in units.items():
+        outs = unit_outputs.get(base, [])
+        if len(outs) > 1:
+            raise _SlowPath  # which leg's output wins is the cascade's call
+        merge = ", outputs = json_patch(outputs, ?)" if outs else ""
+        left = tx.one(
+            "UPDATE units SET remaining = remaining - ?, n_success = n_success + ?, "
+            "n_cancelled = n_cancelled + ?, n_skipped = n_skipped + ?, "
+            f"anc_fail = max(anc_fail, ?), anc_bad = max(anc_bad, ?){merge} "
+            "WHERE run_id = ? AND base_id = ? RETURNING remaining",
+            (cnt, ns, nc, nk, af, ab, *outs, run_id, base),
+        )
+        if left is None or int(left["remaining"]) <= 0:
+            raise _SlowPath
+    if cancelled:
+        tx.execute(
+            "UPDATE runs SET cancelled_jobs = cancelled_jobs + ? WHERE id = ?", (cancelled, run_id)
+        )
+    for cohort, freed in slots.items():
+        nxt = tx.execute(
+            "SELECT id, kind, conc_group, conc_group_expr FROM jobs WHERE run_id = ? "
+            "AND cohort = ? AND status = 'parked' ORDER BY seq LIMIT ?",
+            (run_id, cohort, freed),
+        )
+        if not all(_plain(j) for j in nxt):
+            raise _SlowPath
+        if nxt:
+            marks = ", ".join("?" for _ in nxt)
+            tx.execute(
+                "UPDATE jobs SET status = 'queued', holds_slot = 1 WHERE run_id = ? "
+                f"AND id IN ({marks})",
+                (run_id, *(j["id"] for j in nxt)),
+            )
+        if len(nxt) < freed:
+            tx.execute(
+                "UPDATE cohorts SET active = active - ? WHERE run_id = ? AND id = ?",
+                (freed - len(nxt), run_id, cohort),
+            )
+    conclusions = {r["id"]: r["conclusion"] for r in rows}
+    return [
+        Completion(run_id, lease.job_id, conclusions[lease.job_id], True) for lease, _, _ in results
+    ]
+
+
+def _lease(row: Row, claim: _Claim, now: float) -> Lease:
+    return Lease(
+        run_id=int(row["run_id"]),
+        job_id=row["id"],
+        name=row["name"],
+        token=row["lease_token"],
+        runner=claim.runner,
+        expires_at=now + claim.lease_seconds,
+        attempt=int(row["attempt"]),
+        spec=_loads(row["spec"]),
+        matrix=_loads(row["matrix"]),
+        strategy=_loads(row["strategy"]),
+        timeout_minutes=float(row["timeout_minutes"]),
+    )
 
 
 def _not_settled(tx: Tx, run_id: int, job_id: str) -> Completion:

@@ -1,8 +1,12 @@
-"""A load engine for the scheduler benchmark: one process, several claimer
-threads sharing one store, claiming and completing jobs until the given runs
-end. Run as `python -m preloop.testing.load URL RUN_IDS THREADS`; it prints
-"ready", waits for a line on stdin (so engines start together), and prints
-one JSON line with its counters and completion count when done.
+"""A load engine for the scheduler benchmark: one runner process with a
+fixed capacity, claiming and completing jobs until the given runs end, the
+way a runner process with `capacity` free slots drives the store: it claims
+up to its free capacity in one statement (`Store.claim_jobs`), and reports
+each finished batch and claims the next in one transaction
+(`Store.complete_and_claim`). Run as `python -m preloop.testing.load URL
+RUN_IDS CAPACITY [THREADS]`; it prints "ready", waits for a line on stdin (so
+engines start together), and prints one JSON line with its counters and
+completion count when done.
 """
 
 from __future__ import annotations
@@ -12,41 +16,49 @@ import sys
 import threading
 import time
 
-from preloop.control import open_store
+from preloop.control import Lease, open_store
 
 __all__ = ["main"]
 
 
 def main(argv: list[str]) -> int:
-    url, runs_arg, threads_arg = argv
+    url, runs_arg, capacity_arg, *rest = argv
     runs = [int(r) for r in runs_arg.split(",")]
+    capacity = int(capacity_arg)
+    threads = int(rest[0]) if rest else 1
     store = open_store(url)
     print("ready", flush=True)
     sys.stdin.readline()
     done = threading.Event()
-    completions = [0] * int(threads_arg)
+    completions = [0] * threads
     t0 = time.perf_counter()
 
-    def claimer(i: int) -> None:
+    def runner(i: int) -> None:
         name = f"engine-{threading.get_native_id()}-{i}"
+        held: list[Lease] = []
         while not done.is_set():
-            lease = store.claim_job(name, ["linux"])
-            if lease is None:
-                if all(store.get_run(r).status == "completed" for r in runs):
-                    done.set()
-                    return
-                time.sleep(0.0005)  # idle poll, as a runner would between claims
+            if held:
+                # Every held job "ran" instantly: report them and refill.
+                results = [(lease, "success", None) for lease in held]
+                finished, held = store.complete_and_claim(results, name, ["linux"], limit=capacity)
+                completions[i] += sum(1 for c in finished if c.error is None)
                 continue
-            store.complete_job(lease, "success", {})
-            completions[i] += 1
+            held = store.claim_jobs(name, ["linux"], limit=capacity)
+            if held:
+                continue
+            if all(store.get_run(r).status == "completed" for r in runs):
+                done.set()
+                return
+            time.sleep(0.0005)  # idle poll, as a runner would between claims
 
-    pool = [threading.Thread(target=claimer, args=(i,)) for i in range(int(threads_arg))]
+    pool = [threading.Thread(target=runner, args=(i,)) for i in range(threads)]
     for t in pool:
         t.start()
     for t in pool:
         t.join()
     elapsed = time.perf_counter() - t0
     snap = store.counters.snapshot()
+    ops = ("complete_and_claim", "complete_and_claim.fallback")
     print(
         json.dumps(
             {
@@ -58,8 +70,10 @@ def main(argv: list[str]) -> int:
                 "lock_run_wait_ns": snap.lock_run_wait_ns,
                 "lock_run_waits": snap.lock_run_waits,
                 "deadlock_retries": snap.deadlock_retries,
-                "complete_statements": snap.statements.get("complete_job", 0),
-                "complete_ops": snap.operations.get("complete_job", 0),
+                "complete_statements": sum(snap.statements.get(op, 0) for op in ops),
+                "complete_ops": snap.operations.get("complete_and_claim", 0),
+                "fallbacks": snap.operations.get("complete_and_claim.fallback", 0),
+                "claim_statements": snap.statements.get("claim_job", 0),
             }
         ),
         flush=True,

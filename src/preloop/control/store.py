@@ -479,8 +479,8 @@ class Store:
             if tx.dialect == "lite" and one_run:
                 fast = _complete_lite_fast(tx, results)
                 if fast is not None:
-                    leases = _claim_lite(tx, claim) if claim is not None and claim.limit else []
-                    return list(fast), leases
+                    claimed = _claim_lite(tx, claim) if claim is not None and claim.limit else []
+                    return list(fast), claimed
             # Runs in id order: two batches never wait on each other's run rows.
             order = sorted(range(len(results)), key=lambda i: results[i][0].run_id)
             by_index: dict[int, Completion | PreloopError] = {}

@@ -1266,6 +1266,30 @@ def _needs_view(tx: Tx, run_id: int, needs: list[str], caller: str | None = None
     }
 
 
+def _id_sets(
+    tx: Tx, run_id: int, ids: list[str]
+) -> Iterator[tuple[str, tuple[Any, ...], str, tuple[Any, ...]]]:
+    """Jobs of `run_id` by id, one statement per yield: `(from, its params,
+    where, its params)`, `from` going before the statement's WHERE. PostgreSQL
+    joins the ids as one array (`unnest`), so the plan is a lookup per id or
+    one pass over the run's rows whatever the statistics on fresh rows say
+    (a long IN list against a stale plan was a linear search per row); SQLite
+    takes IN lists in slices, each id a primary-key lookup."""
+    if not ids:
+        return
+    if tx.dialect == "pg":
+        yield (
+            "FROM unnest(?::TEXT[]) AS sel(jid)",
+            (list(ids),),
+            "run_id = ? AND id = sel.jid",
+            (run_id,),
+        )
+        return
+    for chunk in _chunks(ids):
+        marks = ", ".join("?" for _ in chunk)
+        yield "", (), f"run_id = ? AND id IN ({marks})", (run_id, *chunk)
+
+
 def _chunks(ids: list[str], size: int = 500) -> Iterator[list[str]]:
     """`ids` in slices small enough for any driver's parameter limit."""
     for i in range(0, len(ids), size):
@@ -1546,15 +1570,14 @@ class _Cascade:
             )
         ]
         ready = []
-        for chunk in _chunks(dependents):
-            marks = ", ".join("?" for _ in chunk)
+        for sel, sel_args, where, where_args in _id_sets(tx, run_id, dependents):
             ready += tx.execute(
                 "UPDATE jobs SET remaining_needs = remaining_needs - 1, "
                 "anc_fail = CASE WHEN ? = 1 THEN 1 ELSE anc_fail END, "
                 "anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END "
-                f"WHERE run_id = ? AND id IN ({marks}) AND status = 'blocked' "
+                f"{sel} WHERE {where} AND status = 'blocked' "
                 f"RETURNING {_JOB}",
-                (int(fail), int(bad), run_id, *chunk),
+                (int(fail), int(bad), *sel_args, *where_args),
             )
         ready = [j for j in ready if int(j["remaining_needs"]) == 0]
         ready.sort(key=lambda j: (j["seq"], j["id"]))
@@ -1595,12 +1618,10 @@ class _Cascade:
             self.work.append(("gate", (job,)))
 
     def _bulk_status(self, run_id: int, ids: list[str], status: str) -> None:
-        for chunk in _chunks(ids):
-            marks = ", ".join("?" for _ in chunk)
+        for sel, sel_args, where, where_args in _id_sets(self.tx, run_id, ids):
             self.tx.execute(
-                f"UPDATE jobs SET status = ? WHERE run_id = ? AND status = 'blocked' "
-                f"AND id IN ({marks})",
-                (status, run_id, *chunk),
+                f"UPDATE jobs SET status = ? {sel} WHERE {where} AND status = 'blocked'",
+                (status, *sel_args, *where_args),
             )
 
     def _do_fill_cohort(self, run_id: int, cohort: str) -> None:
@@ -1623,13 +1644,10 @@ class _Cascade:
             (len(legs), run_id, cohort),
         )
         plain = [j["id"] for j in legs if _plain(j)]
-        for i in range(0, len(plain), 500):
-            chunk = plain[i : i + 500]
-            marks = ", ".join("?" for _ in chunk)
+        for sel, sel_args, where, where_args in _id_sets(self.tx, run_id, plain):
             self.tx.execute(
-                "UPDATE jobs SET status = 'queued', holds_slot = 1 WHERE run_id = ? "
-                f"AND id IN ({marks})",
-                (run_id, *chunk),
+                f"UPDATE jobs SET status = 'queued', holds_slot = 1 {sel} WHERE {where}",
+                (*sel_args, *where_args),
             )
         for job in legs:
             if not _plain(job):
@@ -1944,12 +1962,11 @@ class _Cascade:
                     (_dumps(spliced), run_id, full["caller"]),
                 )
         fresh: list[Row] = []
-        for chunk in _chunks(top):
-            marks = ", ".join("?" for _ in chunk)
+        for sel, sel_args, where, where_args in _id_sets(tx, run_id, top):
             fresh += tx.execute(
-                f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id IN ({marks}) "
+                f"SELECT {_JOB} FROM jobs {sel.replace('FROM', ',')} WHERE {where} "
                 "AND status = 'blocked'",
-                (run_id, *chunk),
+                (*sel_args, *where_args),
             )
         fresh.sort(key=lambda j: (j["seq"], j["id"]))
         self.ready(run_id, fresh)

@@ -1,17 +1,27 @@
-"""Scheduler load: the seed's three 200-leg profiles, driven by 2 engine
-processes with concurrent claimer threads, on lite and on PostgreSQL; and the
-per-completion cost at 200 / 2,000 / 20,000 legs.
+"""Scheduler load: the seed's three 200-leg profiles and the per-completion
+cost at 200 / 2,000 / 20,000 legs, on lite and on PostgreSQL; and, on
+PostgreSQL, ours against PgQueuer and procrastinate.
+
+Each engine is one runner process (`preloop.testing.load`) with
+THREADS_PER_ENGINE loops of CAPACITY jobs each: it claims up to its free
+capacity in one statement and reports finished jobs with its next claims in
+one transaction (`Store.complete_and_claim`). The peers get the same number of
+worker processes and as many jobs in flight per process.
 
 Run: `PRELOOP_TEST_PG_URL=postgresql://... pytest bench/control_load.py
---benchmark-only -s` (without the URL only lite runs). Each measurement is one
-round (a load run is not repeatable on the same rows); the figures are in the
-benchmark's `extra_info` and printed as a table at the end:
+--benchmark-only -s` (without the URL only lite runs; the peers need the
+`bench` extra). Each measurement is one round (a load run is not repeatable on
+the same rows); PostgreSQL runs are timed to the end condition every queue
+shares (no queued or running rows, polled every 2 ms). The figures are in the
+benchmark's `extra_info` and printed as a table at the end (issue 17 targets):
 
-- graph loads per completion (target 0 on every path),
-- mean settle lock hold and mean `lock_run` wait on PostgreSQL
-  (targets <= 1 ms and <= 3 ms with 2 nodes),
-- completions per second on one run (targets >= 1,000 pg, >= 5,000 lite),
-- per-completion cost at 20,000 legs within 1.5x of 200 legs.
+- graph loads per completion (0 on every path),
+- mean settle lock hold on PostgreSQL (<= 0.5 ms) and mean `lock_run` wait,
+- completions per second on one run (>= 2,500 pg at 2,000 and 20,000 legs,
+  >= 10,000 lite),
+- per-completion cost at 20,000 legs within 1.2x of 2,000 legs,
+- statements per completion (the group profile: <= 4),
+- ours / PgQueuer and ours / procrastinate (>= 2.5x each).
 """
 
 from __future__ import annotations
@@ -49,41 +59,68 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield scoped
 
 
+def _start(argvs: list[list[str]]) -> list[subprocess.Popen[str]]:
+    """Worker processes, each started and waiting at its "ready" line."""
+    procs = [
+        subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for argv in argvs
+    ]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return procs
+
+
+def _race(procs: list[subprocess.Popen[str]], url: str, end_sql: str) -> tuple[float, list[str]]:
+    """Lets `procs` go together and times them to the end condition every
+    queue shares: `end_sql` (no queued or running rows) answers true, polled
+    every 2 ms on its own connection. Returns the wall time and each
+    process's last output line."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        t0 = time.perf_counter()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        while True:
+            row = conn.execute(end_sql).fetchone()
+            if row is not None and row[0]:
+                wall = time.perf_counter() - t0
+                break
+            time.sleep(0.002)
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=1800)
+        assert p.returncode == 0
+        outs.append(out.strip().splitlines()[-1])
+    return wall, outs
+
+
 def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
     """Submits one run and drives it to the end with ENGINES engine processes."""
     plan = with_runs_on(profile_plan(profile, legs), ("linux",))
     with open_store(url) as store:
         run_id = store.submit_run(plan)
-    engines = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "preloop.testing.load",
-                url,
-                str(run_id),
-                str(CAPACITY),
-                str(THREADS_PER_ENGINE),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+    engine = [sys.executable, "-m", "preloop.testing.load", url, str(run_id), str(CAPACITY)]
+    engines = _start([[*engine, str(THREADS_PER_ENGINE)] for _ in range(ENGINES)])
+    if url.startswith("postgres"):
+        wall, outs = _race(
+            engines, url, f"SELECT status = 'completed' FROM runs WHERE id = {int(run_id)}"
         )
-        for _ in range(ENGINES)
-    ]
-    for e in engines:
-        assert e.stdout is not None and e.stdout.readline().strip() == "ready"
-    t0 = time.perf_counter()
-    for e in engines:
-        assert e.stdin is not None
-        e.stdin.write("go\n")
-        e.stdin.flush()
-    reports = []
-    for e in engines:
-        out, _ = e.communicate(timeout=1800)
-        assert e.returncode == 0
-        reports.append(json.loads(out.strip().splitlines()[-1]))
-    wall = time.perf_counter() - t0
+    else:  # lite: the engines stop when the run has ended
+        t0 = time.perf_counter()
+        for e in engines:
+            assert e.stdin is not None
+            e.stdin.write("go\n")
+            e.stdin.flush()
+        outs = []
+        for e in engines:
+            out, _ = e.communicate(timeout=1800)
+            assert e.returncode == 0
+            outs.append(out.strip().splitlines()[-1])
+        wall = time.perf_counter() - t0
+    reports = [json.loads(o) for o in outs]
     with open_store(url) as store:
         run = store.get_run(run_id)
         assert run.status == "completed" and run.conclusion == "success", run
@@ -147,6 +184,79 @@ def test_per_completion_cost(benchmark: Any, store_url: str, legs: int) -> None:
     assert result["graph_loads_per_completion"] == 0
 
 
+PEERS = {
+    "pgqueuer": "SELECT count(*) = 0 FROM pgqueuer",
+    "procrastinate": "SELECT count(*) = 0 FROM procrastinate_jobs "
+    "WHERE status IN ('todo', 'doing')",
+}
+PEERS_SCRIPT = str(Path(__file__).with_name("peers.py"))
+
+
+def run_peer(kind: str, legs: int) -> dict[str, Any]:
+    """`legs + 2` plain jobs (as many as the merge profile has) on a peer
+    queue in a fresh schema of the same PostgreSQL: ENGINES worker processes,
+    each running CAPACITY * THREADS_PER_ENGINE jobs at once."""
+    url = os.environ["PRELOOP_TEST_PG_URL"]
+    jobs = legs + 2
+    with scratch_schema(url, prefix=f"preloop_bench_{kind}") as scoped:
+        subprocess.run([sys.executable, PEERS_SCRIPT, "setup", scoped, kind, str(jobs)], check=True)
+        workers = _start(
+            [
+                [
+                    sys.executable,
+                    PEERS_SCRIPT,
+                    "work",
+                    scoped,
+                    kind,
+                    str(CAPACITY * THREADS_PER_ENGINE),
+                ]
+                for _ in range(ENGINES)
+            ]
+        )
+        wall, _ = _race(workers, scoped, PEERS[kind])
+    return {
+        "store": kind,
+        "profile": "plain",
+        "legs": legs,
+        "completions": jobs,
+        "wall_s": round(wall, 3),
+        "completions_per_s": round(jobs / wall, 1),
+        "per_completion_ms": round(wall / jobs * 1000, 4),
+    }
+
+
+@pytest.mark.parametrize("legs", [2_000, 20_000])
+def test_against_job_queues(benchmark: Any, legs: int) -> None:
+    """Ours (the merge profile: setup -> legs -> always-run merge, DAG
+    semantics on) and PgQueuer and procrastinate (as many plain jobs), back
+    to back on the same PostgreSQL, each timed to "no queued or running
+    rows"; the ratios are ours / theirs in completions per second."""
+    url = os.environ.get("PRELOOP_TEST_PG_URL")
+    if not url:
+        pytest.skip("PRELOOP_TEST_PG_URL is not set")
+    pytest.importorskip("pgqueuer", reason="pip install -e '.[bench]'")
+    pytest.importorskip("procrastinate", reason="pip install -e '.[bench]'")
+    benchmark.group = f"control-load vs job queues {legs} legs"
+    rows: dict[str, dict[str, Any]] = {}
+
+    def once() -> None:
+        with scratch_schema(url, prefix="preloop_bench") as scoped:
+            rows["preloop"] = run_load(scoped, "merge", legs)
+        for kind in PEERS:
+            rows[kind] = run_peer(kind, legs)
+
+    benchmark.pedantic(once, rounds=1, iterations=1)
+    ours = rows["preloop"]["completions_per_s"]
+    ratios = {f"x_{k}": round(ours / rows[k]["completions_per_s"], 2) for k in PEERS}
+    benchmark.extra_info.update(
+        {k: v["completions_per_s"] for k, v in rows.items()}, **ratios, legs=legs
+    )
+    for r in rows.values():
+        RESULTS.append(r)
+        print("\n" + json.dumps(r), flush=True)
+    print(json.dumps({"legs": legs, **ratios}), flush=True)
+
+
 def teardown_module() -> None:
     if not RESULTS:
         return
@@ -163,14 +273,16 @@ def teardown_module() -> None:
     ]
     print("\n" + " | ".join(cols))
     for r in RESULTS:
-        print(" | ".join(str(r[c]) for c in cols))
+        print(" | ".join(str(r.get(c, "")) for c in cols))
     for store in ("lite", "pg"):
         cost = {
             r["legs"]: r["per_completion_ms"]
             for r in RESULTS
-            if r["store"] == store and r["profile"] == "merge" and r["legs"] in (200, 20_000)
+            if r["store"] == store and r["profile"] == "merge"
         }
-        if 200 in cost and 20_000 in cost:
-            print(
-                f"{store}: per-completion cost 20,000 / 200 legs = {cost[20_000] / cost[200]:.2f}x"
-            )
+        for small in (200, 2_000):
+            if small in cost and 20_000 in cost:
+                print(
+                    f"{store}: per-completion cost 20,000 / {small:,} legs = "
+                    f"{cost[20_000] / cost[small]:.2f}x"
+                )

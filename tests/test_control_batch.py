@@ -1,0 +1,232 @@
+"""A runner's batch operations on both stores: `claim_jobs` (up to its free
+capacity in one statement) and `complete_and_claim` (its results and its next
+claims in one transaction)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from preloop.control import Lease, Store, open_store
+from preloop.testing.plans import PlanBuilder
+
+
+def _cohort_in_flight(store: Store, run_id: int, cohort: str) -> int:
+    rows = store._db.transaction(
+        "query",
+        lambda tx: tx.execute(
+            "SELECT count(*) AS n FROM jobs WHERE run_id = ? AND cohort = ? "
+            "AND status IN ('queued', 'running')",
+            (run_id, cohort),
+        ),
+    )
+    return int(rows[0]["n"])
+
+
+def test_batch_claim_never_exceeds_the_runners_capacity(store: Store) -> None:
+    b = PlanBuilder()
+    for i in range(10):
+        b.job(f"j{i}")
+    run_id = store.submit_run(b.plan())
+    assert store.claim_jobs("r", [], limit=0) == []
+    first = store.claim_jobs("r", [], limit=3)
+    assert [lease.job_id for lease in first] == ["j0", "j1", "j2"]  # claim order
+    assert len({lease.token for lease in first}) == 3
+    done, more = store.complete_and_claim([(first[0], "success", None)], "r", [], limit=4)
+    assert [c.job_id for c in done] == ["j0"] and done[0].changed and done[0].error is None
+    assert [lease.job_id for lease in more] == ["j3", "j4", "j5", "j6"]
+    # The default refill is one claim per result.
+    done, refill = store.complete_and_claim([(lease, "success", None) for lease in more], "r", [])
+    assert len(refill) == 3  # only j7, j8, j9 were left
+    held = [*first[1:], *refill]
+    while held:
+        _, held = store.complete_and_claim([(lease, "success", None) for lease in held], "r", [])
+    assert store.get_run(run_id).conclusion == "success"
+    assert store.counters.snapshot().graph_loads == 0
+
+
+def test_batch_claim_never_exceeds_max_parallel(store: Store) -> None:
+    b = PlanBuilder()
+    b.job("setup")
+    b.matrix("leg", 30, needs=["setup"], max_parallel=4)
+    b.job("merge", needs=["leg"], if_expr="always()")
+    run_id = store.submit_run(b.plan())
+    held = store.claim_jobs("r", [], limit=50)
+    assert [lease.job_id for lease in held] == ["setup"]
+    dispatched = ["setup"]
+    while held:
+        # Finish half of what is held (at least one), keep the rest running.
+        finish, keep = held[: max(1, len(held) // 2)], held[max(1, len(held) // 2) :]
+        _, claimed = store.complete_and_claim(
+            [(lease, "success", {"leg": lease.job_id}) for lease in finish], "r", [], limit=50
+        )
+        held = keep + claimed
+        dispatched += [lease.job_id for lease in claimed]
+        legs = [lease for lease in held if lease.job_id.startswith("leg#")]
+        assert len(legs) <= 4, [lease.job_id for lease in legs]
+        assert _cohort_in_flight(store, run_id, "leg") <= 4
+    assert len(dispatched) == 32 and dispatched[-1] == "merge"
+    assert store.get_run(run_id).conclusion == "success"
+    assert store.counters.snapshot().graph_loads == 0
+
+
+def test_complete_and_claim_runs_the_cascade_like_complete_job(store: Store) -> None:
+    """Failures, fail-fast, outputs of several legs in one batch and an
+    always() job go through the same rules as one completion at a time."""
+    b = PlanBuilder()
+    b.job("a")
+    b.matrix("m", 6, needs=["a"], fail_fast=True)
+    b.job("after", needs=["m"], if_expr="always()")
+    b.job("skipped", needs=["m"])
+    run_id = store.submit_run(b.plan())
+    held = store.claim_jobs("r", [], limit=10)
+    conclusions: dict[str, str] = {}
+    while held:
+        results = [
+            (lease, "failure" if lease.job_id == "m#2" else "success", {"o": lease.job_id})
+            for lease in held
+        ]
+        done, held = store.complete_and_claim(results, "r", [], limit=10)
+        conclusions.update({c.job_id: c.conclusion for c in done})
+    jobs = {j.id: j for j in store.list_jobs(run_id)}
+    assert conclusions["m#2"] == "failure"
+    assert jobs["after"].conclusion == "success"
+    assert jobs["skipped"].conclusion == "skipped"
+    assert store.get_run(run_id).conclusion == "failure"
+    # Legs completed in one batch: one of their outputs wins, as on GitHub.
+    assert store.job_context(run_id, "after")["needs"]["m"]["outputs"]["o"].startswith("m#")
+
+
+def test_a_lost_lease_in_a_batch_is_reported_and_the_rest_recorded(store: Store) -> None:
+    b = PlanBuilder()
+    b.job("a")
+    b.job("b")
+    run_id = store.submit_run(b.plan())
+    a, bb = store.claim_jobs("r", [], limit=2)
+    forged = Lease(**{**{f: getattr(a, f) for f in a.__slots__}, "token": "not-the-lease"})
+    done, claimed = store.complete_and_claim(
+        [(forged, "success", None), (bb, "success", None)], "r", []
+    )
+    assert done[0].error is not None and "not held" in done[0].error and not done[0].changed
+    assert done[1].changed and done[1].error is None and done[1].conclusion == "success"
+    assert claimed == []
+    assert store.get_job(run_id, "a").status == "running"
+    # A duplicate is not an error: the completion is idempotent.
+    again, _ = store.complete_and_claim([(bb, "success", None)], "r", [])
+    assert not again[0].changed and again[0].error is None
+    store.complete_job(a, "success")
+    assert store.get_run(run_id).conclusion == "success"
+
+
+def test_complete_and_claim_is_one_transaction(store: Store) -> None:
+    """A claim that fails after the completions were written (a trigger
+    refusing runner `boom`) leaves the completions unwritten too."""
+    b = PlanBuilder()
+    b.job("a")
+    b.job("b")
+    b.job("c")
+    run_id = store.submit_run(b.plan())
+    (a,) = store.claim_jobs("r", [], limit=1)
+    if store.dialect == "pg":
+        ddl = [
+            "CREATE FUNCTION refuse_boom() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'runner boom refused'; END $$",
+            "CREATE TRIGGER refuse_boom BEFORE UPDATE ON jobs FOR EACH ROW "
+            "WHEN (NEW.runner = 'boom') EXECUTE FUNCTION refuse_boom()",
+        ]
+    else:
+        ddl = [
+            "CREATE TRIGGER refuse_boom BEFORE UPDATE ON jobs FOR EACH ROW "
+            "WHEN NEW.runner = 'boom' BEGIN SELECT RAISE(ABORT, 'runner boom refused'); END"
+        ]
+    store._db.transaction("query", lambda tx: [tx.execute(sql) for sql in ddl])
+    with pytest.raises(Exception, match="runner boom refused"):
+        store.complete_and_claim([(a, "success", None)], "boom", [], limit=2)
+    assert store.get_job(run_id, "a").status == "running"
+    assert store.get_job(run_id, "b").status == "queued"
+    assert store.get_run(run_id).remaining_jobs == 3
+    done, claimed = store.complete_and_claim([(a, "success", None)], "r", [], limit=2)
+    assert done[0].changed and [lease.job_id for lease in claimed] == ["b", "c"]
+
+
+WORKER = r"""
+import json, sys
+from preloop.control import open_store
+
+url, name, run_id, capacity = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+store = open_store(url)
+
+def in_flight():
+    rows = store._db.transaction("query", lambda tx: tx.execute(
+        "SELECT count(*) AS n FROM jobs WHERE run_id = ? AND cohort = 'leg' "
+        "AND status IN ('queued', 'running')", (run_id,)))
+    return int(rows[0]["n"])
+
+print("ready", flush=True)
+sys.stdin.readline()  # the go signal: both workers start together
+claimed, completed, over_cap = [], [], 0
+held = store.claim_jobs(name, ["linux"], limit=capacity)
+while True:
+    claimed += [[l.run_id, l.job_id] for l in held]
+    if not held:
+        if store.get_run(run_id).status == "completed":
+            break
+        held = store.claim_jobs(name, ["linux"], limit=capacity)
+        continue
+    results = [(l, "failure" if l.job_id.endswith("7") else "success", {"by": name})
+               for l in held]
+    done, held = store.complete_and_claim(results, name, ["linux"], limit=capacity)
+    completed += [[c.run_id, c.job_id] for c in done if c.changed]
+    over_cap += in_flight() > 5
+snap = store.counters.snapshot()
+print(json.dumps({"claimed": claimed, "completed": completed, "over_cap": over_cap,
+                  "deadlocks": snap.deadlock_retries, "graph_loads": snap.graph_loads}),
+      flush=True)
+store.close()
+"""
+
+
+def test_two_processes_complete_and_claim_atomically(store: Store, store_url: str) -> None:
+    """Two runner processes of capacity 4 reporting and refilling at once:
+    every job is claimed once and completed once by the runner that claimed
+    it, the capped cohort never has more than its 5 legs in flight, and no
+    transaction deadlocks."""
+    b = PlanBuilder()
+    b.job("setup", runs_on=("linux",))
+    b.matrix("leg", 60, needs=["setup"], max_parallel=5, runs_on=("linux",))
+    b.matrix("free", 40, needs=["setup"], runs_on=("linux",))
+    b.job("merge", needs=["leg", "free"], if_expr="always()", runs_on=("linux",))
+    run_id = store.submit_run(b.plan())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, store_url, f"w{i}", str(run_id), "4"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    reports = []
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    claimed = [tuple(c) for r in reports for c in r["claimed"]]
+    completed = [tuple(c) for r in reports for c in r["completed"]]
+    assert len(claimed) == len(set(claimed)) == 102, "a job was claimed twice or never"
+    assert sorted(completed) == sorted(claimed), "a completion was lost or doubled"
+    assert all(r["over_cap"] == 0 for r in reports)
+    assert all(r["deadlocks"] == 0 and r["graph_loads"] == 0 for r in reports)
+    with open_store(store_url) as check:
+        assert check.get_run(run_id).status == "completed"
+        jobs = check.list_jobs(run_id)
+        assert all(j.outputs.get("by") == j.runner for j in jobs)

@@ -19,7 +19,9 @@ Counters kept in rows (so no path reads the whole run):
 
 from __future__ import annotations
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "render"]
+__all__ = ["MIGRATIONS", "QUEUE_MAX", "SCHEMA_VERSION", "render"]
+
+QUEUE_MAX = 100  # GitHub's `queue: max` pending limit
 
 # A migration is a list of statements; a dict holds one per dialect (None: nothing).
 Statement = str | dict[str, str | None]
@@ -278,8 +280,8 @@ DECLARE
     waited BIGINT := 0;
     left_jobs INT;
     n_done INT; n_slow INT; n_ended INT; n_multi INT; n_cancelled INT;
-    v_settled JSON; v_slots JSON; v_claimed JSON;
-    c RECORD; got INT; odd INT;
+    v_settled JSON; v_slots JSON; v_groups JSON; v_claimed JSON;
+    c RECORD; g RECORD; leg RECORD; got INT; odd INT;
 BEGIN
     IF n > 0 THEN
         UPDATE runs SET remaining_jobs = remaining_jobs - n WHERE id = p_run
@@ -326,40 +328,56 @@ BEGIN
             RETURNING units.remaining
         )
         SELECT (SELECT count(*) FROM e),
-               (SELECT count(*) FROM e
-                 WHERE kind <> 'job' OR holds_group IS NOT NULL OR eff = 'failure'),
+               (SELECT count(*) FROM e WHERE kind <> 'job' OR eff = 'failure'),
                (SELECT count(*) FROM u WHERE remaining <= 0),
                (SELECT count(*) FROM a WHERE n_out > 1),
                (SELECT count(*) FROM e WHERE eff = 'cancelled'),
                (SELECT json_agg(json_build_array(id, conclusion)) FROM e),
                (SELECT json_agg(s) FROM (SELECT cohort, count(*) AS freed FROM e
-                                          WHERE holds_slot = 1 GROUP BY cohort) s)
-          INTO n_done, n_slow, n_ended, n_multi, n_cancelled, v_settled, v_slots;
+                                          WHERE holds_slot = 1 GROUP BY cohort) s),
+               (SELECT json_agg(json_build_object('job', id, 'grp', holds_group)
+                                ORDER BY id) FROM e WHERE holds_group IS NOT NULL)
+          INTO n_done, n_slow, n_ended, n_multi, n_cancelled, v_settled, v_slots, v_groups;
         IF n_done < n OR n_slow > 0 OR n_ended > 0 OR n_multi > 0 THEN
             RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
         END IF;
         IF n_cancelled > 0 THEN
             UPDATE runs SET cancelled_jobs = cancelled_jobs + n_cancelled WHERE id = p_run;
         END IF;
+        -- A group a job held goes to its oldest waiter (as the cascade's
+        -- release_group), before freed slots admit parked legs.
+        FOR g IN SELECT x.job, x.grp
+                   FROM json_to_recordset(coalesce(v_groups, '[]'::JSON)) AS x(job TEXT, grp TEXT)
+        LOOP
+            UPDATE conc_groups SET holder_run = NULL, holder_job = NULL
+                WHERE name = g.grp AND holder_run = p_run AND holder_job = g.job;
+            IF FOUND THEN
+                PERFORM preloop_promote_group(p_run, g.grp);
+            END IF;
+        END LOOP;
         FOR c IN SELECT x.cohort, x.freed
                    FROM json_to_recordset(coalesce(v_slots, '[]'::JSON))
                      AS x(cohort TEXT, freed INT)
         LOOP
-            WITH q AS (
-                SELECT p.id, (p.kind = 'job' AND p.conc_group IS NULL
-                              AND p.conc_group_expr IS NULL) AS plain
-                FROM jobs p WHERE p.run_id = p_run AND p.cohort = c.cohort
-                  AND p.status = 'parked' ORDER BY p.seq LIMIT c.freed
-            ), h AS (
-                UPDATE jobs SET status = 'queued', holds_slot = 1 FROM q
-                WHERE jobs.run_id = p_run AND jobs.id = q.id AND q.plain
-                RETURNING 1
-            )
-            SELECT (SELECT count(*) FROM q), (SELECT count(*) FROM q WHERE NOT plain)
-              INTO got, odd;
-            IF odd > 0 THEN
-                RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
-            END IF;
+            got := 0;
+            FOR leg IN SELECT p.id, p.kind, p.conc_group, p.conc_group_expr, p.conc_cancel,
+                              p.conc_queue_max
+                         FROM jobs p WHERE p.run_id = p_run AND p.cohort = c.cohort
+                          AND p.status = 'parked' ORDER BY p.seq LIMIT c.freed
+            LOOP
+                got := got + 1;
+                IF leg.kind <> 'job' OR leg.conc_group_expr IS NOT NULL
+                   OR leg.conc_cancel = 1 THEN
+                    RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+                END IF;
+                IF leg.conc_group IS NULL THEN
+                    UPDATE jobs SET status = 'queued', holds_slot = 1
+                        WHERE run_id = p_run AND id = leg.id;
+                ELSE
+                    PERFORM preloop_through_group(p_run, leg.id, leg.conc_group,
+                                                  leg.conc_queue_max);
+                END IF;
+            END LOOP;
             IF got < c.freed THEN
                 UPDATE cohorts SET active = active - (c.freed - got)
                     WHERE run_id = p_run AND id = c.cohort;
@@ -405,13 +423,91 @@ BEGIN
 END
 $fn$"""
 
+# The concurrency-group half of `preloop_complete_claim`, as the cascade's
+# promote_group and through_group do it, for the case that stays inside the
+# locked run: the oldest waiter is a plain job of this run, no cancellation is
+# owed or needed. Anything else raises PLSLO (the Python cascade decides).
+_PROMOTE_GROUP_FN = """CREATE OR REPLACE FUNCTION preloop_promote_group(p_run BIGINT, p_group TEXT)
+RETURNS VOID LANGUAGE plpgsql AS $fn$
+DECLARE
+    w RECORD;
+BEGIN
+    IF EXISTS (SELECT 1 FROM conc_actions WHERE group_name = p_group) THEN
+        RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+    END IF;
+    SELECT q.run_id, q.id, q.is_run INTO w FROM (
+        SELECT run_id, id, wait_seq, 0 AS is_run FROM jobs
+            WHERE conc_group = p_group AND status = 'waiting'
+        UNION ALL SELECT id, NULL, wait_seq, 1 FROM runs
+            WHERE conc_group = p_group AND status = 'pending') q
+        ORDER BY q.wait_seq LIMIT 1;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF w.is_run = 1 OR w.run_id <> p_run THEN
+        RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+    END IF;
+    UPDATE jobs SET status = 'queued', holds_group = p_group, conc_group = p_group
+        WHERE run_id = p_run AND id = w.id AND status = 'waiting' AND kind = 'job';
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+    END IF;
+    UPDATE conc_groups SET holder_run = p_run, holder_job = w.id WHERE name = p_group;
+END
+$fn$"""
+
+_THROUGH_GROUP_FN = """CREATE OR REPLACE FUNCTION preloop_through_group(
+    p_run BIGINT, p_job TEXT, p_group TEXT, p_queue_max INT)
+RETURNS VOID LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_seq BIGINT;
+BEGIN
+    INSERT INTO conc_groups (name, holder_run, holder_job) VALUES (p_group, p_run, p_job)
+        ON CONFLICT (name) DO UPDATE SET holder_run = excluded.holder_run,
+            holder_job = excluded.holder_job
+        WHERE conc_groups.holder_run IS NULL
+          AND NOT EXISTS (SELECT 1 FROM jobs w WHERE w.conc_group = p_group
+                          AND w.status = 'waiting')
+          AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = p_group
+                          AND r.status = 'pending');
+    IF FOUND THEN
+        UPDATE jobs SET status = 'queued', holds_slot = 1, holds_group = p_group,
+            conc_group = p_group WHERE run_id = p_run AND id = p_job;
+        RETURN;
+    END IF;
+    UPDATE wait_seq SET value = value + 1 WHERE id = 1 RETURNING value INTO v_seq;
+    UPDATE jobs SET status = 'waiting', holds_slot = 1, conc_group = p_group, wait_seq = v_seq
+        WHERE run_id = p_run AND id = p_job;
+    -- make_room: a waiter beyond the queue limit is cancelled by the cascade.
+    IF EXISTS (SELECT 1 FROM (
+            SELECT run_id, id, wait_seq FROM jobs
+                WHERE conc_group = p_group AND status = 'waiting'
+            UNION ALL SELECT id, NULL, wait_seq FROM runs
+                WHERE conc_group = p_group AND status = 'pending'
+            ORDER BY wait_seq DESC
+            OFFSET CASE WHEN p_queue_max = 1 THEN @QUEUE_MAX@ ELSE 1 END) x
+        WHERE x.run_id IS DISTINCT FROM p_run OR x.id IS DISTINCT FROM p_job) THEN
+        RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+    END IF;
+    UPDATE conc_groups SET holder_run = holder_run
+        WHERE name = p_group AND holder_run IS NULL;
+    IF FOUND THEN
+        PERFORM preloop_promote_group(p_run, p_group);
+    END IF;
+END
+$fn$"""
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
     # A re-run points at the run it repeats.
     ["ALTER TABLE runs ADD COLUMN rerun_of BIGINT"],
     _V4,
-    [{"pg": _COMPLETE_CLAIM_FN, "lite": None}],
+    [
+        {"pg": _PROMOTE_GROUP_FN, "lite": None},
+        {"pg": _THROUGH_GROUP_FN.replace("@QUEUE_MAX@", str(QUEUE_MAX)), "lite": None},
+        {"pg": _COMPLETE_CLAIM_FN, "lite": None},
+    ],
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

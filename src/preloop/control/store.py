@@ -66,6 +66,7 @@ from preloop.control.conditions import (
 from preloop.control.counters import Counters
 from preloop.control.db import Backend, LiteBackend, PgBackend, Row, StoreError, Tx
 from preloop.control.reusable import callee_inputs, scoped_inputs, start_caller
+from preloop.control.schema import QUEUE_MAX
 from preloop.errors import PreloopError
 from preloop.workflow.plan import Cohort, ConcurrencySpec, Plan, PlannedJob
 from preloop.workflow.planner import PlanError, expand_deferred
@@ -87,7 +88,6 @@ __all__ = [
 
 Conclusion = Literal["success", "failure", "cancelled", "skipped"]
 TERMINAL: frozenset[str] = frozenset({"success", "failure", "cancelled", "skipped"})
-QUEUE_MAX = 100  # GitHub's `queue: max` pending limit
 SEQ_STRIDE = 4096  # room below each planned seq for deferred legs
 DEFAULT_LEASE_SECONDS = 60.0
 

@@ -204,10 +204,14 @@ def runners(pg_url: str, tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]
 
 
 def _start_runner(
-    procs: list[subprocess.Popen[str]], pg_url: str, state: Path, name: str
+    procs: list[subprocess.Popen[str]],
+    pg_url: str,
+    state: Path,
+    name: str,
+    *extra: str,
 ) -> subprocess.Popen[str]:
     p = subprocess.Popen(
-        [*PRELOOP, "runner", "--store", pg_url, "--name", name, "--labels", "big"],
+        [*PRELOOP, "runner", "--store", pg_url, "--name", name, "--labels", "big", *extra],
         env=_env(state),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -252,6 +256,42 @@ def test_two_runners_share_one_run_on_postgresql(
         out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err
         assert "stopped after 1 job\n" in out
+
+
+def test_one_runner_with_capacity_runs_jobs_side_by_side(
+    tmp_path: Path, pg_url: str, runners: list[subprocess.Popen[str]]
+) -> None:
+    """`preloop runner --capacity 2`: one process holds both jobs at once (each
+    waits for the other to start), then a third after a slot frees."""
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    script = (
+        f"touch {barrier}/${{{{ github.job }}}}\n"
+        f'until [ "$(ls {barrier} | wc -l)" -ge 2 ]; do sleep 0.05; done\n'
+    )
+    jobs: dict[str, object] = {
+        name: {"runs-on": ["self-hosted", "big"], "timeout-minutes": 2, "steps": [{"run": script}]}
+        for name in ("one", "two")
+    }
+    jobs["three"] = {
+        "runs-on": ["self-hosted", "big"],
+        "needs": ["one"],
+        "steps": [{"run": "echo third"}],
+    }
+    repo = make_repo(
+        tmp_path / "repo", workflow(json.dumps({"on": "push", "jobs": jobs}, indent=1))
+    )
+    state = tmp_path / "state"
+    slots = _start_runner(runners, pg_url, state, "slots", "--capacity", "2")
+    proc = preloop("run", "-j", "0", "--store", pg_url, "--json", cwd=repo, state=state)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    doc = json.loads(proc.stdout)
+    assert {j["runner"] for j in doc["jobs"]} == {"slots"}
+    assert doc["conclusion"] == "success" and len(doc["jobs"]) == 3
+    slots.send_signal(signal.SIGTERM)
+    out, err = slots.communicate(timeout=60)
+    assert slots.returncode == 0, err
+    assert "stopped after 3 jobs" in out
 
 
 def test_runner_sigterm_cancels_its_job_and_exits_zero(

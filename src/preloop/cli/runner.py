@@ -62,6 +62,14 @@ async def _serve(runner: Runner) -> None:
 )
 @secret_options
 @sandbox_options
+@click.option(
+    "--capacity",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Jobs run side by side. Free slots are claimed in one statement, and a finished "
+    "job is reported together with the next claims in one transaction.",
+)
 def runner_command(
     store: str,
     labels: str,
@@ -71,6 +79,7 @@ def runner_command(
     secret_files: tuple[Path, ...],
     sandbox: bool,
     sandbox_network: str,
+    capacity: int,
 ) -> None:
     """Run jobs from a shared store until SIGTERM (then cancel the job and exit 0)."""
     if not store.startswith(("postgresql://", "postgres://")):
@@ -88,6 +97,7 @@ def runner_command(
         secrets=parse_secrets(secret, secret_files),
         sandbox=sandbox,
         sandbox_network=sandbox_network,
+        capacity=capacity,
     )
     sweep_work_dir(state)
     with open_store(store) as db:

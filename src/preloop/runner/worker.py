@@ -13,24 +13,26 @@ repeat until `stop` is set; an idle runner polls the store.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
 
 import anyio
+import anyio.abc
 
 from preloop.actions.cache import actions_dir
 from preloop.actions.reference import Override, Overrides
 from preloop.actions.steps import ActionSource
-from preloop.control import Lease, Store, StoreError
+from preloop.control import Completion, Lease, Store, StoreError
 from preloop.control.reusable import passed_secrets
 from preloop.errors import PreloopError
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_dir
@@ -88,9 +90,23 @@ class RunnerOptions:
     action_overrides: tuple[Override, ...] = ()
     # Why a claimed job is not run here (it is completed `skipped`), or None.
     skip: Callable[[Lease], str | None] | None = None
+    # Jobs this runner runs side by side (`serve`): with more than one it
+    # claims up to its free slots in one statement and reports finished jobs
+    # with its next claims in one transaction (`Store.complete_and_claim`).
+    capacity: int = 1
 
 
 T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Reported:
+    """A finished job waiting for the batch that records it (`_serve_slots`)."""
+
+    lease: Lease
+    result: JobResult
+    recorded: anyio.Event = field(default_factory=anyio.Event)
+    outcome: Completion | BaseException | None = None
 
 
 def _sandbox_reads(state_dir: Path, service_env: dict[str, str]) -> list[Path]:
@@ -205,8 +221,15 @@ class Runner:
                 control.cancel()
                 return
 
-    async def run_lease(self, lease: Lease, control: JobControl | None = None) -> JobResult:
-        """Runs the leased job to its end and completes it in the store."""
+    async def run_lease(
+        self,
+        lease: Lease,
+        control: JobControl | None = None,
+        *,
+        report: Callable[[Lease, JobResult], Awaitable[Completion]] | None = None,
+    ) -> JobResult:
+        """Runs the leased job to its end and completes it in the store (or,
+        with `report`, hands the result to `report`, which completes it)."""
         opts = self.options
         control = control or JobControl()
         self.current = control
@@ -262,10 +285,13 @@ class Runner:
                 if final.outputs:
                     final = await self._within_run_limit(lease, final, line)
                 try:
-                    done = await store_call(
-                        self.store,
-                        lambda: self.store.complete_job(lease, final.conclusion, final.outputs),
-                    )
+                    if report is not None:
+                        done = await report(lease, final)
+                    else:
+                        done = await store_call(
+                            self.store,
+                            lambda: self.store.complete_job(lease, final.conclusion, final.outputs),
+                        )
                 except StoreError as exc:
                     line(masker.mask(f"preloop: the result could not be recorded: {exc}"))
                 else:
@@ -404,6 +430,9 @@ class Runner:
     async def serve(self, stop: anyio.Event) -> None:
         """Claims and runs jobs until `stop` is set; the job running then is
         cancelled (its process groups killed) and completed as cancelled."""
+        if self.options.capacity > 1:
+            await self._serve_slots(stop)
+            return
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -422,4 +451,108 @@ class Runner:
                 if stop.is_set():
                     control.cancel()
                 await self.run_lease(lease, control)
+            tg.cancel_scope.cancel()
+
+    async def _serve_slots(self, stop: anyio.Event) -> None:
+        """`serve` with `capacity` slots: one claim statement fills every free
+        slot, each job runs in its own task, and finished jobs are reported
+        together with the claims their freed slots allow, in one transaction.
+        On `stop` every running job is cancelled and reported, nothing new is
+        claimed."""
+        opts = self.options
+        capacity = opts.capacity
+        controls: dict[tuple[int, str], JobControl] = {}
+        send, receive = anyio.create_memory_object_stream[_Reported](capacity)
+        active = 0
+
+        async def report(lease: Lease, result: JobResult) -> Completion:
+            # Waits for the batch this result goes out with (run_lease shows
+            # the conclusion the store recorded).
+            item = _Reported(lease, result)
+            await send.send(item)
+            await item.recorded.wait()
+            if isinstance(item.outcome, Completion) and item.outcome.error is None:
+                return item.outcome
+            raise StoreError(
+                item.outcome.error if isinstance(item.outcome, Completion) else str(item.outcome)
+            )
+
+        async def run_one(lease: Lease) -> None:
+            key = (lease.run_id, lease.job_id)
+            control = controls[key]
+            try:
+                await self.run_lease(lease, control, report=report)
+            finally:
+                controls.pop(key, None)
+
+        def start(tg: anyio.abc.TaskGroup, leases: list[Lease]) -> None:
+            nonlocal active
+            for lease in leases:
+                control = controls[(lease.run_id, lease.job_id)] = JobControl()
+                if stop.is_set():
+                    control.cancel()
+                active += 1
+                tg.start_soon(run_one, lease)
+
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                await stop.wait()
+                for control in list(controls.values()):
+                    control.cancel()
+
+            tg.start_soon(watch)
+            while not (stop.is_set() and active == 0):
+                if not stop.is_set() and active < capacity:
+                    free = capacity - active
+                    start(
+                        tg,
+                        await store_call(
+                            self.store,
+                            functools.partial(
+                                self.store.claim_jobs,
+                                opts.name,
+                                self.labels,
+                                limit=free,
+                                lease_seconds=opts.lease_seconds,
+                                run_id=opts.run_id,
+                            ),
+                        ),
+                    )
+                batch: list[_Reported] = []
+                idle = None if active == capacity or stop.is_set() else opts.idle_poll
+                with anyio.move_on_after(idle):
+                    batch.append(await receive.receive())
+                while True:
+                    try:
+                        batch.append(receive.receive_nowait())
+                    except anyio.WouldBlock:
+                        break
+                if not batch:
+                    continue
+                active -= len(batch)
+                limit = 0 if stop.is_set() else capacity - active
+                results = [(b.lease, b.result.conclusion, b.result.outputs) for b in batch]
+                try:
+                    done, claimed = await store_call(
+                        self.store,
+                        functools.partial(
+                            self.store.complete_and_claim,
+                            results,
+                            opts.name,
+                            self.labels,
+                            limit=limit,
+                            lease_seconds=opts.lease_seconds,
+                            run_id=opts.run_id,
+                        ),
+                    )
+                except Exception as exc:  # each job's run_lease reports it in its log
+                    for b in batch:
+                        b.outcome = exc
+                        b.recorded.set()
+                    continue
+                for b, c in zip(batch, done, strict=True):
+                    b.outcome = c
+                    b.recorded.set()
+                start(tg, claimed)
             tg.cancel_scope.cancel()

@@ -42,8 +42,8 @@ from preloop.testing.pg import scratch_schema
 from preloop.testing.plans import profile_plan, with_runs_on
 
 ENGINES = 2
-CAPACITY = int(os.environ.get("PRELOOP_BENCH_CAPACITY", "16"))  # jobs one engine runs at once
-THREADS_PER_ENGINE = int(os.environ.get("PRELOOP_BENCH_THREADS", "2"))
+CAPACITY = int(os.environ.get("PRELOOP_BENCH_CAPACITY", "32"))  # jobs one engine runs at once
+THREADS_PER_ENGINE = int(os.environ.get("PRELOOP_BENCH_THREADS", "1"))
 RESULTS: list[dict[str, Any]] = []
 
 

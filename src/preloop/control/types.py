@@ -1,0 +1,98 @@
+"""The scheduler's public values: what claims, heartbeats and completions
+hand back, what the queries return, and the errors a caller can catch.
+`preloop.control` (and `preloop.control.store`) re-export every name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from preloop.errors import PreloopError
+
+Conclusion = Literal["success", "failure", "cancelled", "skipped"]
+
+
+TERMINAL: frozenset[str] = frozenset({"success", "failure", "cancelled", "skipped"})
+
+
+DEFAULT_LEASE_SECONDS = 60.0
+
+
+class NonTerminalConclusion(PreloopError):
+    """complete_job/settle_job was given a status that does not end a job."""
+
+    exit_code = 2
+
+
+class UnknownRun(PreloopError):
+    """No run or job with that id exists in the store."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A claimed job. The runner heartbeats it and completes it."""
+
+    run_id: int
+    job_id: str
+    name: str
+    token: str
+    runner: str
+    expires_at: float
+    attempt: int
+    spec: dict[str, Any]
+    matrix: dict[str, Any] | None
+    strategy: dict[str, Any] | None
+    timeout_minutes: float
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """`held` is False when the lease is gone (job ended or expired);
+    `cancel_requested` tells the runner to stop the job."""
+
+    held: bool
+    cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    run_id: int
+    job_id: str
+    conclusion: str
+    changed: bool  # False for a duplicate completion
+    # `complete_and_claim` only: why this result was not recorded (the lease
+    # is no longer held, the run is gone); `complete_job` raises instead.
+    error: str | None = None
+
+
+#: One runner result for `Store.complete_and_claim`: the lease, its
+#: conclusion and its outputs (None: no outputs).
+JobResultItem = tuple["Lease", str, "dict[str, Any] | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    id: int
+    workflow: str
+    name: str
+    event: str
+    status: str
+    conclusion: str | None
+    cancel_requested: bool
+    remaining_jobs: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobInfo:
+    run_id: int
+    id: str
+    name: str
+    base_id: str
+    kind: str
+    status: str
+    conclusion: str | None
+    outputs: dict[str, Any]
+    reason: str | None
+    runner: str | None
+    cancel_requested: bool
+    inner_job_ids: tuple[str, ...]

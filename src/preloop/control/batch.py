@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from preloop.control.db import Row, StoreError, Tx
+from preloop.control.queries import Q
 from preloop.control.rows import _dumps, _loads, _plain
 from preloop.control.types import (
     TERMINAL,
@@ -91,21 +92,21 @@ def _complete_lite_fast(tx: Tx, results: Sequence[JobResultItem]) -> list[Comple
     savepoint; None (the savepoint rolled back, nothing written) when the
     batch needs the Python cascade. The same rules decide as on PostgreSQL."""
     run_id = results[0][0].run_id
-    tx.execute("SAVEPOINT complete_fast")
+    tx.execute(Q["complete_lite_fast_savepoint"])
     try:
         done = _lite_fast_body(tx, run_id, results)
     except _SlowPath:
-        tx.execute("ROLLBACK TO complete_fast")
-        tx.execute("RELEASE complete_fast")
+        tx.execute(Q["complete_lite_fast_rollback"])
+        tx.execute(Q["complete_lite_fast_release_2"])
         return None
-    tx.execute("RELEASE complete_fast")
+    tx.execute(Q["complete_lite_fast_release"])
     return done
 
 
 def _lite_fast_body(tx: Tx, run_id: int, results: Sequence[JobResultItem]) -> list[Completion]:
     n = len(results)
     run = tx.one(
-        "UPDATE runs SET remaining_jobs = remaining_jobs - ? WHERE id = ? RETURNING remaining_jobs",
+        Q["lite_fast_body_update_runs"],
         (n, run_id),
     )
     if run is None or int(run["remaining_jobs"]) <= 0:
@@ -161,13 +162,10 @@ def _lite_fast_body(tx: Tx, run_id: int, results: Sequence[JobResultItem]) -> li
         if left is None or int(left["remaining"]) <= 0:
             raise _SlowPath
     if cancelled:
-        tx.execute(
-            "UPDATE runs SET cancelled_jobs = cancelled_jobs + ? WHERE id = ?", (cancelled, run_id)
-        )
+        tx.execute(Q["lite_fast_body_update_runs_2"], (cancelled, run_id))
     for cohort, freed in slots.items():
         nxt = tx.execute(
-            "SELECT id, kind, conc_group, conc_group_expr FROM jobs WHERE run_id = ? "
-            "AND cohort = ? AND status = 'parked' ORDER BY seq LIMIT ?",
+            Q["lite_fast_body_select_jobs"],
             (run_id, cohort, freed),
         )
         if not all(_plain(j) for j in nxt):
@@ -181,7 +179,7 @@ def _lite_fast_body(tx: Tx, run_id: int, results: Sequence[JobResultItem]) -> li
             )
         if len(nxt) < freed:
             tx.execute(
-                "UPDATE cohorts SET active = active - ? WHERE run_id = ? AND id = ?",
+                Q["lite_fast_body_update_cohorts"],
                 (freed - len(nxt), run_id, cohort),
             )
     conclusions = {r["id"]: r["conclusion"] for r in rows}
@@ -208,9 +206,7 @@ def _lease(row: Row, claim: _Claim, now: float) -> Lease:
 
 def _not_settled(tx: Tx, run_id: int, job_id: str) -> Completion:
     """Why a settle changed nothing: a duplicate (idempotent), or an error."""
-    job = tx.one(
-        "SELECT status, conclusion, kind FROM jobs WHERE run_id = ? AND id = ?", (run_id, job_id)
-    )
+    job = tx.one(Q["not_settled_select_jobs"], (run_id, job_id))
     if job is None:
         raise UnknownRun(f"run {run_id} has no job {job_id!r}")
     if job["status"] in ("completed", "expanded"):

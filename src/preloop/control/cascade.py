@@ -19,6 +19,7 @@ from preloop.control.conditions import (
     should_run,
 )
 from preloop.control.db import Row, Tx
+from preloop.control.queries import Q
 from preloop.control.reusable import callee_inputs, scoped_inputs, start_caller
 from preloop.control.rows import (
     _INSERT_JOB,
@@ -44,14 +45,7 @@ if TYPE_CHECKING:
 # Takes a concurrency group for a job (or, holder_job NULL, a run) when it is
 # free and nobody waits; the row is created on first use. On PostgreSQL the
 # group row stays locked either way until commit.
-_ACQUIRE = (
-    "INSERT INTO conc_groups (name, holder_run, holder_job) VALUES (?, ?, ?) "
-    "ON CONFLICT (name) DO UPDATE SET holder_run = excluded.holder_run, "
-    "holder_job = excluded.holder_job WHERE conc_groups.holder_run IS NULL "
-    "AND NOT EXISTS (SELECT 1 FROM jobs w WHERE w.conc_group = ? AND w.status = 'waiting') "
-    "AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = ? AND r.status = 'pending') "
-    "RETURNING name"
-)
+_ACQUIRE = Q["acquire_group"]
 
 
 class _Cascade:
@@ -88,7 +82,7 @@ class _Cascade:
         run = self.run(run_id)
         ctx = run.get("_ctx")
         if ctx is None:
-            row = self.tx.one("SELECT context FROM runs WHERE id = ?", (run_id,))
+            row = self.tx.one(Q["context_select_runs"], (run_id,))
             assert row is not None
             ctx = run["_ctx"] = json.loads(row["context"])
         assert isinstance(ctx, dict)
@@ -122,10 +116,7 @@ class _Cascade:
                 row: Row | None
                 if rem or failed or cancelled:
                     row = self.tx.one(
-                        "UPDATE runs SET remaining_jobs = remaining_jobs + ?, failed_jobs = "
-                        "failed_jobs + ?, cancelled_jobs = cancelled_jobs + ? WHERE id = ? "
-                        "RETURNING remaining_jobs, failed_jobs, cancelled_jobs, status, "
-                        "cancel_requested, conc_group",
+                        Q["finish_update_runs"],
                         (rem, failed, cancelled, run_id),
                     )
                 else:
@@ -154,8 +145,7 @@ class _Cascade:
         self.ready(run_id, roots)
         if not roots:
             row = self.tx.one(
-                "SELECT remaining_jobs, failed_jobs, cancelled_jobs, cancel_requested, conc_group "
-                "FROM runs WHERE id = ?",
+                Q["start_run_select_runs"],
                 (run_id,),
             )
             if row is not None and int(row["remaining_jobs"]) == 0:
@@ -173,15 +163,14 @@ class _Cascade:
         else:
             conclusion = "success"
         self.tx.execute(
-            "UPDATE runs SET status = 'completed', conclusion = ?, completed_at = ? WHERE id = ?",
+            Q["end_run_update_runs"],
             (conclusion, time.time(), run_id),
         )
         self.run(run_id)["status"] = "completed"
         group = row["conc_group"]
         if group is not None:
             released = self.tx.one(
-                "UPDATE conc_groups SET holder_run = NULL, holder_job = NULL "
-                "WHERE name = ? AND holder_run = ? AND holder_job IS NULL RETURNING name",
+                Q["end_run_update_conc_groups"],
                 (group, run_id),
             )
             if released is not None:
@@ -200,9 +189,7 @@ class _Cascade:
     ) -> None:
         run_id = int(job["run_id"])
         changed = self.tx.one(
-            "UPDATE jobs SET status = 'completed', conclusion = ?, outputs = ?, reason = ?, "
-            "completed_at = ?, lease_token = NULL "
-            "WHERE run_id = ? AND id = ? AND status = ? RETURNING id",
+            Q["conclude_update_jobs"],
             (conclusion, _dumps(outputs), reason, time.time(), run_id, job["id"], job["status"]),
         )
         if changed is None:
@@ -211,8 +198,7 @@ class _Cascade:
             # cancellation becomes a request to stop it instead of being lost.
             if conclusion == "cancelled" and job["status"] == "queued":
                 self.tx.execute(
-                    "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND id = ? "
-                    "AND status = 'running'",
+                    Q["conclude_update_jobs_2"],
                     (run_id, job["id"]),
                 )
             return
@@ -281,9 +267,7 @@ class _Cascade:
         tx = self.tx
         result = _unit_result(unit)
         base = unit["base_id"]
-        tx.execute(
-            "UPDATE units SET result = ? WHERE run_id = ? AND base_id = ?", (result, run_id, base)
-        )
+        tx.execute(Q["end_unit_update_units"], (result, run_id, base))
         fail = result == "failure" or bool(unit["anc_fail"])
         bad = result != "success" or bool(unit["anc_bad"])
         if unit["caller"] is not None:
@@ -298,12 +282,7 @@ class _Cascade:
         # Two statements with obvious plans (a deps range, then primary-key
         # lookups): one join lets a planner without statistics on fresh rows
         # pick a nested loop over every blocked job of the run.
-        dependents = [
-            r["job_id"]
-            for r in tx.execute(
-                "SELECT job_id FROM deps WHERE run_id = ? AND need = ?", (run_id, base)
-            )
-        ]
+        dependents = [r["job_id"] for r in tx.execute(Q["end_unit_select_deps"], (run_id, base))]
         ready = []
         for sel, sel_args, where, where_args in _id_sets(tx, run_id, dependents):
             ready += tx.execute(
@@ -362,7 +341,7 @@ class _Cascade:
     def _do_fill_cohort(self, run_id: int, cohort: str) -> None:
         """Admits parked legs into the cohort's free slots (seq order)."""
         c = self.tx.one(
-            "SELECT max_parallel - active AS free FROM cohorts WHERE run_id = ? AND id = ?",
+            Q["fill_cohort_select_cohorts"],
             (run_id, cohort),
         )
         if c is None or int(c["free"]) <= 0:
@@ -375,7 +354,7 @@ class _Cascade:
         if not legs:
             return
         self.tx.execute(
-            "UPDATE cohorts SET active = active + ? WHERE run_id = ? AND id = ?",
+            Q["fill_cohort_update_cohorts"],
             (len(legs), run_id, cohort),
         )
         plain = [j["id"] for j in legs if _plain(j)]
@@ -427,8 +406,7 @@ class _Cascade:
         included, by id prefix) ends with the caller's conclusion at once."""
         lo, hi = _inner_range(caller)
         rows = self.tx.execute(
-            "UPDATE jobs SET status = 'completed', conclusion = ?, completed_at = ? "
-            "WHERE run_id = ? AND id >= ? AND id < ? AND status = 'blocked' RETURNING id",
+            Q["skip_inner_update_jobs"],
             (conclusion, time.time(), run_id, lo, hi),
         )
         column = "n_cancelled" if conclusion == "cancelled" else "n_skipped"
@@ -439,7 +417,7 @@ class _Cascade:
             (conclusion, run_id, lo, hi, "^" + lo, "^" + hi),
         )
         self.tx.execute(
-            "UPDATE units SET remaining = 0, result = ? WHERE run_id = ? AND base_id = ?",
+            Q["skip_inner_update_units"],
             (conclusion, run_id, _start_unit(caller)),
         )
         delta = self.run_delta.setdefault(run_id, [0, 0, 0])
@@ -474,8 +452,7 @@ class _Cascade:
             self.work.append(("fold", (row,)))
             return
         unit = self.tx.one(
-            "UPDATE units SET remaining = 0, n_success = 1 WHERE run_id = ? AND base_id = ? "
-            "RETURNING *",
+            Q["caller_started_update_units"],
             (run_id, _start_unit(row["id"])),
         )
         if unit is not None:
@@ -486,7 +463,7 @@ class _Cascade:
         run_id = int(caller["run_id"])
         cid = caller["id"]
         rows = self.tx.execute(
-            "SELECT base_id, result, outputs FROM units WHERE run_id = ? AND caller = ?",
+            Q["fold_select_units"],
             (run_id, cid),
         )
         inner = {
@@ -528,7 +505,7 @@ class _Cascade:
         tx = self.tx
         run_id = int(job["run_id"])
         jid = job["id"]
-        full = tx.one("SELECT * FROM jobs WHERE run_id = ? AND id = ?", (run_id, jid))
+        full = tx.one(Q["expand_select_jobs"], (run_id, jid))
         assert full is not None
         spec = json.loads(full["spec"])
         contexts = self.job_contexts(job)
@@ -571,7 +548,7 @@ class _Cascade:
         jid = full["id"]
         legs = expand_matrix_value(evaluate_expr(full["deferred_matrix"] or "", contexts))
         c = self.tx.one(
-            "SELECT max_parallel, fail_fast FROM cohorts WHERE run_id = ? AND id = ?",
+            Q["expand_value_select_cohorts"],
             (int(full["run_id"]), jid),
         )
         cohort = Cohort(
@@ -649,40 +626,33 @@ class _Cascade:
             row[2] = stored_seq
             rows.append((*row, int(j.base_id == jid and bool(capped))))
         tx.executemany(_INSERT_JOB, rows)
-        tx.executemany("INSERT INTO deps (run_id, need, job_id) VALUES (?, ?, ?)", deps)
+        tx.executemany(Q["insert_expansion_insert_deps"], deps)
         units = [(run_id, b, unit_caller[b], n) for b, n in unit_members.items() if b != jid]
         units += [(run_id, _start_unit(c), None, 1) for c in inner_units]
-        tx.executemany(
-            "INSERT INTO units (run_id, base_id, caller, remaining) VALUES (?, ?, ?, ?)", units
-        )
+        tx.executemany(Q["insert_expansion_insert_units"], units)
         if cohort is not None:
             tx.execute(
-                "INSERT INTO cohorts (run_id, id, max_parallel, fail_fast, total) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id, id) DO UPDATE SET "
-                "max_parallel = excluded.max_parallel, fail_fast = excluded.fail_fast, "
-                "total = excluded.total",
+                Q["insert_expansion_insert_cohorts"],
                 (run_id, jid, cohort.max_parallel, int(cohort.fail_fast), len(top)),
             )
         if full["anc_fail"] or full["anc_bad"]:
             tx.execute(
-                "UPDATE jobs SET anc_fail = ?, anc_bad = ? WHERE run_id = ? AND base_id = ? "
-                "AND status = 'blocked'",
+                Q["insert_expansion_update_jobs_2"],
                 (full["anc_fail"], full["anc_bad"], run_id, jid),
             )
         tx.execute(
-            "UPDATE jobs SET status = 'expanded', inner_job_ids = ?, completed_at = ? "
-            "WHERE run_id = ? AND id = ?",
+            Q["insert_expansion_update_jobs"],
             (_dumps(top), time.time(), run_id, jid),
         )
         tx.execute(
-            "UPDATE units SET remaining = remaining + ? WHERE run_id = ? AND base_id = ?",
+            Q["insert_expansion_update_units"],
             (len(top) - 1, run_id, jid),
         )
         self.run_delta.setdefault(run_id, [0, 0, 0])[0] += len(jobs) - 1
         if full["caller"] is not None:
             # Splice the legs into the caller's persisted inner job ids.
             c = tx.one(
-                "SELECT inner_job_ids FROM jobs WHERE run_id = ? AND id = ?",
+                Q["insert_expansion_select_jobs"],
                 (run_id, full["caller"]),
             )
             if c is not None:
@@ -693,7 +663,7 @@ class _Cascade:
                 if jid not in inner:
                     spliced.extend(top)
                 tx.execute(
-                    "UPDATE jobs SET inner_job_ids = ? WHERE run_id = ? AND id = ?",
+                    Q["insert_expansion_update_jobs_3"],
                     (_dumps(spliced), run_id, full["caller"]),
                 )
         fresh: list[Row] = []
@@ -719,15 +689,11 @@ class _Cascade:
         # SET expressions all read the old row, so `admitted` says whether
         # this statement took a slot.
         slot = self.tx.one(
-            "UPDATE cohorts SET admitted = CASE WHEN active < max_parallel THEN 1 ELSE 0 END, "
-            "active = CASE WHEN active < max_parallel THEN active + 1 ELSE active END "
-            "WHERE run_id = ? AND id = ? RETURNING admitted",
+            Q["admit_update_cohorts"],
             (run_id, job["cohort"]),
         )
         if slot is None or not slot["admitted"]:
-            self.tx.execute(
-                "UPDATE jobs SET status = 'parked' WHERE run_id = ? AND id = ?", (run_id, job["id"])
-            )
+            self.tx.execute(Q["admit_update_jobs"], (run_id, job["id"]))
             return
         self.through_group(job, holds_slot=True)
 
@@ -741,7 +707,7 @@ class _Cascade:
         )
         if nxt is None:
             self.tx.execute(
-                "UPDATE cohorts SET active = active - 1 WHERE run_id = ? AND id = ?",
+                Q["release_slot_update_cohorts"],
                 (run_id, cohort),
             )
             return
@@ -768,8 +734,7 @@ class _Cascade:
             return
         seq = tx.next_wait_seq()
         tx.execute(
-            "UPDATE jobs SET status = 'waiting', holds_slot = ?, conc_group = ?, wait_seq = ? "
-            "WHERE run_id = ? AND id = ?",
+            Q["through_group_update_jobs"],
             (int(holds_slot), group, seq, run_id, job["id"]),
         )
         self.make_room(group, bool(job["conc_queue_max"]), keep=(run_id, job["id"]))
@@ -782,11 +747,7 @@ class _Cascade:
         to QUEUE_MAX with `queue: max` (the oldest beyond it is cancelled)."""
         limit = QUEUE_MAX if queue_max else 1
         excess = self.tx.execute(
-            "SELECT run_id, id, wait_seq, 0 AS is_run FROM jobs WHERE conc_group = ? AND "
-            "status = 'waiting' "
-            "UNION ALL SELECT id AS run_id, NULL AS id, wait_seq, 1 AS is_run FROM runs "
-            "WHERE conc_group = ? AND status = 'pending' ORDER BY wait_seq DESC "
-            "LIMIT 1000000 OFFSET ?",
+            Q["make_room_select_jobs"],
             (group, group, limit),
         )
         for w in excess:
@@ -818,7 +779,7 @@ class _Cascade:
         """`cancel-in-progress`: the group's holder (a job or a run) is cancelled.
         `expect`: a deferred request, for that holder only (one that has
         ended since released the group: nothing is left to cancel)."""
-        g = self.tx.one("SELECT holder_run, holder_job FROM conc_groups WHERE name = ?", (group,))
+        g = self.tx.one(Q["cancel_holder_select_conc_groups"], (group,))
         if g is None or g["holder_run"] is None:
             return
         run_id = int(g["holder_run"])
@@ -840,7 +801,7 @@ class _Cascade:
             return
         if job["status"] == "running":
             self.tx.execute(
-                "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND id = ?",
+                Q["cancel_holder_update_jobs"],
                 (run_id, job["id"]),
             )
         elif job["status"] == "folding":
@@ -867,8 +828,7 @@ class _Cascade:
             return
         self.deferred.add(key)
         self.tx.execute(
-            "INSERT INTO conc_actions (group_name, action, queue_max, holder_run, holder_job) "
-            "VALUES (?, ?, ?, ?, ?)",
+            Q["defer_insert_conc_actions"],
             (
                 group,
                 action,
@@ -883,8 +843,7 @@ class _Cascade:
         """Carries out the cancellations `group` owes (see `defer`); one that
         still cannot lock its run is recorded again."""
         rows = self.tx.execute(
-            "DELETE FROM conc_actions WHERE group_name = ? "
-            "RETURNING id, action, queue_max, holder_run, holder_job",
+            Q["run_deferred_delete_conc_actions"],
             (group,),
         )
         rows.sort(key=lambda r: int(r["id"]))
@@ -899,8 +858,7 @@ class _Cascade:
 
     def _do_release_group(self, group: str, run_id: int, job_id: str) -> None:
         released = self.tx.one(
-            "UPDATE conc_groups SET holder_run = NULL, holder_job = NULL "
-            "WHERE name = ? AND holder_run = ? AND holder_job = ? RETURNING name",
+            Q["release_group_update_conc_groups"],
             (group, run_id, job_id),
         )
         if released is not None:
@@ -916,18 +874,14 @@ class _Cascade:
         while True:
             if not locked:
                 g = tx.one(
-                    "UPDATE conc_groups SET holder_run = holder_run WHERE name = ? "
-                    "AND holder_run IS NULL RETURNING name",
+                    Q["promote_group_update_conc_groups"],
                     (group,),
                 )
                 if g is None:
                     return
             locked = False
             w = tx.one(
-                "SELECT run_id, id, wait_seq, 0 AS is_run FROM jobs WHERE conc_group = ? AND "
-                "status = 'waiting' "
-                "UNION ALL SELECT id AS run_id, NULL AS id, wait_seq, 1 AS is_run FROM runs "
-                "WHERE conc_group = ? AND status = 'pending' ORDER BY wait_seq LIMIT 1",
+                Q["promote_group_select_jobs"],
                 (group, group),
             )
             if w is None:
@@ -941,10 +895,10 @@ class _Cascade:
                 self.note_run(other)
             if w["is_run"]:
                 tx.execute(
-                    "UPDATE conc_groups SET holder_run = ?, holder_job = NULL WHERE name = ?",
+                    Q["promote_group_update_conc_groups_2"],
                     (run_id, group),
                 )
-                tx.execute("UPDATE runs SET status = 'running' WHERE id = ?", (run_id,))
+                tx.execute(Q["promote_group_update_runs"], (run_id,))
                 self.run(run_id)["status"] = "running"
                 self.start_run(run_id)
                 return
@@ -954,7 +908,7 @@ class _Cascade:
             )
             if job is not None:
                 tx.execute(
-                    "UPDATE conc_groups SET holder_run = ?, holder_job = ? WHERE name = ?",
+                    Q["promote_group_update_conc_groups_3"],
                     (run_id, w["id"], group),
                 )
                 self.enqueue(job, bool(job["holds_slot"]), group)
@@ -969,7 +923,7 @@ class _Cascade:
         if got is not None:
             return True
         seq = tx.next_wait_seq()
-        tx.execute("UPDATE runs SET status = 'pending', wait_seq = ? WHERE id = ?", (seq, run_id))
+        tx.execute(Q["acquire_run_group_update_runs"], (seq, run_id))
         self.run(run_id)["status"] = "pending"
         self.make_room(group, bool(conc.queue_max), keep=(run_id, None))
         if conc.cancel_in_progress:
@@ -981,19 +935,15 @@ class _Cascade:
         """A run that never started (waiting on its workflow-level group) ends cancelled."""
         tx = self.tx
         rows = tx.execute(
-            "UPDATE jobs SET status = 'completed', conclusion = 'cancelled', completed_at = ? "
-            "WHERE run_id = ? AND status = 'blocked' RETURNING id",
+            Q["cancel_pending_run_update_jobs"],
             (time.time(), run_id),
         )
         tx.execute(
-            "UPDATE units SET n_cancelled = n_cancelled + remaining, remaining = 0, result = "
-            "'cancelled' "
-            "WHERE run_id = ?",
+            Q["cancel_pending_run_update_units"],
             (run_id,),
         )
         tx.execute(
-            "UPDATE runs SET status = 'completed', conclusion = 'cancelled', cancel_requested = 1, "
-            "remaining_jobs = remaining_jobs - ?, completed_at = ? WHERE id = ?",
+            Q["cancel_pending_run_update_runs"],
             (len(rows), time.time(), run_id),
         )
         self.run(run_id)["status"] = "completed"
@@ -1011,7 +961,7 @@ class _Cascade:
             return True
         if int(run["cancel_requested"]):
             return False
-        tx.execute("UPDATE runs SET cancel_requested = 1 WHERE id = ?", (run_id,))
+        tx.execute(Q["cancel_run_update_runs"], (run_id,))
         self.runs[run_id]["cancel_requested"] = 1
         active = tx.execute(
             f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND status IN ('queued', 'parked', "
@@ -1030,7 +980,7 @@ class _Cascade:
                 continue  # always() jobs still run, as on GitHub
             if job["status"] == "running":
                 tx.execute(
-                    "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND id = ?",
+                    Q["cancel_run_update_jobs"],
                     (run_id, job["id"]),
                 )
             else:
@@ -1040,15 +990,12 @@ class _Cascade:
 
     def _do_fail_fast(self, run_id: int, cohort: str, failed_id: str) -> None:
         """fail-fast: the other in-progress and queued legs of the matrix are cancelled."""
-        c = self.tx.one(
-            "SELECT fail_fast FROM cohorts WHERE run_id = ? AND id = ?", (run_id, cohort)
-        )
+        c = self.tx.one(Q["fail_fast_select_cohorts"], (run_id, cohort))
         if c is None or not c["fail_fast"]:
             return
         reason = f"fail-fast: leg {failed_id!r} failed"
         self.tx.execute(
-            "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND cohort = ? AND status = "
-            "'running'",
+            Q["fail_fast_update_jobs"],
             (run_id, cohort),
         )
         for leg in self.tx.execute(
@@ -1075,8 +1022,7 @@ class _Cascade:
         run_id = int(caller["run_id"])
         lo, hi = _inner_range(caller["id"])
         tx.execute(
-            "UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND ((id >= ? AND id < ? "
-            "AND status IN ('running', 'folding')) OR id = ?)",
+            Q["cancel_caller_update_jobs"],
             (run_id, lo, hi, caller["id"]),
         )
         rest = tx.execute(

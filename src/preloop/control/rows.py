@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from preloop.control.db import Row, Tx
+from preloop.control.queries import Q
 from preloop.control.types import JobInfo, RunInfo
 from preloop.workflow.plan import Plan, PlannedJob
 
@@ -95,25 +96,17 @@ def _insert_plan(tx: Tx, run_id: int, plan: Plan) -> None:
             )
         )
     tx.executemany(_INSERT_JOB, job_rows)
-    tx.executemany("INSERT INTO deps (run_id, need, job_id) VALUES (?, ?, ?)", dep_rows)
+    tx.executemany(Q["insert_plan_insert_deps"], dep_rows)
     units = [(run_id, b, unit_caller[b], n) for b, n in unit_members.items()]
     units += [(run_id, _start_unit(c), None, 1) for c in inner_units]
+    tx.executemany(Q["insert_plan_insert_units"], units)
     tx.executemany(
-        "INSERT INTO units (run_id, base_id, caller, remaining) VALUES (?, ?, ?, ?)", units
-    )
-    tx.executemany(
-        "INSERT INTO cohorts (run_id, id, max_parallel, fail_fast, total) VALUES (?, ?, ?, ?, ?)",
+        Q["insert_plan_insert_cohorts"],
         [(run_id, c.id, c.max_parallel, int(c.fail_fast), c.total) for c in plan.cohorts],
     )
 
 
-_INSERT_JOB = (
-    "INSERT INTO jobs (run_id, id, seq, base_id, name, kind, needs, if_expr, runs_on, cohort, "
-    "matrix, strategy, continue_on_error, timeout_minutes, conc_group, conc_group_expr, "
-    "conc_cancel, conc_queue_max, outputs_expr, caller, inner_job_ids, deferred_matrix, spec, "
-    "status, remaining_needs, remaining_inner, capped) VALUES "
-    "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'blocked', ?, ?, ?)"
-)
+_INSERT_JOB = Q["insert_job"]
 
 
 def _job_row(

@@ -66,6 +66,7 @@ from preloop.control.cascade import _Cascade
 from preloop.control.conditions import evaluate_expr
 from preloop.control.counters import Counters
 from preloop.control.db import Backend, LiteBackend, PgBackend, Row, StoreError, Tx
+from preloop.control.queries import Q
 from preloop.control.rerun import _RERUN_SQL, _rerun_statement
 from preloop.control.reusable import scoped_inputs
 from preloop.control.rows import (
@@ -175,9 +176,7 @@ class Store:
                 if group is None and conc.group_expr:
                     group = str(evaluate_expr(conc.group_expr, context))
             row = tx.one(
-                "INSERT INTO runs (workflow, name, event, status, remaining_jobs, conc_group, "
-                "conc_cancel, conc_queue_max, context, created_at) "
-                "VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?) RETURNING id",
+                Q["submit_run_insert_runs"],
                 (
                     plan.workflow,
                     plan.name,
@@ -222,10 +221,7 @@ class Store:
                     "before re-running"
                 )
             row = tx.one(
-                "INSERT INTO runs (workflow, name, event, status, remaining_jobs, conc_group, "
-                "conc_cancel, conc_queue_max, context, created_at, rerun_of) "
-                "SELECT workflow, name, event, 'running', 0, conc_group, conc_cancel, "
-                "conc_queue_max, context, ?, id FROM runs WHERE id = ? RETURNING id",
+                Q["rerun_insert_runs"],
                 (time.time(), run_id),
             )
             assert row is not None
@@ -237,7 +233,7 @@ class Store:
             group = old["conc_group"]
             spec = None
             if group is not None:
-                conc = tx.one("SELECT conc_cancel, conc_queue_max FROM runs WHERE id = ?", (new,))
+                conc = tx.one(Q["rerun_select_runs"], (new,))
                 assert conc is not None
                 spec = ConcurrencySpec(
                     group, None, bool(conc["conc_cancel"]), bool(conc["conc_queue_max"])
@@ -294,8 +290,7 @@ class Store:
 
         def tx_fn(tx: Tx) -> Heartbeat:
             row = tx.one(
-                "UPDATE jobs SET lease_expires = ? WHERE run_id = ? AND id = ? "
-                "AND lease_token = ? AND status = 'running' RETURNING cancel_requested",
+                Q["heartbeat_update_jobs"],
                 (time.time() + lease_seconds, lease.run_id, lease.job_id, lease.token),
             )
             if row is None:
@@ -310,11 +305,10 @@ class Store:
 
         def tx_fn(tx: Tx) -> dict[str, Any]:
             job = tx.one(
-                "SELECT run_id, id, kind, needs, matrix, strategy, caller FROM jobs "
-                "WHERE run_id = ? AND id = ?",
+                Q["job_context_select_jobs"],
                 (run_id, job_id),
             )
-            run = tx.one("SELECT context FROM runs WHERE id = ?", (run_id,))
+            run = tx.one(Q["job_context_select_runs"], (run_id,))
             if job is None or run is None:
                 raise UnknownRun(f"run {run_id} has no job {job_id!r}")
             ctx: dict[str, Any] = dict(json.loads(run["context"]))
@@ -449,8 +443,7 @@ class Store:
         run_id = results[0][0].run_id if results else None
         t0 = time.perf_counter_ns()
         row = tx.one(
-            "SELECT settled, claimed, wait_us FROM preloop_complete_claim("
-            "?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?)",
+            Q["pg_call_select_preloop_complete_claim"],
             (
                 run_id,
                 [lease.job_id for lease, _, _ in results],
@@ -538,9 +531,7 @@ class Store:
             ),
         )
         if job is None:
-            tx.execute(
-                "UPDATE runs SET remaining_jobs = remaining_jobs + 1 WHERE id = ?", (run_id,)
-            )
+            tx.execute(Q["settle_tx_update_runs"], (run_id,))
             return _not_settled(tx, run_id, job_id)
         c = _Cascade(tx, self)
         c.note_run(run)
@@ -566,8 +557,7 @@ class Store:
         2) does the common path; the cascade continues here when needed."""
         t0 = time.perf_counter_ns()
         row = tx.one(
-            "SELECT run_row, job_row, unit_row, admitted, wait_us "
-            "FROM preloop_settle(?, ?, ?, ?, ?, ?, ?)",
+            Q["settle_pg_select_preloop_settle"],
             (run_id, job_id, conclusion, _dumps(outputs or {}), reason, token, time.time()),
         )
         if row is None:
@@ -620,9 +610,7 @@ class Store:
 
         def find(tx: Tx) -> list[Row]:
             return tx.execute(
-                "SELECT run_id, id, runner FROM jobs WHERE status = 'running' AND "
-                "lease_expires < ? "
-                "ORDER BY lease_expires LIMIT 500",
+                Q["find_select_jobs"],
                 (now,),
             )
 
@@ -656,16 +644,7 @@ class Store:
             failed += self._db.transaction("expire_leases", tx_fn)
         free = self._db.transaction(
             "expire_leases",
-            lambda tx: [
-                r["name"]
-                for r in tx.execute(
-                    "SELECT name FROM conc_groups g WHERE holder_run IS NULL AND ("
-                    "EXISTS (SELECT 1 FROM jobs j WHERE j.conc_group = g.name AND j.status = "
-                    "'waiting') "
-                    "OR EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = g.name AND r.status "
-                    "= 'pending')) UNION SELECT group_name FROM conc_actions"
-                )
-            ],
+            lambda tx: [r["name"] for r in tx.execute(Q["expire_leases_select_conc_groups"])],
         )
         groups.update(free)
         self._retry_groups(groups)
@@ -685,9 +664,7 @@ class Store:
                     if tx.dialect == "pg":
                         # The group row before its recorded cancellations, as
                         # a release takes them: no two transactions cross.
-                        tx.execute(
-                            "SELECT name FROM conc_groups WHERE name = ? FOR UPDATE", (name,)
-                        )
+                        tx.execute(Q["retry_groups_select_conc_groups"], (name,))
                     c = _Cascade(tx, self)
                     c.run_deferred(name)
                     c.promote_group(name)
@@ -700,9 +677,7 @@ class Store:
     # ------------------------------------------------------------------ queries
 
     def get_run(self, run_id: int) -> RunInfo:
-        row = self._db.transaction(
-            "query", lambda tx: tx.one("SELECT * FROM runs WHERE id = ?", (run_id,))
-        )
+        row = self._db.transaction("query", lambda tx: tx.one(Q["get_run_select_runs"], (run_id,)))
         if row is None:
             raise UnknownRun(f"no run {run_id} in the store {self._db.url}")
         return _run_info(row)
@@ -721,7 +696,7 @@ class Store:
         """The run-level contexts recorded at submit (`github`, `env`, `inputs`,
         ...), without any job's `needs`/`matrix`: one row read."""
         row = self._db.transaction(
-            "query", lambda tx: tx.one("SELECT context FROM runs WHERE id = ?", (run_id,))
+            "query", lambda tx: tx.one(Q["run_context_select_runs"], (run_id,))
         )
         if row is None:
             raise UnknownRun(f"no run {run_id} in the store {self._db.url}")
@@ -734,7 +709,7 @@ class Store:
         row = self._db.transaction(
             "query",
             lambda tx: tx.one(
-                "SELECT COALESCE(SUM(LENGTH(outputs)), 0) AS n FROM jobs WHERE run_id = ?",
+                Q["run_outputs_bytes_select_jobs"],
                 (run_id,),
             ),
         )
@@ -743,7 +718,7 @@ class Store:
     def get_job(self, run_id: int, job_id: str) -> JobInfo:
         row = self._db.transaction(
             "query",
-            lambda tx: tx.one("SELECT * FROM jobs WHERE run_id = ? AND id = ?", (run_id, job_id)),
+            lambda tx: tx.one(Q["get_job_select_jobs"], (run_id, job_id)),
         )
         if row is None:
             raise UnknownRun(f"run {run_id} has no job {job_id!r}")
@@ -754,8 +729,6 @@ class Store:
         self.counters.add_graph_load()
         rows = self._db.transaction(
             "query",
-            lambda tx: tx.execute(
-                "SELECT * FROM jobs WHERE run_id = ? ORDER BY seq, id", (run_id,)
-            ),
+            lambda tx: tx.execute(Q["list_jobs_select_jobs"], (run_id,)),
         )
         return [_job_info(r) for r in rows]

@@ -32,9 +32,19 @@ Lock order (PostgreSQL; SQLite has one writer and cannot deadlock)
  cross, PostgreSQL detects it and the transaction is retried whole (counted
  in `counters.deadlock_retries`; the concurrency tests assert it stays 0).
 
-Operations: submit_run, claim_job, heartbeat, job_context, complete_job,
-settle_job, cancel_run, expire_leases, rerun, and the queries get_run,
-list_runs, get_job, list_jobs.
+Operations: submit_run, claim_job, claim_jobs, heartbeat, job_context,
+complete_job, complete_and_claim, settle_job, cancel_run, expire_leases,
+rerun, and the queries get_run, list_runs, get_job, list_jobs.
+ On PostgreSQL a batch of one run's completions and the runner's next claims
+ is one `preloop_complete_claim` call (schema migration 5): run row first,
+ then the batch's job rows, their units, released groups
+ (`preloop_promote_group`), parked legs through their slot and group
+ (`preloop_through_group`), then claims with `SKIP LOCKED` (never waiting),
+ the same order as above.
+
+The rules live in `preloop.control.cascade`, the claim statement and lite's
+batch completion in `preloop.control.batch`, every fixed statement by name in
+`queries.sql`.
 
 Job statuses: blocked (needs not ended) -> parked (max-parallel cap) ->
 waiting (concurrency group) -> queued -> running -> completed; a reusable

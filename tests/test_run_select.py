@@ -65,6 +65,10 @@ def test_every_triggered_workflow_runs_and_filtered_ones_never(
     assert by_workflow(out) == {"release.yml": {"publish": "success"}}
     assert out.ok
 
+    # A job of a workflow the event does not trigger: the error says why not.
+    with pytest.raises(UsageError, match=r"no job 'docs'.*not triggered: .*docs.yml: none of"):
+        run_all(repo, store_url, tmp_path / "state", jobs=("docs",))
+
 
 def test_an_event_that_triggers_nothing_says_so(tmp_path: Path, store_url: str) -> None:
     repo = make_repo(tmp_path / "repo", {WF + "ci.yml": "on: pull_request\njobs:\n" + job("a")})

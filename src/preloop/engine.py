@@ -123,6 +123,9 @@ class RunRequest:
     platforms: dict[str, str] = field(default_factory=dict)  # runs-on label -> "host"
 
 
+_NO_SELECTED_JOB = "has none of the --job jobs"
+
+
 class NothingTriggered(PlanError):
     """The event triggers no workflow (each one's reason is in the message)."""
 
@@ -452,9 +455,7 @@ class Engine:
                 narrowed = select_jobs(planned, names)
                 if narrowed is None:
                     skipped.append(
-                        SkippedWorkflow(
-                            _relative(Path(wf.path), root), "has none of the --job jobs"
-                        )
+                        SkippedWorkflow(_relative(Path(wf.path), root), _NO_SELECTED_JOB)
                     )
                     continue
                 planned = narrowed
@@ -466,9 +467,15 @@ class Engine:
         if names:
             missing = [n for n in names if n not in {j.base_id for p in plans for j in p.jobs}]
             if missing or not plans:
+                # The job may well be in a workflow this event did not trigger: say why not.
+                untriggered = "".join(
+                    f"; not triggered: {s.path}: {s.reason}"
+                    for s in skipped
+                    if s.reason != _NO_SELECTED_JOB
+                )
                 raise UsageError(
                     f"no job {missing[0] if missing else names[0]!r} in the triggered "
-                    f"workflows (jobs: {', '.join(sorted(all_jobs))})"
+                    f"workflows (jobs: {', '.join(sorted(all_jobs))}){untriggered}"
                 )
         if req.matrix:
             keys = {k for p in plans for j in p.jobs for k in (j.matrix or {})}

@@ -150,6 +150,13 @@ KNOBS: dict[str, Knob] = {
             "Scheduler store: postgresql://... for a shared PostgreSQL, sqlite:///path, "
             "or empty for the lite store at $PRELOOP_STATE_DIR/preloop.db.",
         ),
+        Knob(
+            "PRELOOP_LEASE_SECONDS",
+            "60",
+            parse_positive_int,
+            "Lease of a claimed job in seconds: its runner heartbeats every third of it, and a "
+            "runner or engine that cannot reach the store for longer says so (and keeps trying).",
+        ),
     ]
 }
 

@@ -222,3 +222,49 @@ def test_run_survives_three_rounds_of_terminated_connections(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_lease_knob_sets_lease_and_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    from preloop.runner import RunnerOptions
+
+    monkeypatch.setenv("PRELOOP_LEASE_SECONDS", "3")
+    opts = RunnerOptions(name="r", labels=[], state_dir=Path("/nonexistent"))
+    assert opts.lease_seconds == 3 and opts.heartbeat_every == 1.0
+    monkeypatch.delenv("PRELOOP_LEASE_SECONDS")
+    opts = RunnerOptions(name="r", labels=[], state_dir=Path("/nonexistent"))
+    assert opts.lease_seconds == 60 and opts.heartbeat_every == 2.0
+
+
+def test_runner_once_and_max_jobs(tmp_path: Path, pg_url: str) -> None:
+    jobs = {
+        name: {"runs-on": ["self-hosted", "big"], "steps": [{"run": f"echo {name}"}]}
+        for name in ("one", "two", "three")
+    }
+    repo = make_repo(tmp_path / "repo", workflow(json.dumps({"on": "push", "jobs": jobs})))
+    state = tmp_path / "state"
+    run = subprocess.Popen(
+        [*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"],
+        cwd=repo,
+        env=_env(state),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for flags, ran in ((["--once"], 1), (["--max-jobs", "2"], 2)):
+            proc = subprocess.run(
+                [*PRELOOP, "runner", "--store", pg_url, "--labels", "big", *flags],
+                env=_env(tmp_path / "runner"),
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert proc.returncode == 0, proc.stderr
+            assert f"stopped after {ran} jobs" in proc.stdout
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 0, err
+        assert json.loads(out)["conclusion"] == "success"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()

@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 import anyio
 
+from preloop import config
 from preloop.control import Lease, Store, StoreError
 from preloop.errors import PreloopError
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_dir
@@ -71,11 +72,22 @@ class RunnerOptions:
     secrets: dict[str, str] = field(default_factory=dict)
     sandbox: bool = False
     sandbox_network: str = "host"  # "host" or "none" (see preloop.runner.sandbox)
-    heartbeat_interval: float = 2.0
-    lease_seconds: float = 60.0
+    # The lease of a claimed job ($PRELOOP_LEASE_SECONDS); unless set, the
+    # heartbeat extends it every third of it, at least every 2 s (the
+    # heartbeat also brings cancel requests).
+    lease_seconds: float = field(default_factory=lambda: float(config.get("PRELOOP_LEASE_SECONDS")))
+    heartbeat_interval: float | None = None
     idle_poll: float = 0.5
     # Serve only this run (the local runners of `preloop run`); None serves any.
     run_id: int | None = None
+    # `serve` returns after this many jobs (`preloop runner --once`, `--max-jobs`).
+    max_jobs: int | None = None
+
+    @property
+    def heartbeat_every(self) -> float:
+        if self.heartbeat_interval is not None:
+            return self.heartbeat_interval
+        return max(min(self.lease_seconds / 3, 2.0), 0.1)
 
 
 T = TypeVar("T")
@@ -153,7 +165,7 @@ class Runner:
     async def _heartbeat(self, lease: Lease, control: JobControl) -> None:
         opts = self.options
         while True:
-            await anyio.sleep(opts.heartbeat_interval)
+            await anyio.sleep(opts.heartbeat_every)
             try:
                 beat = await store_call(
                     self.store,
@@ -323,8 +335,9 @@ class Runner:
         )
 
     async def serve(self, stop: anyio.Event) -> None:
-        """Claims and runs jobs until `stop` is set; the job running then is
-        cancelled (its process groups killed) and completed as cancelled."""
+        """Claims and runs jobs until `stop` is set (or `max_jobs` have run);
+        the job running when `stop` is set is cancelled (its process groups
+        killed) and completed as cancelled."""
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -333,7 +346,8 @@ class Runner:
                     self.current.cancel()
 
             tg.start_soon(watch)
-            while not stop.is_set():
+            limit = self.options.max_jobs
+            while not stop.is_set() and (limit is None or self.jobs_run < limit):
                 lease = await self.claim()
                 if lease is None:
                     with anyio.move_on_after(self.options.idle_poll):

@@ -268,3 +268,100 @@ def test_runner_once_and_max_jobs(tmp_path: Path, pg_url: str) -> None:
         if run.poll() is None:
             run.kill()
             run.wait()
+
+
+def _gone(pid: int, wait: float = 30.0) -> bool:
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], wait)[0])
+    finally:
+        os.close(fd)
+
+
+def test_sigkilled_runner_leaves_no_step_process_and_its_dir_is_swept(
+    tmp_path: Path, pg_url: str
+) -> None:
+    from preloop.runner.checkout import work_dir
+
+    fifo = tmp_path / "pids.fifo"
+    os.mkfifo(fifo)
+    text = (
+        "on: push\njobs:\n  hang:\n    runs-on: [self-hosted, big]\n    steps:\n"
+        f'      - run: |\n          sleep 1000 &\n          echo "$$ $!" > {fifo}\n'
+        "          wait\n"
+    )
+    repo = make_repo(tmp_path / "repo", workflow(text))
+    state = tmp_path / "state"
+    rstate = tmp_path / "runner-state"
+    runner = subprocess.Popen(
+        [*PRELOOP, "runner", "--store", pg_url, "--labels", "big"],
+        env=_env(rstate),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    run = subprocess.Popen(
+        [*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"],
+        cwd=repo,
+        env=_env(state, PRELOOP_LEASE_SECONDS="3"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = [int(p) for p in read_fifo(fifo, [runner, run]).split()]
+        job_dirs = list(work_dir(rstate).glob(f"{runner.pid}-*"))
+        assert job_dirs
+        runner.kill()
+        runner.wait()
+        for pid in pids:
+            assert _gone(pid), f"step process {pid} outlived its SIGKILLed runner"
+        # What the next runner on the host does at startup: the dead one's
+        # job directory goes (no process uses it any more).
+        from preloop.runner.checkout import sweep_work_dir
+
+        sweep_work_dir(rstate)
+        assert not any(d.exists() for d in job_dirs)
+    finally:
+        for p in (runner, run):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_sweep_kills_leftovers_by_tracking_id_and_spares_dirs_in_use(tmp_path: Path) -> None:
+    from preloop.runner.checkout import sweep_work_dir, work_dir
+    from preloop.runner.watchdog import TRACKING_FILE
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    root = work_dir(tmp_path)
+    tracked = root / f"{dead.pid}-1-a-x"
+    used = root / f"{dead.pid}-1-b-y"
+    live = root / f"{os.getpid()}-1-c-z"
+    for d in (tracked, used, live):
+        d.mkdir(parents=True)
+    (tracked / TRACKING_FILE).write_text("preloop_k_t1")
+    (used / TRACKING_FILE).write_text("preloop_k_t2")
+    leftover = subprocess.Popen(
+        ["sleep", "1000"], cwd=tracked, env={**os.environ, "RUNNER_TRACKING_ID": "preloop_k_t1"}
+    )
+    untagged = subprocess.Popen(["sleep", "1000"], cwd=used, env=dict(os.environ))
+    try:
+        removed = sweep_work_dir(tmp_path)
+        assert leftover.wait(timeout=10) < 0  # killed by its tracking id
+        assert removed == [tracked]
+        assert used.exists() and live.exists()  # a process works in it / its runner lives
+        untagged.kill()
+        untagged.wait()
+        assert sweep_work_dir(tmp_path) == [used]
+    finally:
+        for p in (leftover, untagged):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -98,6 +98,8 @@ class JobHost:
     base_env: Mapping[str, str] | None = None
     tool_cache: Path | None = None
     tracking_key: str | None = None
+    # The job's RUNNER_TRACKING_ID when the runner chose it (default: a fresh one).
+    tracking_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -242,7 +244,9 @@ class _Execution:
         # GitHub's runner marks every step process with RUNNER_TRACKING_ID and
         # kills what still carries it when the job ends (orphans, daemons
         # that left the step's process group).
-        self.tracking_id = tracking_prefix(host.tracking_key or uuid.uuid4().hex) + uuid.uuid4().hex
+        self.tracking_id = host.tracking_id or (
+            tracking_prefix(host.tracking_key or uuid.uuid4().hex) + uuid.uuid4().hex
+        )
         self.commands_dir = host.temp / "_runner_file_commands"
         self.commands_dir.mkdir(parents=True, exist_ok=True)
         for value in secrets.values():

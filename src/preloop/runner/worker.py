@@ -29,13 +29,22 @@ import anyio
 from preloop import config
 from preloop.control import Lease, Store, StoreError
 from preloop.errors import PreloopError
+from preloop.runner import watchdog
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_dir
 from preloop.runner.commands import Annotation
-from preloop.runner.job import JobControl, JobHost, JobResult, execute_job, masked_result
+from preloop.runner.job import (
+    JobControl,
+    JobHost,
+    JobResult,
+    execute_job,
+    masked_result,
+    tracking_prefix,
+)
 from preloop.runner.limits import RUN_OUTPUTS_MAX_BYTES, output_bytes
 from preloop.runner.logs import JobLog
 from preloop.runner.masking import Masker
 from preloop.runner.sandbox import bubblewrap_wrapper
+from preloop.runner.watchdog import TRACKING_FILE
 from preloop.workflow import PlanError, PlannedJob, expand_deferred
 
 __all__ = ["DEFAULT_LABELS", "JobEvents", "Runner", "RunnerOptions"]
@@ -300,6 +309,13 @@ class Runner:
             temp = job_dir / "temp"
             job_dir.mkdir(parents=True)
             temp.mkdir()
+            # Tagged before any step starts: a later runner kills what is left
+            # by this id before it removes the directory (sweep_work_dir).
+            tracking_id = (
+                tracking_prefix(str(tracking_key) if tracking_key else uuid.uuid4().hex)
+                + uuid.uuid4().hex
+            )
+            (job_dir / TRACKING_FILE).write_text(tracking_id, encoding="utf-8")
             started = time.monotonic()
             await self.templates.checkout(location, workspace, where)
             line(
@@ -322,17 +338,23 @@ class Runner:
             runner_name=opts.name,
             wrap=wrap,
             tracking_key=str(tracking_key) if tracking_key else None,
+            tracking_id=tracking_id,
         )
-        return await execute_job(
-            spec,
-            contexts,
-            host,
-            log=line,
-            secrets=opts.secrets,
-            timeout_minutes=lease.timeout_minutes,
-            control=control,
-            masker=masker,
-        )
+        # If this process dies mid-job (even SIGKILL), the watchdog kills the steps.
+        watchdog.register(tracking_id)
+        try:
+            return await execute_job(
+                spec,
+                contexts,
+                host,
+                log=line,
+                secrets=opts.secrets,
+                timeout_minutes=lease.timeout_minutes,
+                control=control,
+                masker=masker,
+            )
+        finally:
+            watchdog.unregister(tracking_id)
 
     async def serve(self, stop: anyio.Event) -> None:
         """Claims and runs jobs until `stop` is set (or `max_jobs` have run);

@@ -37,6 +37,7 @@ operation without per-method care:
 from __future__ import annotations
 
 import contextlib
+import random
 import sqlite3
 import sys
 import threading
@@ -324,6 +325,7 @@ class PgBackend(Backend):
     def transaction(self, op: str, fn: Callable[[Tx], T]) -> T:
         outage_start: float | None = None
         warned = False
+        conflicts = 0
         delay = _RETRY_FIRST
         while True:
             conn: Any = None
@@ -340,11 +342,18 @@ class PgBackend(Backend):
                     ran = True
                 # Leaving the block committed.
             except self._errors:
+                # Rolled back by the server: rerunning is safe. A short jittered
+                # backoff (at most 0.1 s) lets the other transaction finish.
                 self.counters.add_deadlock_retry()
+                conflicts += 1
+                time.sleep(random.uniform(0, min(0.001 * 2**conflicts, 0.1)))
                 continue
             except self._lost as exc:
                 if not _connection_lost(exc, conn):
-                    raise  # e.g. a lock or statement timeout: the caller's to handle
+                    # e.g. a lock or statement timeout: one line, never a traceback.
+                    raise StoreError(
+                        f"the store {_redact(self.url)} failed: {_one_line(exc)}"
+                    ) from None
                 # A broken connection goes back to the pool (which replaces it).
                 if conn is not None:
                     self._drop_connection(conn)

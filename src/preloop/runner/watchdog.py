@@ -21,6 +21,7 @@ runner's jobs by it before sweeping their directories
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -28,6 +29,8 @@ import sys
 import threading
 
 __all__ = ["TRACKING_FILE", "kill_tracked_ids", "register", "unregister"]
+
+_log = logging.getLogger(__name__)
 
 #: In a job directory: the RUNNER_TRACKING_ID of the job's step processes.
 TRACKING_FILE = ".preloop-tracking"
@@ -66,6 +69,7 @@ class _Watchdog:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._ids: set[str] = set()
+        self._failed = False
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         env = {k: v for k, v in os.environ.items() if k != "RUNNER_TRACKING_ID"}
@@ -81,10 +85,20 @@ class _Watchdog:
         return proc
 
     def _send(self, line: str) -> None:
+        if self._failed:
+            return
         for _ in range(2):
             proc = self._proc
             if proc is None or proc.poll() is not None:
-                proc = self._proc = self._spawn()
+                try:
+                    proc = self._proc = self._spawn()
+                except OSError as exc:
+                    # E.g. a runner started as another user who may not exec our
+                    # interpreter: steps are still killed at job end and by the
+                    # next runner's sweep, just not at the moment of a crash.
+                    self._failed = True
+                    _log.warning("preloop: no step watchdog (%s); continuing without", exc)
+                    return
                 assert proc.stdin is not None
                 for known in self._ids:  # a respawned watchdog learns the current jobs
                     proc.stdin.write(f"+{known}\n".encode())

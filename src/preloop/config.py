@@ -227,6 +227,13 @@ KNOBS: dict[str, Knob] = {
             parse_positive_int,
             "Seconds a step may stay silent before `preloop run` prints a still-running line.",
         ),
+        Knob(
+            "PRELOOP_LEASE_SECONDS",
+            "60",
+            parse_positive_int,
+            "Lease of a claimed job in seconds: its runner heartbeats every third of it, and a "
+            "runner or engine that cannot reach the store for longer says so (and keeps trying).",
+        ),
     ]
 }
 

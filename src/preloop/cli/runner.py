@@ -60,6 +60,12 @@ async def _serve(runner: Runner) -> None:
     type=click.Path(path_type=Path, file_okay=False),
     help="Where job directories and logs go (default: $PRELOOP_STATE_DIR).",
 )
+@click.option("--once", is_flag=True, help="Take one job, run it, then exit (autoscalers).")
+@click.option(
+    "--max-jobs",
+    type=click.IntRange(min=1),
+    help="Exit after running this many jobs.",
+)
 @secret_options
 @sandbox_options
 @click.option(
@@ -80,8 +86,12 @@ def runner_command(
     sandbox: bool,
     sandbox_network: str,
     capacity: int,
+    once: bool = False,
+    max_jobs: int | None = None,
 ) -> None:
-    """Run jobs from a shared store until SIGTERM (then cancel the job and exit 0)."""
+    """Run jobs from a shared store until SIGTERM (then cancel the job and exit 0),
+    or until --once / --max-jobs N jobs have run. The lease of a job is
+    $PRELOOP_LEASE_SECONDS (heartbeat every third of it)."""
     if not store.startswith(("postgresql://", "postgres://")):
         raise UsageError(
             f"--store {store!r}: a runner on another machine needs the shared PostgreSQL "
@@ -98,6 +108,7 @@ def runner_command(
         sandbox=sandbox,
         sandbox_network=sandbox_network,
         capacity=capacity,
+        max_jobs=1 if once else max_jobs,
     )
     sweep_work_dir(state)
     with open_store(store) as db:

@@ -11,15 +11,41 @@ transactions never deadlock; several processes wait on the busy timeout).
 
 pg: a `psycopg_pool.ConnectionPool`; READ COMMITTED; a transaction that hits
 a deadlock or serialization failure is retried from the start (counted, so
-tests can assert there were none). Connections are in autocommit mode: a
-transaction is an explicit BEGIN ... COMMIT (`Backend.transaction`), and an
-operation that is one statement (a server-side function doing its own work,
-a claim) runs as that statement alone, one round trip (`Backend.statement`).
+tests can assert there were none).
+
+pg, database faults: a transaction whose connection is lost (server restart,
+`pg_terminate_backend`, a network cut) is retried on a fresh connection with
+bounded exponential backoff, for as long as the server stays unreachable
+(after `outage_warn_after` seconds one line says so, on stderr, and the
+retrying goes on). Retrying is idempotent by construction, for every store
+operation without per-method care:
+
+- each operation is one transaction and `fn` only reads and writes through
+  it, so an attempt that did not commit left nothing behind and rerunning
+  `fn` from the start is the same operation (this already holds for the
+  deadlock retry);
+- the one ambiguous moment is a connection lost during COMMIT: the server may
+  have committed and the answer was lost. Before committing, each attempt
+  reads its transaction id (`pg_current_xact_id_if_assigned()`, one short
+  statement; null on a read-only transaction, which has nothing to commit
+  and whose rows are returned as read); after a lost COMMIT the status of
+  that id is asked on a new connection (`pg_xact_status`): `committed` returns the attempt's result
+  (it is never rerun), `aborted` or unknown reruns it. So a claim, a
+  completion or a submission is applied exactly once.
+
+Connections are in autocommit mode: a transaction is an explicit BEGIN ...
+COMMIT (`Backend.transaction`), and an operation that is one statement (a
+server-side function doing its own work, a claim) runs as that statement
+alone, one round trip (`Backend.statement`); a lost connection there is
+retried through `transaction`, whose commit check applies it exactly once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import random
 import sqlite3
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -27,6 +53,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from preloop import config
 from preloop.control.counters import Counters
 from preloop.control.schema import MIGRATIONS, render
 from preloop.errors import PreloopError
@@ -46,6 +73,14 @@ _MIGRATION_LOCK = 0x7072656C6F6F70
 
 class StoreError(PreloopError):
     """The scheduler store cannot be opened or used."""
+
+
+# Backoff between attempts on a lost connection: doubles from the first to the last.
+_RETRY_FIRST = 0.05
+_RETRY_MAX = 2.0
+# SQLSTATEs of a server that ends or refuses the session (class 08 is the
+# connection exception class): admin shutdown, crash shutdown, cannot connect now.
+_LOST_STATES = frozenset({"57P01", "57P02", "57P03"})
 
 
 class Tx:
@@ -228,11 +263,18 @@ class PgBackend(Backend):
 
     dialect: Dialect = "pg"
 
-    def __init__(self, url: str, max_size: int = 16) -> None:
+    def __init__(
+        self,
+        url: str,
+        max_size: int = 16,
+        *,
+        outage_warn_after: float | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__()
         import psycopg
         from psycopg.rows import dict_row
-        from psycopg_pool import ConnectionPool
+        from psycopg_pool import ConnectionPool, PoolTimeout
 
         self.url = url
         # One direct attempt first: an unreachable server or a permanent error
@@ -246,6 +288,16 @@ class PgBackend(Backend):
                 f"cannot connect to the PostgreSQL store {_redact(url)}: {reason}"
             ) from None
         self._errors = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+        # A lost or unobtainable connection: retried (see the module docstring).
+        self._lost = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
+        #: Seconds of outage before one line reports it (default: the lease).
+        self.outage_warn_after = (
+            float(config.get("PRELOOP_LEASE_SECONDS"))
+            if outage_warn_after is None
+            else outage_warn_after
+        )
+        self._warn = warn or _stderr_line
+        self.connection_retries = 0
         self._local = threading.local()
         self._held: list[Any] = []
         self._held_lock = threading.Lock()
@@ -289,44 +341,116 @@ class PgBackend(Backend):
         with self._held_lock:
             if conn in self._held:
                 self._held.remove(conn)
-        self._pool.putconn(conn)
+        with contextlib.suppress(Exception):  # a broken one is discarded by the pool
+            self._pool.putconn(conn)
 
     def transaction(self, op: str, fn: Callable[[Tx], T]) -> T:
-        import psycopg
-
+        outage_start: float | None = None
+        warned = False
+        conflicts = 0
+        delay = _RETRY_FIRST
         while True:
-            conn = self._connection()
+            conn: Any = None
+            xid: Any = None
+            ran = False
             try:
+                conn = self._connection()
                 with conn.transaction(), conn.cursor() as cur:
                     tx = Tx(self, cur, op)
                     result = fn(tx)
+                    cur.execute("SELECT pg_current_xact_id_if_assigned()::text AS xid")
+                    row = cur.fetchone()
+                    xid = row["xid"] if row else None
+                    ran = True
+                # Leaving the block committed.
             except self._errors:
+                # Rolled back by the server: rerunning is safe. A short jittered
+                # backoff (at most 0.1 s) lets the other transaction finish.
                 self.counters.add_deadlock_retry()
+                conflicts += 1
+                time.sleep(random.uniform(0, min(0.001 * 2**conflicts, 0.1)))
                 continue
-            except psycopg.OperationalError:
+            except self._lost as exc:
+                if not _connection_lost(exc, conn):
+                    # e.g. a lock or statement timeout: one line, never a traceback.
+                    raise StoreError(
+                        f"the store {_redact(self.url)} failed: {_one_line(exc)}"
+                    ) from None
                 # A broken connection goes back to the pool (which replaces it).
-                self._drop_connection(conn)
-                raise
+                if conn is not None:
+                    self._drop_connection(conn)
+                # Read-only (nothing to commit), or the lost COMMIT did commit:
+                # the attempt's result stands and `fn` is not rerun.
+                if not (ran and (xid is None or self._committed(xid))):
+                    now = time.monotonic()
+                    outage_start = outage_start or now
+                    if not warned and now - outage_start >= self.outage_warn_after:
+                        warned = True
+                        self._warn(
+                            f"preloop: the store {_redact(self.url)} has been unreachable for "
+                            f"{now - outage_start:.0f}s ({_one_line(exc)}); still trying"
+                        )
+                    self.connection_retries += 1
+                    time.sleep(delay)
+                    delay = min(delay * 2, _RETRY_MAX)
+                    continue
+            if warned:
+                self._warn(f"preloop: the store {_redact(self.url)} is reachable again")
             self._finish(tx, time.perf_counter_ns())
             return result
 
     def statement(self, op: str, fn: Callable[[Tx], T]) -> T:
-        import psycopg
-
         while True:
-            conn = self._connection()
+            conn: Any = None
             try:
+                conn = self._connection()
                 with conn.cursor() as cur:
                     tx = Tx(self, cur, op)
                     result = fn(tx)
             except self._errors:
                 self.counters.add_deadlock_retry()
                 continue
-            except psycopg.OperationalError:
-                self._drop_connection(conn)
-                raise
+            except self._lost as exc:
+                if not _connection_lost(exc, conn):
+                    raise  # the statement's own error: callers read its sqlstate
+                if conn is not None:
+                    self._drop_connection(conn)
+                # An autocommitted statement whose answer was lost may have run:
+                # the retry goes through `transaction`, whose commit check then
+                # applies it exactly once from here on. The statements sent
+                # here are a heartbeat (idempotent), a claim (a lease it made
+                # and never reported expires and is requeued by the reaper,
+                # never lost) and a completion (idempotent per job).
+                return self.transaction(op, fn)
             self._finish(tx, time.perf_counter_ns())
             return result
+
+    def _committed(self, xid: str) -> bool:
+        """Whether transaction `xid` committed (asked on a fresh connection
+        until the server answers). 'in progress' cannot last: its backend is
+        gone, so the server aborts it; we ask again."""
+        delay = _RETRY_FIRST
+        while True:
+            conn: Any = None
+            try:
+                conn = self._connection()
+                with conn.transaction(), conn.cursor() as cur:
+                    cur.execute("SELECT pg_xact_status(%s::xid8) AS s", (xid,))
+                    row = cur.fetchone()
+                status = row["s"] if row else None
+            except self._lost as exc:
+                if not _connection_lost(exc, conn):
+                    raise
+                if conn is not None:
+                    self._drop_connection(conn)
+                time.sleep(delay)
+                delay = min(delay * 2, _RETRY_MAX)
+                continue
+            if status == "in progress":
+                time.sleep(delay)
+                delay = min(delay * 2, _RETRY_MAX)
+                continue
+            return bool(status == "committed")
 
     def close(self) -> None:
         with self._held_lock:
@@ -334,6 +458,25 @@ class PgBackend(Backend):
         for conn in held:
             self._pool.putconn(conn)
         self._pool.close()
+
+
+def _stderr_line(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _connection_lost(exc: BaseException, conn: Any) -> bool:
+    """Whether `exc` means the connection is gone (or none could be had), as
+    opposed to an error of the statement on a working connection."""
+    if conn is None or conn.closed or getattr(conn, "broken", False):
+        return True
+    state = getattr(exc, "sqlstate", None) or ""
+    return state.startswith("08") or state in _LOST_STATES
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _enable_wal(conn: sqlite3.Connection, timeout: float) -> None:

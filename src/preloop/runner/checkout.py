@@ -175,17 +175,49 @@ def work_dir(state_dir: Path) -> Path:
 
 def sweep_work_dir(state_dir: Path) -> list[Path]:
     """Removes this host's job directories and templates whose process died (a
-    crashed runner): entries of `work_dir(state_dir)` are named `<pid>-...`."""
+    crashed runner): entries of `work_dir(state_dir)` are named `<pid>-...`.
+
+    A dead runner's job may have left step processes (its watchdog normally
+    kills them): they are SIGKILLed first by the tracking id recorded in the
+    directory (`watchdog.TRACKING_FILE`). A directory that some process still
+    has as its working directory (or under it) is then left alone: it is
+    never removed under a live process."""
+    from preloop.runner.watchdog import TRACKING_FILE, kill_tracked_ids
+
     root = work_dir(state_dir)
     removed: list[Path] = []
     try:
         names = os.listdir(root)
     except FileNotFoundError:
         return removed
+    dead = []
     for name in names:
         head = name.split("-", 1)[0]
         if head.isdigit() and not pid_exists(int(head)):
-            with contextlib.suppress(OSError):
-                shutil.rmtree(root / name)
-                removed.append(root / name)
+            dead.append(root / name)
+    if not dead:
+        return removed
+    ids = []
+    for path in dead:
+        with contextlib.suppress(OSError):
+            ids.append((path / TRACKING_FILE).read_text(encoding="utf-8").strip())
+    kill_tracked_ids(ids)
+    in_use = _working_directories()
+    for path in dead:
+        prefix = str(path) + os.sep
+        if any(cwd == str(path) or cwd.startswith(prefix) for cwd in in_use):
+            continue
+        with contextlib.suppress(OSError):
+            shutil.rmtree(path)
+            removed.append(path)
     return removed
+
+
+def _working_directories() -> set[str]:
+    """The working directories of this host's processes (those we may read)."""
+    out: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                out.add(os.readlink(f"/proc/{entry}/cwd"))
+    return out

@@ -107,6 +107,8 @@ class JobHost:
     # Where `uses: owner/repo@ref` actions come from (default: the action
     # cache of $PRELOOP_STATE_DIR and $PRELOOP_ACTION_OVERRIDES).
     actions: ActionSource | None = None
+    # The job's RUNNER_TRACKING_ID when the runner chose it (default: a fresh one).
+    tracking_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -261,7 +263,9 @@ class _Execution:
         # GitHub's runner marks every step process with RUNNER_TRACKING_ID and
         # kills what still carries it when the job ends (orphans, daemons
         # that left the step's process group).
-        self.tracking_id = tracking_prefix(host.tracking_key or uuid.uuid4().hex) + uuid.uuid4().hex
+        self.tracking_id = host.tracking_id or (
+            tracking_prefix(host.tracking_key or uuid.uuid4().hex) + uuid.uuid4().hex
+        )
         self.commands_dir = host.temp / "_runner_file_commands"
         self.commands_dir.mkdir(parents=True, exist_ok=True)
         for value in secrets.values():

@@ -29,19 +29,29 @@ from urllib.parse import quote
 import anyio
 import anyio.abc
 
+from preloop import config
 from preloop.actions.cache import actions_dir
 from preloop.actions.reference import Override, Overrides
 from preloop.actions.steps import ActionSource
 from preloop.control import Completion, Lease, Store, StoreError
 from preloop.control.reusable import passed_secrets
 from preloop.errors import PreloopError
+from preloop.runner import watchdog
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_dir
 from preloop.runner.commands import Annotation
-from preloop.runner.job import JobControl, JobHost, JobResult, execute_job, masked_result
+from preloop.runner.job import (
+    JobControl,
+    JobHost,
+    JobResult,
+    execute_job,
+    masked_result,
+    tracking_prefix,
+)
 from preloop.runner.limits import RUN_OUTPUTS_MAX_BYTES, output_bytes
 from preloop.runner.logs import JobLog, mark_run
 from preloop.runner.masking import Masker
 from preloop.runner.sandbox import bubblewrap_wrapper
+from preloop.runner.watchdog import TRACKING_FILE
 from preloop.services import ServiceAccess, job_environment
 from preloop.workflow import PlanError, PlannedJob, expand_deferred
 
@@ -79,8 +89,11 @@ class RunnerOptions:
     secrets: dict[str, str] = field(default_factory=dict)
     sandbox: bool = False
     sandbox_network: str = "host"  # "host" or "none" (see preloop.runner.sandbox)
-    heartbeat_interval: float = 2.0
-    lease_seconds: float = 60.0
+    # The lease of a claimed job ($PRELOOP_LEASE_SECONDS); unless set, the
+    # heartbeat extends it every third of it, at least every 2 s (the
+    # heartbeat also brings cancel requests).
+    lease_seconds: float = field(default_factory=lambda: float(config.get("PRELOOP_LEASE_SECONDS")))
+    heartbeat_interval: float | None = None
     idle_poll: float = 0.5
     # Serve only this run (the local runners of `preloop run`); None serves any.
     run_id: int | None = None
@@ -94,6 +107,14 @@ class RunnerOptions:
     # claims up to its free slots in one statement and reports finished jobs
     # with its next claims in one transaction (`Store.complete_and_claim`).
     capacity: int = 1
+    # `serve` returns after this many jobs (`preloop runner --once`, `--max-jobs`).
+    max_jobs: int | None = None
+
+    @property
+    def heartbeat_every(self) -> float:
+        if self.heartbeat_interval is not None:
+            return self.heartbeat_interval
+        return max(min(self.lease_seconds / 3, 2.0), 0.1)
 
 
 T = TypeVar("T")
@@ -206,7 +227,7 @@ class Runner:
     async def _heartbeat(self, lease: Lease, control: JobControl) -> None:
         opts = self.options
         while True:
-            await anyio.sleep(opts.heartbeat_interval)
+            await anyio.sleep(opts.heartbeat_every)
             try:
                 beat = await store_call(
                     self.store,
@@ -379,6 +400,13 @@ class Runner:
             temp = job_dir / "temp"
             job_dir.mkdir(parents=True)
             temp.mkdir()
+            # Tagged before any step starts: a later runner kills what is left
+            # by this id before it removes the directory (sweep_work_dir).
+            tracking_id = (
+                tracking_prefix(str(tracking_key) if tracking_key else uuid.uuid4().hex)
+                + uuid.uuid4().hex
+            )
+            (job_dir / TRACKING_FILE).write_text(tracking_id, encoding="utf-8")
             started = time.monotonic()
             await self.templates.checkout(location, workspace, where)
             line(
@@ -415,21 +443,28 @@ class Runner:
             actions=ActionSource(
                 opts.state_dir, Overrides.from_env(os.environ, opts.action_overrides)
             ),
+            tracking_id=tracking_id,
         )
-        return await execute_job(
-            spec,
-            contexts,
-            host,
-            log=line,
-            secrets=secrets,
-            timeout_minutes=lease.timeout_minutes,
-            control=control,
-            masker=masker,
-        )
+        # If this process dies mid-job (even SIGKILL), the watchdog kills the steps.
+        watchdog.register(tracking_id)
+        try:
+            return await execute_job(
+                spec,
+                contexts,
+                host,
+                log=line,
+                secrets=secrets,
+                timeout_minutes=lease.timeout_minutes,
+                control=control,
+                masker=masker,
+            )
+        finally:
+            watchdog.unregister(tracking_id)
 
     async def serve(self, stop: anyio.Event) -> None:
-        """Claims and runs jobs until `stop` is set; the job running then is
-        cancelled (its process groups killed) and completed as cancelled."""
+        """Claims and runs jobs until `stop` is set (or `max_jobs` have run);
+        the job running when `stop` is set is cancelled (its process groups
+        killed) and completed as cancelled."""
         if self.options.capacity > 1:
             await self._serve_slots(stop)
             return
@@ -441,7 +476,8 @@ class Runner:
                     self.current.cancel()
 
             tg.start_soon(watch)
-            while not stop.is_set():
+            limit = self.options.max_jobs
+            while not stop.is_set() and (limit is None or self.jobs_run < limit):
                 lease = await self.claim()
                 if lease is None:
                     with anyio.move_on_after(self.options.idle_poll):
@@ -464,6 +500,10 @@ class Runner:
         controls: dict[tuple[int, str], JobControl] = {}
         send, receive = anyio.create_memory_object_stream[_Reported](capacity)
         active = 0
+        started = 0  # for `max_jobs`: no claim past it, and serve returns after it
+
+        def exhausted() -> bool:
+            return opts.max_jobs is not None and started >= opts.max_jobs
 
         async def report(lease: Lease, result: JobResult) -> Completion:
             # Waits for the batch this result goes out with (run_lease shows
@@ -486,8 +526,9 @@ class Runner:
                 controls.pop(key, None)
 
         def start(tg: anyio.abc.TaskGroup, leases: list[Lease]) -> None:
-            nonlocal active
+            nonlocal active, started
             for lease in leases:
+                started += 1
                 control = controls[(lease.run_id, lease.job_id)] = JobControl()
                 if stop.is_set():
                     control.cancel()
@@ -502,9 +543,11 @@ class Runner:
                     control.cancel()
 
             tg.start_soon(watch)
-            while not (stop.is_set() and active == 0):
-                if not stop.is_set() and active < capacity:
+            while not ((stop.is_set() or exhausted()) and active == 0):
+                if not stop.is_set() and not exhausted() and active < capacity:
                     free = capacity - active
+                    if opts.max_jobs is not None:
+                        free = min(free, opts.max_jobs - started)
                     start(
                         tg,
                         await store_call(
@@ -532,6 +575,8 @@ class Runner:
                     continue
                 active -= len(batch)
                 limit = 0 if stop.is_set() else capacity - active
+                if opts.max_jobs is not None:
+                    limit = max(0, min(limit, opts.max_jobs - started))
                 results = [(b.lease, b.result.conclusion, b.result.outputs) for b in batch]
                 try:
                     done, claimed = await store_call(

@@ -1,0 +1,151 @@
+"""No orphan steps: a watchdog process that kills a runner's steps when the
+runner dies, even by SIGKILL.
+
+One watchdog per runner process, started on the first job: a small Python
+process (this file run as a script, standard library only) in its own
+session, reading a pipe whose only write end the runner holds. The runner
+writes `+<tracking id>` when a job starts and `-<tracking id>` when it ended
+(its leftovers already killed). When the runner dies, however it dies, the
+kernel closes the write end; the watchdog reads EOF and SIGKILLs every
+process whose environment carries RUNNER_TRACKING_ID of a job still
+registered (repeating until none is left, so children forked meanwhile go
+too), then exits. A step cannot hold the pipe open: the write end is
+close-on-exec.
+
+The same tracking id is written into the job's directory
+(`TRACKING_FILE`): a later runner on the host kills what is left of a dead
+runner's jobs by it before sweeping their directories
+(`preloop.runner.checkout.sweep_work_dir`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+__all__ = ["TRACKING_FILE", "kill_tracked_ids", "register", "unregister"]
+
+_log = logging.getLogger(__name__)
+
+#: In a job directory: the RUNNER_TRACKING_ID of the job's step processes.
+TRACKING_FILE = ".preloop-tracking"
+
+
+def kill_tracked_ids(ids: set[str] | list[str]) -> int:
+    """SIGKILLs every process whose RUNNER_TRACKING_ID is one of `ids`,
+    repeating until none is left. Returns how many were killed."""
+    needles = [f"\0RUNNER_TRACKING_ID={i}\0".encode() for i in ids if i]
+    if not needles:
+        return 0
+    me = os.getpid()
+    killed = 0
+    for _ in range(20):
+        found = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == me:
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as fh:
+                    environ = b"\0" + fh.read()
+            except OSError:
+                continue  # gone, or another user's
+            if any(n in environ for n in needles):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(entry), signal.SIGKILL)
+                    found += 1
+        killed += found
+        if not found:
+            break
+    return killed
+
+
+class _Watchdog:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._ids: set[str] = set()
+        self._failed = False
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        env = {k: v for k, v in os.environ.items() if k != "RUNNER_TRACKING_ID"}
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", os.path.abspath(__file__)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # a signal to the runner's group spares it
+            close_fds=True,
+        )
+        return proc
+
+    def _send(self, line: str) -> None:
+        if self._failed:
+            return
+        for _ in range(2):
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                try:
+                    proc = self._proc = self._spawn()
+                except OSError as exc:
+                    # E.g. a runner started as another user who may not exec our
+                    # interpreter: steps are still killed at job end and by the
+                    # next runner's sweep, just not at the moment of a crash.
+                    self._failed = True
+                    _log.warning("preloop: no step watchdog (%s); continuing without", exc)
+                    return
+                assert proc.stdin is not None
+                for known in self._ids:  # a respawned watchdog learns the current jobs
+                    proc.stdin.write(f"+{known}\n".encode())
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(line.encode() + b"\n")
+                proc.stdin.flush()
+                return
+            except (BrokenPipeError, OSError):
+                self._proc = None
+
+    def register(self, tracking_id: str) -> None:
+        with self._lock:
+            self._send(f"+{tracking_id}")
+            self._ids.add(tracking_id)
+
+    def unregister(self, tracking_id: str) -> None:
+        with self._lock:
+            self._ids.discard(tracking_id)
+            if self._proc is not None:
+                self._send(f"-{tracking_id}")
+
+
+_WATCHDOG = _Watchdog()
+
+
+def register(tracking_id: str) -> None:
+    """The steps tagged `tracking_id` die if this process dies before `unregister`."""
+    _WATCHDOG.register(tracking_id)
+
+
+def unregister(tracking_id: str) -> None:
+    _WATCHDOG.unregister(tracking_id)
+
+
+def _main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal ^C reaches the runner only
+    ids: set[str] = set()
+    stdin = sys.stdin.buffer
+    for raw in stdin:
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        if line.startswith("+"):
+            ids.add(line[1:])
+        elif line.startswith("-"):
+            ids.discard(line[1:])
+    kill_tracked_ids(ids)  # EOF: the runner is gone
+
+
+if __name__ == "__main__":
+    _main()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+from tests.actions_support import JS_ACTION, publish_action
 from tests.run_support import make_repo, results, run_engine, workflow
 
 from preloop.workflow import load_workflow, plan
@@ -51,6 +53,66 @@ def test_insert_spliced_vector_and_expression_key_run(tmp_path: Path, store_url:
     text = h.all_text()
     for v in ("a", "b", "c"):
         assert f"leg a yes 3 {v} s1" in text
+
+
+INSERT_ELSEWHERE = """\
+on: push
+jobs:
+  make:
+    runs-on: ubuntu-latest
+    outputs:
+      plain: p
+      ${{ insert }}: ${{ fromJSON(steps.s.outputs.more) }}
+    steps:
+      - id: s
+        run: echo 'more={"extra":"e1","other":"o2"}' >> "$GITHUB_OUTPUT"
+      - id: g
+        uses: acme/greet@v1
+        with:
+          greeting: Hi
+          ${{ insert }}: ${{ fromJSON('{"who":"inserted"}') }}
+      - uses: ./.github/actions/comp
+        with:
+          ${{ insert }}: ${{ fromJSON(format('{{"word":"{0}"}}', steps.g.outputs.message)) }}
+  use:
+    needs: make
+    runs-on: ubuntu-latest
+    steps:
+      - run: echo "outs=$P-$E-$O"
+        env:
+          P: ${{ needs.make.outputs.plain }}
+          E: ${{ needs.make.outputs.extra }}
+          O: ${{ needs.make.outputs.other }}
+"""
+
+COMPOSITE = """\
+name: comp
+inputs:
+  word: {required: true}
+runs:
+  using: composite
+  steps:
+    - run: echo "comp word=${{ inputs.word }}"
+      shell: bash
+"""
+
+
+def test_insert_in_step_with_and_job_outputs_runs(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`${{ insert }}` in a `uses` step's `with:` (a JavaScript action's
+    INPUT_*, a composite action's inputs) and in job `outputs`."""
+    remotes = tmp_path / "remotes"
+    publish_action(remotes, "acme/greet", JS_ACTION)
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{remotes}")
+    monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
+    files = {**workflow(INSERT_ELSEWHERE), ".github/actions/comp/action.yml": COMPOSITE}
+    repo = make_repo(tmp_path / "repo", files)
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert results(outcome) == {"make": "success", "use": "success"}, h.all_text()
+    assert any("main: Hi inserted" in line for line in h.lines["make"]), h.lines["make"]
+    assert "comp word=Hi inserted" in h.lines["make"], h.lines["make"]
+    assert "outs=p-e1-o2" in h.lines["use"], h.lines["use"]
 
 
 def test_static_parts_plan_without_needs(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from tests.actions_support import JS_ACTION, publish_action
 from tests.run_support import make_repo, results, run_engine, workflow
 
 from preloop.workflow import load_workflow, plan
-from preloop.workflow.templates import evaluate_data, is_insert, mapping_items
+from preloop.workflow.templates import WHOLE, evaluate_data, is_insert, mapping_items, overlay
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
 
@@ -57,6 +57,9 @@ def test_insert_spliced_vector_and_expression_key_run(tmp_path: Path, store_url:
 
 INSERT_ELSEWHERE = """\
 on: push
+env:
+  WA: wf
+  ${{ insert }}: ${{ fromJSON('{"WI":"wi","OVER":"from-wf"}') }}
 jobs:
   make:
     runs-on: ubuntu-latest
@@ -77,7 +80,11 @@ jobs:
   use:
     needs: make
     runs-on: ubuntu-latest
+    env:
+      OVER: from-job
+      ${{ insert }}: ${{ fromJSON('{"JI":"ji"}') }}
     steps:
+      - run: echo "envs=$WA-$WI-$OVER-$JI"
       - run: echo "outs=$P-$E-$O"
         env:
           P: ${{ needs.make.outputs.plain }}
@@ -101,7 +108,8 @@ def test_insert_in_step_with_and_job_outputs_runs(
     tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`${{ insert }}` in a `uses` step's `with:` (a JavaScript action's
-    INPUT_*, a composite action's inputs) and in job `outputs`."""
+    INPUT_*, a composite action's inputs), in job `outputs`, and in both
+    workflow and job `env` (each keeps its insertion; the job's names win)."""
     remotes = tmp_path / "remotes"
     publish_action(remotes, "acme/greet", JS_ACTION)
     monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{remotes}")
@@ -113,6 +121,7 @@ def test_insert_in_step_with_and_job_outputs_runs(
     assert any("main: Hi inserted" in line for line in h.lines["make"]), h.lines["make"]
     assert "comp word=Hi inserted" in h.lines["make"], h.lines["make"]
     assert "outs=p-e1-o2" in h.lines["use"], h.lines["use"]
+    assert "envs=wf-wi-from-job-ji" in h.lines["use"], h.lines["use"]
 
 
 def test_static_parts_plan_without_needs(tmp_path: Path) -> None:
@@ -153,3 +162,12 @@ def test_helpers() -> None:
         )
     )
     assert items == [("A", "1", False), ("B", 2, True), ("K", "v", False)]
+    ins = "${{ insert }}"
+    merged = overlay({"A": "1", ins: "x", "B": "2"}, {"A": "3", ins: "y", WHOLE: "z"})
+    assert list(merged.items()) == [
+        (ins, "x"),
+        ("B", "2"),
+        ("A", "3"),
+        (ins + " ", "y"),
+        (WHOLE, "z"),
+    ]

@@ -42,7 +42,7 @@ from preloop.workflow.model import (
     to_data,
 )
 from preloop.workflow.plan import Cohort, ConcurrencySpec, Plan, PlannedJob
-from preloop.workflow.templates import evaluate_data, template_contexts
+from preloop.workflow.templates import evaluate_data, overlay, template_contexts
 
 __all__ = [
     "DeferredExpansion",
@@ -314,7 +314,7 @@ class _Planner:
             "job": job.id,
             "name": name,
             "steps": [_step_data(s) for s in job.steps],
-            "env": {**thaw(wf.env), **thaw(job.env)},
+            "env": overlay(thaw(wf.env), thaw(job.env)),
             "defaults": {**thaw(wf.defaults_run), **thaw(job.defaults_run)},
             "inputs": thaw(ctx.get("inputs") or {}),
             "outputs": thaw(job.outputs),

@@ -171,3 +171,73 @@ def test_helpers() -> None:
         (ins + " ", "y"),
         (WHOLE, "z"),
     ]
+
+
+CALLEE = """\
+on:
+  workflow_call:
+    inputs:
+      flag: {type: boolean, required: true}
+      who: {type: string, default: nobody}
+    secrets:
+      token: {required: true}
+jobs:
+  speak:
+    runs-on: ubuntu-latest
+    steps:
+      - run: echo "who=${{ inputs.who }} flag=${{ inputs.flag == true }} token-len=${#T}"
+        env:
+          T: ${{ secrets.token }}
+"""
+
+CALLERS = """\
+on: push
+jobs:
+  setup:
+    runs-on: ubuntu-latest
+    outputs:
+      inputs: ${{ steps.o.outputs.inputs }}
+      bad: ${{ steps.o.outputs.bad }}
+    steps:
+      - id: o
+        run: |
+          echo 'inputs={"flag":true,"who":"from-needs"}' >> "$GITHUB_OUTPUT"
+          echo 'bad={"nope":1}' >> "$GITHUB_OUTPUT"
+  static:
+    uses: ./.github/workflows/callee.yml
+    with:
+      ${{ insert }}: ${{ fromJSON('{"flag":true,"who":"static"}') }}
+    secrets:
+      ${{ insert }}: ${{ fromJSON(format('{{"token":"t-{0}"}}', secrets.MINE)) }}
+  late:
+    needs: setup
+    uses: ./.github/workflows/callee.yml
+    with:
+      ${{ insert }}: ${{ fromJSON(needs.setup.outputs.inputs) }}
+    secrets: inherit
+  undeclared:
+    needs: setup
+    uses: ./.github/workflows/callee.yml
+    with:
+      flag: true
+      ${{ insert }}: ${{ fromJSON(needs.setup.outputs.bad) }}
+    secrets: inherit
+"""
+
+
+def test_insert_in_a_reusable_callers_with_and_secrets(tmp_path: Path, store_url: str) -> None:
+    files = {
+        ".github/workflows/ci.yml": CALLERS,
+        ".github/workflows/callee.yml": CALLEE,
+    }
+    repo = make_repo(tmp_path / "repo", files)
+    outcome, h = run_engine(
+        repo, store_url, tmp_path / "state", secrets={"MINE": "m1", "token": "inherited"}
+    )
+    r = results(outcome)
+    assert r["static/speak"] == "success" and r["late/speak"] == "success", h.all_text()
+    assert "who=static flag=true token-len=4" in h.lines["static/speak"]
+    assert "who=from-needs flag=true token-len=9" in h.lines["late/speak"]
+    assert r["undeclared"] == "failure", r
+    undeclared = next(j for j in outcome.jobs if j.id == "undeclared")
+    assert "input 'nope' is not declared" in str(undeclared.reason), undeclared.reason

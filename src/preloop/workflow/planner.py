@@ -42,7 +42,7 @@ from preloop.workflow.model import (
     to_data,
 )
 from preloop.workflow.plan import Cohort, ConcurrencySpec, Plan, PlannedJob
-from preloop.workflow.templates import evaluate_data, overlay, template_contexts
+from preloop.workflow.templates import evaluate_data, mapping_items, overlay, template_contexts
 
 __all__ = [
     "DeferredExpansion",
@@ -143,9 +143,17 @@ def caller_inputs(spec: Mapping[str, Any], contexts: Mapping[str, Any]) -> dict[
     the caller's PlannedJob spec. Raises PlanError or ExpressionError."""
     decl: Mapping[str, Any] = spec.get("decl") or {}
     inputs = dict(spec.get("inputs") or {})
-    for name, value in (spec.get("with") or {}).items():
+
+    def value_of(value: Any) -> Any:
         if isinstance(value, str) and "${{" in value:
-            value = ex.evaluate_template(value, contexts)
+            return ex.evaluate_template(value, contexts)
+        return value
+
+    # `${{ insert }}` (and expression keys) expand here (`mapping_items`).
+    for name, value, evaluated in mapping_items(dict(spec.get("with") or {}), value_of):
+        if name not in decl:
+            raise PlanError(f"input {name!r} is not declared by '{spec.get('uses')}'")
+        value = value if evaluated else value_of(value)
         inputs[name] = typed_caller_input(name, value, (decl.get(name) or {}).get("type"))
     return inputs
 
@@ -422,20 +430,29 @@ class _Planner:
                         else default
                     )
                 inputs[name] = _typed_input(default, spec.get("type"))
-        for name, value in job.with_.items():
-            if isinstance(value, str) and "${{" in value:
-                if known(value):
-                    value = ex.evaluate_template(value, ctx)
-                else:
-                    inputs_known = False
-                    pending.append(name)
-                    inputs[name] = value
-                    continue
-            kind = (decl.inputs.get(name) or {}).get("type")
-            try:
-                inputs[name] = typed_caller_input(name, value, kind)
-            except PlanError as exc:
-                raise self.fail(job, scope, str(exc)) from exc
+        for key, raw in job.with_.items():
+            if "${{" in key and not known({key: raw}):
+                # `${{ insert }}` or an expression key: expanded as the caller starts
+                inputs_known = False
+                pending.append(key)
+                continue
+            entries = mapping_items({key: raw}, lambda v: ex.evaluate_template(v, ctx))
+            for name, value, evaluated in entries:
+                if not evaluated and isinstance(value, str) and "${{" in value:
+                    if known(value):
+                        value = ex.evaluate_template(value, ctx)
+                    else:
+                        inputs_known = False
+                        pending.append(name)
+                        inputs[name] = value
+                        continue
+                kind = (decl.inputs.get(name) or {}).get("type")
+                try:
+                    if name not in decl.inputs:
+                        raise PlanError(f"input {name!r} is not declared by '{job.uses}'")
+                    inputs[name] = typed_caller_input(name, value, kind)
+                except PlanError as exc:
+                    raise self.fail(job, scope, str(exc)) from exc
         caller_id = common["id"]
         inner_scope = _Scope(
             workflow=callee,

@@ -492,8 +492,7 @@ class ActionSteps:
         argv_args = [run.template(a, input_ctx) for a in args] if meta is not None else args
         penv = self.action_env(env, resolved, inputs, {})
         if meta is not None:
-            for key, value in dict(meta.runs.get("env") or {}).items():
-                penv[str(key)] = run.template(value, input_ctx)
+            penv.update(run.strings(meta.runs.get("env") or {}, input_ctx))
         ws, temp = str(run.host.workspace), str(run.host.temp)
         names = sorted(
             {

@@ -329,15 +329,18 @@ class _Execution:
             return ex.evaluate_template(value, ctx, hash_files=self.hash_files)
         return value
 
-    def with_inputs(self, step: Mapping[str, Any], ctx: Mapping[str, Any]) -> dict[str, str]:
-        """A `uses` step's `with:`, each value evaluated to a string, with
-        `${{ insert }}` and expression keys expanded (`mapping_items`)."""
+    def strings(self, mapping: Mapping[str, Any], ctx: Mapping[str, Any]) -> dict[str, str]:
+        """Each value of a mapping (`with:`, a Docker action's `runs.env`)
+        evaluated to a string, `${{ insert }}` and expression keys expanded
+        (`mapping_items`)."""
         return {
             key: _str(value) if evaluated else self.template(value, ctx)
-            for key, value, evaluated in mapping_items(
-                dict(step.get("with") or {}), lambda v: self.value(v, ctx)
-            )
+            for key, value, evaluated in mapping_items(dict(mapping), lambda v: self.value(v, ctx))
         }
+
+    def with_inputs(self, step: Mapping[str, Any], ctx: Mapping[str, Any]) -> dict[str, str]:
+        """A `uses` step's `with:`, evaluated (see `strings`)."""
+        return self.strings(step.get("with") or {}, ctx)
 
     def contexts(self, scope: _Scope, env: Mapping[str, str]) -> dict[str, Any]:
         ctx = dict(self.base)

@@ -198,11 +198,13 @@ jobs:
     outputs:
       inputs: ${{ steps.o.outputs.inputs }}
       bad: ${{ steps.o.outputs.bad }}
+      partial: ${{ steps.o.outputs.partial }}
     steps:
       - id: o
         run: |
           echo 'inputs={"flag":true,"who":"from-needs"}' >> "$GITHUB_OUTPUT"
           echo 'bad={"nope":1}' >> "$GITHUB_OUTPUT"
+          echo 'partial={"who":"w"}' >> "$GITHUB_OUTPUT"
   static:
     uses: ./.github/workflows/callee.yml
     with:
@@ -221,6 +223,12 @@ jobs:
     with:
       flag: true
       ${{ insert }}: ${{ fromJSON(needs.setup.outputs.bad) }}
+    secrets: inherit
+  missing:
+    needs: setup
+    uses: ./.github/workflows/callee.yml
+    with:
+      ${{ insert }}: ${{ fromJSON(needs.setup.outputs.partial) }}
     secrets: inherit
 """
 
@@ -241,3 +249,6 @@ def test_insert_in_a_reusable_callers_with_and_secrets(tmp_path: Path, store_url
     assert r["undeclared"] == "failure", r
     undeclared = next(j for j in outcome.jobs if j.id == "undeclared")
     assert "input 'nope' is not declared" in str(undeclared.reason), undeclared.reason
+    assert r["missing"] == "failure", r
+    missing = next(j for j in outcome.jobs if j.id == "missing")
+    assert "requires input 'flag'" in str(missing.reason), missing.reason

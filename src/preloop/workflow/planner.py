@@ -155,7 +155,16 @@ def caller_inputs(spec: Mapping[str, Any], contexts: Mapping[str, Any]) -> dict[
             raise PlanError(f"input {name!r} is not declared by '{spec.get('uses')}'")
         value = value if evaluated else value_of(value)
         inputs[name] = typed_caller_input(name, value, (decl.get(name) or {}).get("type"))
+    _check_required(decl, inputs, spec.get("uses"))
     return inputs
+
+
+def _check_required(decl: Mapping[str, Any], inputs: Mapping[str, Any], uses: Any) -> None:
+    """A required input without a default that `with:` did not give (only
+    possible once an `${{ insert }}` has expanded: the loader checks the rest)."""
+    for name, spec in decl.items():
+        if spec.get("required") is True and "default" not in spec and name not in inputs:
+            raise PlanError(f"'{uses}' requires input '{name}', which `with` does not provide")
 
 
 @dataclass(slots=True)
@@ -453,6 +462,11 @@ class _Planner:
                     inputs[name] = typed_caller_input(name, value, kind)
                 except PlanError as exc:
                     raise self.fail(job, scope, str(exc)) from exc
+        if inputs_known:
+            try:
+                _check_required(decl.inputs, inputs, job.uses)
+            except PlanError as exc:
+                raise self.fail(job, scope, str(exc)) from exc
         caller_id = common["id"]
         inner_scope = _Scope(
             workflow=callee,
@@ -484,7 +498,10 @@ class _Planner:
             # What the caller evaluates `with:` in (the inputs of its own scope)
             # and how its callee types the results, for `caller_inputs`.
             "scope_inputs": thaw(scope.contexts.get("inputs") or {}),
-            "decl": {k: {"type": v.get("type")} for k, v in decl.inputs.items()},
+            "decl": {
+                k: {"type": v.get("type"), "required": "default" not in v and v.get("required")}
+                for k, v in decl.inputs.items()
+            },
             "secrets": thaw(job.secrets),
             "outputs": outputs,
             "permissions": thaw(job.permissions),

@@ -106,3 +106,39 @@ def test_should_run_with_named_jobs(expr: str, status: str, expected: bool) -> N
 def test_a_name_that_is_not_a_need_is_an_error() -> None:
     with pytest.raises(ExpressionError, match="'c' is not one of this job's needs"):
         should_run("success('c')", NEEDS, "success")
+
+
+def test_named_jobs_inside_a_reusable_workflow_and_a_matrix_need(
+    tmp_path: Path, store_url: str
+) -> None:
+    files = {
+        ".github/workflows/ci.yml": """\
+on: push
+jobs:
+  call:
+    uses: ./.github/workflows/callee.yml
+""",
+        ".github/workflows/callee.yml": """\
+on: workflow_call
+jobs:
+  legs:
+    runs-on: ubuntu-latest
+    strategy:
+      matrix:
+        n: [1, 2]
+    steps: [{run: "test ${{ matrix.n }} = 1"}]
+  fine:
+    runs-on: ubuntu-latest
+    steps: [{run: echo fine}]
+  report:
+    needs: [legs, fine]
+    if: failure('legs') && success('fine')
+    runs-on: ubuntu-latest
+    steps: [{run: echo ran-report}]
+""",
+    }
+    repo = make_repo(tmp_path / "repo", files)
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    r = results(outcome)
+    assert r["call/report"] == "success", (r, h.all_text())
+    assert "ran-report" in h.lines["call/report"]

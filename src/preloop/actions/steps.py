@@ -206,12 +206,12 @@ class ActionSteps:
     def inputs(
         self, step: Mapping[str, Any], meta: ActionMetadata, ctx: Mapping[str, Any], name: str
     ) -> dict[str, str]:
-        given = dict(step.get("with") or {})
+        given = self.run.with_inputs(step, ctx)
         label = str(step.get("uses", ""))  # pre and main warn once, naming the action
         values: dict[str, str] = {}
         for key, decl in meta.inputs.items():
             if key in given:
-                values[key] = self.run.template(given[key], ctx)
+                values[key] = given[key]
             elif "default" in decl:
                 values[key] = self.run.template(decl["default"], ctx)
             else:
@@ -227,7 +227,7 @@ class ActionSteps:
                 name,
             )
         for key in unexpected:
-            values[key] = self.run.template(given[key], ctx)
+            values[key] = given[key]
         return values
 
     def action_env(
@@ -484,16 +484,15 @@ class ActionSteps:
                 except (CommandFailed, CommandTimeout) as exc:
                     raise ActionStepError(f"{resolved.label}: docker build failed: {exc}") from None
                 image = tag
-        with_ = dict(step.get("with") or {})
-        if meta is None and "args" in with_:
-            args = with_["args"].split() if isinstance(with_["args"], str) else []
-            entrypoint = str(with_.get("entrypoint") or "")
+        if meta is None:  # `docker://`: `with:` gives args and entrypoint, evaluated
+            with_ = run.with_inputs(step, ctx)
+            args = with_["args"].split() if "args" in with_ else []
+            entrypoint = with_.get("entrypoint", "")
         input_ctx = {**ctx, "inputs": inputs}
-        argv_args = [run.template(a, input_ctx) for a in args]
+        argv_args = [run.template(a, input_ctx) for a in args] if meta is not None else args
         penv = self.action_env(env, resolved, inputs, {})
         if meta is not None:
-            for key, value in dict(meta.runs.get("env") or {}).items():
-                penv[str(key)] = run.template(value, input_ctx)
+            penv.update(run.strings(meta.runs.get("env") or {}, input_ctx))
         ws, temp = str(run.host.workspace), str(run.host.temp)
         names = sorted(
             {

@@ -8,14 +8,26 @@ see: "cancelled", "failure", "skipped" (an ancestor was skipped or cancelled
 without a failure: `success()` and `failure()` are both false, as on GitHub
 where a skipped need skips its dependents unless `always()`/`!failure()`),
 or "success".
+
+In a job's `if:`, `success('a', 'b')` and `failure('a')` look at the named
+jobs only (each must be one of the job's `needs`, matched case-insensitively
+as job ids are): `success` is true when the run is not cancelled and every
+named job succeeded, `failure` when the run is not cancelled and one of them
+failed, from the results in the job's `needs` context.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from preloop.workflow.expressions import ExpressionError, evaluate, evaluate_if
+from preloop.workflow.expressions import (
+    ExpressionError,
+    NamedStatus,
+    coerce_string,
+    evaluate,
+    evaluate_if,
+)
 from preloop.workflow.matrix import MatrixError as WorkflowMatrixError
 from preloop.workflow.matrix import expand_matrix
 from preloop.workflow.model import Matrix
@@ -25,6 +37,7 @@ __all__ = [
     "ancestor_status",
     "evaluate_expr",
     "expand_matrix_value",
+    "named_status",
     "should_run",
 ]
 
@@ -46,8 +59,35 @@ def ancestor_status(*, run_cancelled: bool, anc_fail: bool, anc_bad: bool) -> st
 def should_run(if_expr: str | None, contexts: Mapping[str, Any], status: str) -> bool:
     """GitHub's job `if:` over `status` (see `ancestor_status`). An expression
     that cannot be evaluated does not run the job (GitHub fails it; the
-    caller records the reason)."""
-    return evaluate_if(if_expr, contexts, status=status)
+    caller records the reason). Status functions naming jobs look at those
+    jobs' results in `contexts["needs"]` (see `named_status`)."""
+    needs = contexts.get("needs") or {}
+    named = named_status(needs, run_cancelled=status == "cancelled")
+    return evaluate_if(if_expr, contexts, status=status, named_status=named)
+
+
+def named_status(needs: Mapping[str, Any], *, run_cancelled: bool) -> NamedStatus:
+    """The status `success('a', ...)`/`failure('a', ...)` see in a job's `if:`:
+    `ancestor_status` over the named needs' results (a `needs` context)."""
+    by_name = {str(k).lower(): v for k, v in needs.items()}
+
+    def status_of(names: Sequence[Any]) -> str:
+        results = []
+        for name in names:
+            need = by_name.get(coerce_string(name).lower())
+            if not isinstance(need, Mapping):
+                known = ", ".join(repr(k) for k in needs) or "none"
+                raise ValueError(
+                    f"{coerce_string(name)!r} is not one of this job's needs ({known})"
+                )
+            results.append(need.get("result"))
+        return ancestor_status(
+            run_cancelled=run_cancelled,
+            anc_fail=any(r == "failure" for r in results),
+            anc_bad=any(r != "success" for r in results),
+        )
+
+    return status_of
 
 
 def evaluate_expr(expr: str, contexts: Mapping[str, Any]) -> Any:

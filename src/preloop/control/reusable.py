@@ -24,6 +24,7 @@ from typing import Any
 from preloop.control.db import Row, Tx
 from preloop.workflow import expressions as ex
 from preloop.workflow.planner import caller_inputs
+from preloop.workflow.templates import mapping_items
 
 __all__ = ["callee_inputs", "passed_secrets", "scoped_inputs", "start_caller"]
 
@@ -151,10 +152,12 @@ def passed_secrets(
             continue
         ctx = dict(caller_context(str(link["caller"])))
         ctx["secrets"] = {**current, "GITHUB_TOKEN": current.get("GITHUB_TOKEN", "")}
+
+        def evaluate(value: Any, ctx: dict[str, Any] = ctx) -> Any:
+            return ex.evaluate_template(value, ctx) if isinstance(value, str) else value
+
         current = {
-            str(name): ex.coerce_string(
-                ex.evaluate_template(value, ctx) if isinstance(value, str) else value
-            )
-            for name, value in passed.items()
+            name: ex.coerce_string(value if evaluated else evaluate(value))
+            for name, value, evaluated in mapping_items(passed, evaluate)
         }
     return current

@@ -341,6 +341,19 @@ class _Execution:
             return ex.evaluate_template(value, ctx, hash_files=self.hash_files)
         return value
 
+    def strings(self, mapping: Mapping[str, Any], ctx: Mapping[str, Any]) -> dict[str, str]:
+        """Each value of a mapping (`with:`, a Docker action's `runs.env`)
+        evaluated to a string, `${{ insert }}` and expression keys expanded
+        (`mapping_items`)."""
+        return {
+            key: _str(value) if evaluated else self.template(value, ctx)
+            for key, value, evaluated in mapping_items(dict(mapping), lambda v: self.value(v, ctx))
+        }
+
+    def with_inputs(self, step: Mapping[str, Any], ctx: Mapping[str, Any]) -> dict[str, str]:
+        """A `uses` step's `with:`, evaluated (see `strings`)."""
+        return self.strings(step.get("with") or {}, ctx)
+
     def contexts(self, scope: _Scope, env: Mapping[str, str]) -> dict[str, Any]:
         ctx = dict(self.base)
         ctx["env"] = dict(env)
@@ -472,7 +485,7 @@ class _Execution:
         host lacks: say which versions the tool cache has."""
         ctx = self.contexts(scope, env)
         try:
-            inputs = {k: self.template(v, ctx) for k, v in dict(step.get("with") or {}).items()}
+            inputs = self.with_inputs(step, ctx)
         except ex.ExpressionError:
             return
         hint = setup_action_hint(Path(self.runner_ctx["tool_cache"]), str(step["uses"]), inputs)
@@ -698,13 +711,13 @@ class _Execution:
         scope: _Scope,
     ) -> tuple[dict[str, str], str]:
         directory, data = meta.directory, meta.raw
-        given = dict(step.get("with") or {})
+        given = self.with_inputs(step, ctx)
         declared = dict(data.get("inputs") or {})
         inputs: dict[str, Any] = {}
         for key, decl in declared.items():
             decl = decl if isinstance(decl, dict) else {}
             if key in given:
-                inputs[key] = self.template(given[key], ctx)
+                inputs[key] = given[key]
             elif "default" in decl:
                 inputs[key] = self.template(decl["default"], ctx)
             else:
@@ -712,7 +725,7 @@ class _Execution:
                 if decl.get("required") is True:  # a warning, as GitHub's runner gives
                     self.actions.warn(f"{uses}: Input required and not supplied: {key}", name)
         for key, value in given.items():
-            inputs.setdefault(key, self.template(value, ctx))
+            inputs.setdefault(key, value)
         inner = _Scope(steps_ctx={}, inputs=inputs, action_path=directory, prefix=f"{uses}:")
         outer_status = self.status
         steps = list(data["runs"].get("steps") or [])
@@ -824,17 +837,23 @@ async def execute_job(
         conclusion = "failure" if run.status in ("failure", "cancelled") else "success"
     ctx = run.contexts(scope, {**run.job_env, **run.env_from_files})
     outputs: dict[str, str] = {}
-    for key, template in dict(spec.get("outputs") or {}).items():
-        try:
-            value = run.template(template, ctx)
+    for entry, template in dict(spec.get("outputs") or {}).items():
+        try:  # an entry may be `${{ insert }}` giving several outputs
+            values = [
+                (key, _str(value) if evaluated else run.template(value, ctx))
+                for key, value, evaluated in mapping_items(
+                    {entry: template}, lambda v: run.value(v, ctx)
+                )
+            ]
         except ex.ExpressionError as exc:
-            run.log(f"warning: job output {key!r} cannot be evaluated: {exc}")
+            run.log(f"warning: job output {entry!r} cannot be evaluated: {exc}")
             continue
-        if masker.contains_secret(value):
-            # GitHub does not pass outputs holding a secret to other jobs.
-            run.log(f"warning: job output {key!r} holds a secret and was skipped")
-            continue
-        outputs[key] = value
+        for key, value in values:
+            if masker.contains_secret(value):
+                # GitHub does not pass outputs holding a secret to other jobs.
+                run.log(f"warning: job output {key!r} holds a secret and was skipped")
+                continue
+            outputs[key] = value
     outputs, too_big = limit_job_outputs(outputs)
     for why in too_big:
         run.log(f"✖ {why}")

@@ -43,6 +43,7 @@ __all__ = [
     "CONTEXT_NAMES",
     "STATUS_FUNCTIONS",
     "ExpressionError",
+    "NamedStatus",
     "Parsed",
     "coerce_string",
     "evaluate",
@@ -561,12 +562,19 @@ def _literal_number(value: float) -> int | float:
 _Node = Callable[["_State"], Any]
 
 
+#: The status of the jobs named in `success('a', 'b')` / `failure('a')` in a
+#: job's `if:` (same values as the aggregate `status`); raises ValueError for a
+#: name it does not know. Given by the control plane (`control.conditions`).
+NamedStatus = Callable[[Sequence[Any]], str]
+
+
 @dataclass(slots=True)
 class _State:
     contexts: Mapping[str, Any]
     status: str
     hash_files: HashFiles | None
     expr: str
+    named: NamedStatus | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -613,13 +621,14 @@ class Parsed:
         status: str = "success",
         hash_files: HashFiles | None = None,
         known_contexts: frozenset[str] | None = None,
+        named_status: NamedStatus | None = None,
     ) -> Any:
         allowed = known_contexts if known_contexts is not None else CONTEXT_NAMES
         for name in self.contexts:
             if name not in allowed and not _has_context(contexts, name):
                 reason = f"Unrecognized named-value: '{name}'"
                 raise _error(reason, self.text, self._offset_of(name))
-        state = _State(contexts, status, hash_files, self.text)
+        state = _State(contexts, status, hash_files, self.text, named_status)
         v = self.root(state)
         return list(v) if isinstance(v, _Filtered) else v
 
@@ -1011,6 +1020,12 @@ def _fn_hashfiles(s: _State, a: list[Any]) -> str:
     return hash_files(str(root) if root else os.getcwd(), patterns)
 
 
+def _status_of(s: _State, names: list[Any]) -> str:
+    """The status `success(...)`/`failure(...)` look at: the named jobs' when
+    they name jobs (a job's `if:`), else the aggregate one."""
+    return s.named(names) if names and s.named is not None else s.status
+
+
 _IMPLS: dict[str, Callable[[_State, list[Any]], Any]] = {
     "contains": _fn_contains,
     "startswith": _fn_startswith,
@@ -1021,8 +1036,8 @@ _IMPLS: dict[str, Callable[[_State, list[Any]], Any]] = {
     "fromjson": _fn_fromjson,
     "case": _fn_case,
     "hashfiles": _fn_hashfiles,
-    "success": lambda s, a: s.status == "success",
-    "failure": lambda s, a: s.status == "failure",
+    "success": lambda s, a: _status_of(s, a) == "success",
+    "failure": lambda s, a: _status_of(s, a) == "failure",
     "cancelled": lambda s, a: s.status == "cancelled",
     "always": lambda s, a: True,
 }
@@ -1045,15 +1060,19 @@ def evaluate(
     *,
     status: str = "success",
     hash_files: HashFiles | None = None,
+    named_status: NamedStatus | None = None,
 ) -> Any:
     """Evaluates `expr` (without `${{ }}`) over `contexts`.
 
     `status` is the aggregate job status the status functions consult
     ("success", "failure" or "cancelled"); `hash_files(patterns)` overrides
     how `hashFiles` is computed (default: GitHub's algorithm over the files
-    under `github.workspace`, or the current directory).
+    under `github.workspace`, or the current directory); `named_status` gives
+    the status of the jobs a job `if:` names in `success('a')`/`failure('a')`.
     """
-    return parse(expr).evaluate(contexts, status=status, hash_files=hash_files)
+    return parse(expr).evaluate(
+        contexts, status=status, hash_files=hash_files, named_status=named_status
+    )
 
 
 def _unwrap(condition: str) -> str | None:
@@ -1087,21 +1106,24 @@ def evaluate_if(
     *,
     status: str = "success",
     hash_files: HashFiles | None = None,
+    named_status: NamedStatus | None = None,
 ) -> bool:
     """GitHub's `if:` rule: empty means `success()`; a condition that calls no
-    status function means `success() && (condition)`; `${{ }}` is optional."""
+    status function means `success() && (condition)`; `${{ }}` is optional.
+    `named_status`: see `evaluate` (a job's `if:` only)."""
     if condition is None or not condition.strip():
         return status == "success"
     inner = _unwrap(condition)
     text = inner if inner is not None else condition.strip()
+    kw: dict[str, Any] = {"status": status, "hash_files": hash_files, "named_status": named_status}
     if "${{" in text:
         # A template with literal text around it is a non-empty string.
-        value: Any = interpolate(text, contexts, status=status, hash_files=hash_files)
+        value: Any = interpolate(text, contexts, **kw)
         return status == "success" and truthy(value)
     parsed = parse(text)
     if not parsed.functions & STATUS_FUNCTIONS and status != "success":
         return False
-    return truthy(parsed.evaluate(contexts, status=status, hash_files=hash_files))
+    return truthy(parsed.evaluate(contexts, **kw))
 
 
 def template_segments(text: str) -> list[tuple[bool, str]]:
@@ -1152,6 +1174,7 @@ def interpolate(
     *,
     status: str = "success",
     hash_files: HashFiles | None = None,
+    named_status: NamedStatus | None = None,
 ) -> str:
     """Replaces every `${{ }}` in `text` with its value as a string."""
     if "${{" not in text:
@@ -1159,7 +1182,9 @@ def interpolate(
     parts: list[str] = []
     for is_expr, seg in template_segments(text):
         if is_expr:
-            v = evaluate(seg, contexts, status=status, hash_files=hash_files)
+            v = evaluate(
+                seg, contexts, status=status, hash_files=hash_files, named_status=named_status
+            )
             parts.append(coerce_string(v))
         else:
             parts.append(seg)

@@ -1315,7 +1315,11 @@ class _Reader:
             self.err2(node, f"'{uses}' is not a reusable workflow: it has no `on: workflow_call`")
             return None
         decl = callee.workflow_call
+        # `${{ insert }}` (or an expression key) is checked when it is evaluated.
+        with_inserts = any("${{" in name for name in with_keys)
         for name, key in with_keys.items():
+            if "${{" in name:
+                continue
             if name not in decl.inputs:
                 self.err2(
                     key, f"input '{name}' is not declared by '{uses}' (on.workflow_call.inputs)"
@@ -1330,14 +1334,16 @@ class _Reader:
             ):
                 self.err2(key, f"input '{name}' of '{uses}' is a {kind}, not {value!r}")
         for name, spec in decl.inputs.items():
-            if spec.get("required") is True and name not in with_ and "default" not in spec:
+            required = spec.get("required") is True and not with_inserts
+            if required and name not in with_ and "default" not in spec:
                 self.err2(node, f"'{uses}' requires input '{name}', which `with` does not provide")
         if secrets != "inherit":
+            secret_inserts = any("${{" in name for name in secret_keys)
             for name, key in secret_keys.items():
-                if name not in decl.secrets:
+                if name not in decl.secrets and "${{" not in name:
                     self.err2(key, f"secret '{name}' is not declared by '{uses}'")
             for name, spec in decl.secrets.items():
-                if spec.get("required") is True and name not in secret_keys:
+                if spec.get("required") is True and name not in secret_keys and not secret_inserts:
                     self.err2(
                         node, f"'{uses}' requires secret '{name}', which `secrets` does not pass"
                     )

@@ -42,7 +42,7 @@ from preloop.workflow.model import (
     to_data,
 )
 from preloop.workflow.plan import Cohort, ConcurrencySpec, Plan, PlannedJob
-from preloop.workflow.templates import evaluate_data, template_contexts
+from preloop.workflow.templates import evaluate_data, mapping_items, overlay, template_contexts
 
 __all__ = [
     "DeferredExpansion",
@@ -143,11 +143,28 @@ def caller_inputs(spec: Mapping[str, Any], contexts: Mapping[str, Any]) -> dict[
     the caller's PlannedJob spec. Raises PlanError or ExpressionError."""
     decl: Mapping[str, Any] = spec.get("decl") or {}
     inputs = dict(spec.get("inputs") or {})
-    for name, value in (spec.get("with") or {}).items():
+
+    def value_of(value: Any) -> Any:
         if isinstance(value, str) and "${{" in value:
-            value = ex.evaluate_template(value, contexts)
+            return ex.evaluate_template(value, contexts)
+        return value
+
+    # `${{ insert }}` (and expression keys) expand here (`mapping_items`).
+    for name, value, evaluated in mapping_items(dict(spec.get("with") or {}), value_of):
+        if name not in decl:
+            raise PlanError(f"input {name!r} is not declared by '{spec.get('uses')}'")
+        value = value if evaluated else value_of(value)
         inputs[name] = typed_caller_input(name, value, (decl.get(name) or {}).get("type"))
+    _check_required(decl, inputs, spec.get("uses"))
     return inputs
+
+
+def _check_required(decl: Mapping[str, Any], inputs: Mapping[str, Any], uses: Any) -> None:
+    """A required input without a default that `with:` did not give (only
+    possible once an `${{ insert }}` has expanded: the loader checks the rest)."""
+    for name, spec in decl.items():
+        if spec.get("required") is True and "default" not in spec and name not in inputs:
+            raise PlanError(f"'{uses}' requires input '{name}', which `with` does not provide")
 
 
 @dataclass(slots=True)
@@ -314,7 +331,7 @@ class _Planner:
             "job": job.id,
             "name": name,
             "steps": [_step_data(s) for s in job.steps],
-            "env": {**thaw(wf.env), **thaw(job.env)},
+            "env": overlay(thaw(wf.env), thaw(job.env)),
             "defaults": {**thaw(wf.defaults_run), **thaw(job.defaults_run)},
             "inputs": thaw(ctx.get("inputs") or {}),
             "outputs": thaw(job.outputs),
@@ -422,18 +439,32 @@ class _Planner:
                         else default
                     )
                 inputs[name] = _typed_input(default, spec.get("type"))
-        for name, value in job.with_.items():
-            if isinstance(value, str) and "${{" in value:
-                if known(value):
-                    value = ex.evaluate_template(value, ctx)
-                else:
-                    inputs_known = False
-                    pending.append(name)
-                    inputs[name] = value
-                    continue
-            kind = (decl.inputs.get(name) or {}).get("type")
+        for key, raw in job.with_.items():
+            if "${{" in key and not known({key: raw}):
+                # `${{ insert }}` or an expression key: expanded as the caller starts
+                inputs_known = False
+                pending.append(key)
+                continue
+            entries = mapping_items({key: raw}, lambda v: ex.evaluate_template(v, ctx))
+            for name, value, evaluated in entries:
+                if not evaluated and isinstance(value, str) and "${{" in value:
+                    if known(value):
+                        value = ex.evaluate_template(value, ctx)
+                    else:
+                        inputs_known = False
+                        pending.append(name)
+                        inputs[name] = value
+                        continue
+                kind = (decl.inputs.get(name) or {}).get("type")
+                try:
+                    if name not in decl.inputs:
+                        raise PlanError(f"input {name!r} is not declared by '{job.uses}'")
+                    inputs[name] = typed_caller_input(name, value, kind)
+                except PlanError as exc:
+                    raise self.fail(job, scope, str(exc)) from exc
+        if inputs_known:
             try:
-                inputs[name] = typed_caller_input(name, value, kind)
+                _check_required(decl.inputs, inputs, job.uses)
             except PlanError as exc:
                 raise self.fail(job, scope, str(exc)) from exc
         caller_id = common["id"]
@@ -467,7 +498,10 @@ class _Planner:
             # What the caller evaluates `with:` in (the inputs of its own scope)
             # and how its callee types the results, for `caller_inputs`.
             "scope_inputs": thaw(scope.contexts.get("inputs") or {}),
-            "decl": {k: {"type": v.get("type")} for k, v in decl.inputs.items()},
+            "decl": {
+                k: {"type": v.get("type"), "required": "default" not in v and v.get("required")}
+                for k, v in decl.inputs.items()
+            },
             "secrets": thaw(job.secrets),
             "outputs": outputs,
             "permissions": thaw(job.permissions),

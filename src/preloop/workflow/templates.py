@@ -10,7 +10,8 @@
 
 `evaluate_data` applies all three to plain data (a matrix as written);
 `mapping_items` gives the items of an `env`-like mapping with insertions
-expanded, for callers that evaluate values one by one.
+expanded, for callers that evaluate values one by one; `overlay` joins two
+such mappings (workflow `env` under job `env`) keeping both's insertions.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from typing import Any
 
 from preloop.workflow import expressions as ex
 
-__all__ = ["WHOLE", "evaluate_data", "is_insert", "mapping_items", "template_contexts"]
+__all__ = [
+    "WHOLE",
+    "evaluate_data",
+    "is_insert",
+    "mapping_items",
+    "overlay",
+    "template_contexts",
+]
 
 _INSERT = re.compile(r"\$\{\{\s*insert\s*\}\}")
 #: The key the loader gives a mapping written as one expression (`env: ${{ x }}`).
@@ -118,3 +126,21 @@ def mapping_items(
             yield ex.coerce_string(evaluate(key)), value, False
         else:
             yield key, value, False
+
+
+def overlay(outer: Mapping[str, Any], inner: Mapping[str, Any]) -> dict[str, Any]:
+    """`outer` then `inner` as one mapping for `mapping_items`: every
+    insertion of both is kept (a second one under a distinct spelling of the
+    directive), and each of `inner`'s entries comes after all of `outer`'s,
+    so that it wins over a name `outer` inserts."""
+    out: dict[str, Any] = {}
+    for mapping in (outer, inner):
+        for key, value in mapping.items():
+            if (is_insert(key) or key == WHOLE) and key in out:
+                key = "${{ insert }}"
+                while key in out:
+                    key += " "
+            else:
+                out.pop(key, None)
+            out[key] = value
+    return out

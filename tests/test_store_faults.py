@@ -238,7 +238,7 @@ def test_lease_knob_sets_lease_and_heartbeat(monkeypatch: pytest.MonkeyPatch) ->
 def test_runner_once_and_max_jobs(tmp_path: Path, pg_url: str) -> None:
     jobs = {
         name: {"runs-on": ["self-hosted", "big"], "steps": [{"run": f"echo {name}"}]}
-        for name in ("one", "two", "three")
+        for name in ("one", "two", "three", "four")
     }
     repo = make_repo(tmp_path / "repo", workflow(json.dumps({"on": "push", "jobs": jobs})))
     state = tmp_path / "state"
@@ -251,7 +251,11 @@ def test_runner_once_and_max_jobs(tmp_path: Path, pg_url: str) -> None:
         text=True,
     )
     try:
-        for flags, ran in ((["--once"], 1), (["--max-jobs", "2"], 2)):
+        for flags, ran in (
+            (["--once"], 1),
+            (["--capacity", "2", "--max-jobs", "1"], 1),  # claims no more than it may run
+            (["--max-jobs", "2"], 2),
+        ):
             proc = subprocess.run(
                 [*PRELOOP, "runner", "--store", pg_url, "--labels", "big", *flags],
                 env=_env(tmp_path / "runner"),
@@ -260,7 +264,7 @@ def test_runner_once_and_max_jobs(tmp_path: Path, pg_url: str) -> None:
                 timeout=120,
             )
             assert proc.returncode == 0, proc.stderr
-            assert f"stopped after {ran} jobs" in proc.stdout
+            assert f"stopped after {ran} job{'s' if ran > 1 else ''}\n" in proc.stdout
         out, err = run.communicate(timeout=120)
         assert run.returncode == 0, err
         assert json.loads(out)["conclusion"] == "success"

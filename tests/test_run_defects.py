@@ -290,3 +290,19 @@ def test_a_silent_step_prints_a_still_running_line(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 0, err
     assert "[quiet] released" in rest
+
+
+@pytest.mark.parametrize("command", ["run", "runner"])
+def test_sandbox_network_without_sandbox_is_an_error(tmp_path: Path, command: str) -> None:
+    # Alone it would sandbox nothing while looking as if the network were cut.
+    # (checked before anything else: the runner's store is never contacted)
+    store = ["--store", "postgresql://nobody@127.0.0.1:1/none"] if command == "runner" else []
+    proc = preloop(
+        command, *store, "--sandbox-network", "none", cwd=tmp_path, state=tmp_path / "state"
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "preloop: error: --sandbox-network none needs --sandbox "
+        "(add --sandbox, or drop --sandbox-network)"
+    )
+    assert not (tmp_path / "state").exists()

@@ -18,6 +18,7 @@ Later definitions win, and `--secret` arguments win over the files.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -177,17 +178,28 @@ def secret_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`--sandbox` and `--sandbox-network`."""
-    fn = click.option(
+    """`--sandbox` and `--sandbox-network` (which needs `--sandbox`: alone it
+    would silently sandbox nothing)."""
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kw: Any) -> Any:
+        if kw.get("sandbox_network") is not None and not kw.get("sandbox"):
+            raise UsageError(
+                f"--sandbox-network {kw['sandbox_network']} needs --sandbox (add --sandbox, "
+                "or drop --sandbox-network)"
+            )
+        kw["sandbox_network"] = kw.get("sandbox_network") or SANDBOX_NETWORKS[0]
+        return fn(*args, **kw)
+
+    opt = click.option(
         "--sandbox-network",
         type=click.Choice(SANDBOX_NETWORKS),
-        default=SANDBOX_NETWORKS[0],
-        show_default=True,
-        help="With --sandbox: the host's network, or none (loopback only).",
-    )(fn)
+        default=None,
+        help="With --sandbox: the host's network (the default), or none (loopback only).",
+    )(checked)
     return click.option(
         "--sandbox",
         is_flag=True,
         help="Run each step under bubblewrap: read-only host, hidden state directory, "
         "no capabilities, own PID namespace.",
-    )(fn)
+    )(opt)

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,27 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
+
+    # ------------------------------------------------------------ wake-ups
+
+    def work_token(self) -> int | None:
+        """Take before looking for work, then wait with `on_work` (see
+        preloop.control.wakeups); None: this store has no wake-ups (lite): poll."""
+        listener = self._db.listener()
+        return None if listener is None else listener.token()
+
+    @property
+    def listening(self) -> bool:
+        """Whether wake-ups are live now (the fallback poll may be slow)."""
+        listener = self._db.listener(start=False)
+        return listener is not None and listener.listening
+
+    def on_work(self, token: int, callback: Callable[[], None]) -> Callable[[], None]:
+        """Calls `callback` (from another thread, or at once) when a job may
+        have been queued since `token` was taken; returns the unsubscribe."""
+        listener = self._db.listener()
+        assert listener is not None, "on_work needs a token from work_token()"
+        return listener.subscribe(token, callback)
 
     def __enter__(self) -> Store:
         return self

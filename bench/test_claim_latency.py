@@ -29,6 +29,7 @@ import anyio
 import pytest
 
 from preloop.control import Store, open_store
+from preloop.control.wakeups import JOBS
 from preloop.runner import JobEvents, Runner, RunnerOptions
 from preloop.testing.pg import scratch_schema
 from preloop.testing.plans import PlanBuilder
@@ -51,9 +52,11 @@ def _measure(store: Store, tmp_path: Path, mode: str, submits: list[float]) -> l
     else:
         original = store.on_work
 
-        def on_work(token: int, callback: Callable[[], None]) -> Callable[[], None]:
-            unsubscribe = original(token, callback)
-            if store.listening and store.work_token() == token:
+        def on_work(
+            token: int, callback: Callable[[], None], channel: str = JOBS
+        ) -> Callable[[], None]:
+            unsubscribe = original(token, callback, channel)
+            if channel == JOBS and store.listening and store.work_token() == token:
                 idle.set()
             return unsubscribe
 

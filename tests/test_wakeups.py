@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from preloop.control import Store, open_store
-from preloop.control.wakeups import Listener
+from preloop.control.wakeups import JOBS, Listener
 from preloop.runner import Runner, RunnerOptions
 from preloop.testing.plans import PlanBuilder
 
@@ -36,9 +36,11 @@ def _watch_idle(store: Store) -> threading.Event:
     idle = threading.Event()
     original = store.on_work
 
-    def on_work(token: int, callback: Callable[[], None]) -> Callable[[], None]:
-        unsubscribe = original(token, callback)
-        if store.listening and store.work_token() == token:
+    def on_work(
+        token: int, callback: Callable[[], None], channel: str = JOBS
+    ) -> Callable[[], None]:
+        unsubscribe = original(token, callback, channel)
+        if channel == JOBS and store.listening and store.work_token() == token:
             idle.set()
         return unsubscribe
 
@@ -159,8 +161,9 @@ def test_lite_store_has_no_wake_ups_and_keeps_polling(tmp_path: Path) -> None:
 
 
 def test_a_job_becoming_queued_notifies_once_per_transaction(pg_url: str) -> None:
-    """The trigger: a submission of several queued jobs is one notification
-    at commit; a blocked job released by its need is another."""
+    """The triggers: a submission of several queued jobs is one notification
+    at commit; a blocked job released by its need is another; the run's
+    completion is one on preloop_runs."""
     store = open_store(pg_url)
     try:
         with psycopg.connect(pg_url, autocommit=True) as conn:
@@ -180,5 +183,14 @@ def test_a_job_becoming_queued_notifies_once_per_transaction(pg_url: str) -> Non
             store.complete_job(done, "success", {})
             got = list(conn.notifies(timeout=WITHIN, stop_after=1))
             assert [n.channel for n in got] == ["preloop_jobs"]
+            # The run's completion is one notification on preloop_runs.
+            conn.execute("LISTEN preloop_runs")
+            store.complete_job(lease if done is other else other, "success", {})
+            last = store.claim_job("r", ["ubuntu-latest"], run_id=run_id)
+            assert last is not None and last.job_id == "c"
+            store.complete_job(last, "success", {})
+            assert store.get_run(run_id).status == "completed"
+            got = list(conn.notifies(timeout=WITHIN, stop_after=1))
+            assert [n.channel for n in got] == ["preloop_runs"]
     finally:
         store.close()

@@ -50,6 +50,7 @@ from preloop.actions.reference import Override
 from preloop.actions.workflows import loading_for_run
 from preloop.control import JobInfo, Lease, Store, StoreError, open_store
 from preloop.control.urls import check_store_url
+from preloop.control.wakeups import RUNS
 from preloop.errors import PreloopError, UsageError
 from preloop.process import CommandFailed, run_command
 from preloop.runner import DEFAULT_LABELS, JobEvents, JobResult, Runner, RunnerOptions
@@ -686,6 +687,7 @@ class Engine:
         async def watch() -> None:
             last_reap = time.monotonic()
             while True:
+                token = store.work_token(RUNS)  # before the reads: no completion is missed
                 for run_id in run_ids:
                     if run_id not in finished and await self._run_finished(store, run_id):
                         finished.add(run_id)
@@ -695,8 +697,9 @@ class Engine:
                     await anyio.to_thread.run_sync(store.expire_leases)
                     last_reap = time.monotonic()
                 changed = self._changed
-                with anyio.move_on_after(_POLL):
-                    await changed.wait()
+                # A change here, a run completed (pg, by a remote runner), or the poll.
+                wait = idle_wait(store, _POLL, _LISTEN_POLL)
+                await wait_for_work(store, token, wait, changed, channel=RUNS)
             done.set()
             self._wake()
 

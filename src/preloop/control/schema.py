@@ -498,7 +498,7 @@ END
 $fn$"""
 
 # Wake-ups (preloop.control.wakeups): a job that becomes queued, by any path,
-# sends a NOTIFY, delivered at commit; duplicates within one transaction
+# (and a run that completes) sends a NOTIFY, delivered at commit; duplicates within one transaction
 # collapse into one. The WHEN clauses keep every other write trigger-free.
 _NOTIFY_QUEUED_FN = """CREATE OR REPLACE FUNCTION preloop_notify_queued() RETURNS trigger
 LANGUAGE plpgsql AS $fn$
@@ -508,8 +508,23 @@ BEGIN
 END
 $fn$"""
 
+_NOTIFY_COMPLETED_FN = """CREATE OR REPLACE FUNCTION preloop_notify_completed() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    PERFORM pg_notify('preloop_runs', '');
+    RETURN NULL;
+END
+$fn$"""
+
 _V6: list[Statement] = [
     {"pg": _NOTIFY_QUEUED_FN, "lite": None},
+    {"pg": _NOTIFY_COMPLETED_FN, "lite": None},
+    {
+        "pg": "CREATE TRIGGER preloop_runs_completed AFTER UPDATE OF status ON runs "
+        "FOR EACH ROW WHEN (NEW.status = 'completed' AND OLD.status IS DISTINCT FROM "
+        "'completed') EXECUTE FUNCTION preloop_notify_completed()",
+        "lite": None,
+    },
     {
         "pg": "CREATE TRIGGER preloop_jobs_queued_insert AFTER INSERT ON jobs FOR EACH ROW "
         "WHEN (NEW.status = 'queued') EXECUTE FUNCTION preloop_notify_queued()",

@@ -100,6 +100,7 @@ from preloop.control.types import (
     RunInfo,
     UnknownRun,
 )
+from preloop.control.wakeups import JOBS
 from preloop.errors import PreloopError
 from preloop.workflow.plan import ConcurrencySpec, Plan
 
@@ -166,11 +167,11 @@ class Store:
 
     # ------------------------------------------------------------ wake-ups
 
-    def work_token(self) -> int | None:
+    def work_token(self, channel: str = JOBS) -> int | None:
         """Take before looking for work, then wait with `on_work` (see
         preloop.control.wakeups); None: this store has no wake-ups (lite): poll."""
         listener = self._db.listener()
-        return None if listener is None else listener.token()
+        return None if listener is None else listener.token(channel)
 
     @property
     def listening(self) -> bool:
@@ -178,12 +179,15 @@ class Store:
         listener = self._db.listener(start=False)
         return listener is not None and listener.listening
 
-    def on_work(self, token: int, callback: Callable[[], None]) -> Callable[[], None]:
+    def on_work(
+        self, token: int, callback: Callable[[], None], channel: str = JOBS
+    ) -> Callable[[], None]:
         """Calls `callback` (from another thread, or at once) when a job may
-        have been queued since `token` was taken; returns the unsubscribe."""
+        have been queued (channel `RUNS`: a run completed) since `token` was
+        taken; returns the unsubscribe."""
         listener = self._db.listener()
         assert listener is not None, "on_work needs a token from work_token()"
-        return listener.subscribe(token, callback)
+        return listener.subscribe(token, callback, channel)
 
     def __enter__(self) -> Store:
         return self

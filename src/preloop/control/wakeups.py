@@ -1,9 +1,10 @@
 """Wake-ups: waiting for a queued job without polling the store.
 
 On PostgreSQL a trigger on `jobs` (schema migration 6) sends a NOTIFY on
-`CHANNEL` whenever a job becomes `queued` (inserted queued, released by a
+`JOBS` whenever a job becomes `queued` (inserted queued, released by a
 dependency, a concurrency slot, a re-queued lease ...: every path, the
-plpgsql functions and the Python cascade alike). A NOTIFY sent inside a
+plpgsql functions and the Python cascade alike); a run that completes
+sends one on `RUNS` (the submitting `preloop run` waits for it). A NOTIFY sent inside a
 transaction is delivered at its commit, so a woken runner's claim sees the job.
 
 `Listener` is one dedicated connection per process that LISTENs on it, in a
@@ -26,9 +27,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CHANNEL", "Listener"]
+__all__ = ["JOBS", "RUNS", "Listener"]
 
-CHANNEL = "preloop_jobs"
+#: A job became queued (the runners' wake-up).
+JOBS = "preloop_jobs"
+#: A run completed (the submitting engine's wake-up).
+RUNS = "preloop_runs"
 
 _log = logging.getLogger(__name__)
 
@@ -42,12 +46,12 @@ _SLICE = 1.0
 class Listener:
     """A LISTEN connection in a daemon thread, and the waiters it wakes."""
 
-    def __init__(self, url: str, channel: str = CHANNEL) -> None:
+    def __init__(self, url: str, channels: tuple[str, ...] = (JOBS, RUNS)) -> None:
         self.url = url
-        self.channel = channel
+        self.channels = channels
         self._cond = threading.Condition()
-        self._generation = 0
-        self._callbacks: set[Callable[[], None]] = set()
+        self._generation = dict.fromkeys(channels, 0)
+        self._callbacks: dict[str, set[Callable[[], None]]] = {ch: set() for ch in channels}
         self._closed = False
         self._connected = False
         #: The server pid of the current listening connection (None while down).
@@ -60,39 +64,47 @@ class Listener:
 
     # ------------------------------------------------------------ waiters
 
-    def token(self) -> int:
-        """Take before looking for work; pass to `wait`."""
+    def token(self, channel: str = JOBS) -> int:
+        """Take before looking for work; pass to `wait` or `subscribe`."""
         with self._cond:
-            return self._generation
+            return self._generation[channel]
 
     @property
     def listening(self) -> bool:
         return self._connected
 
-    def wait(self, token: int, timeout: float | None) -> bool:
+    def wait(self, token: int, timeout: float | None, channel: str = JOBS) -> bool:
         """Blocks until a notification newer than `token` (True) or `timeout`
         seconds (False)."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: self._generation != token or self._closed, timeout=timeout
+                lambda: self._generation[channel] != token or self._closed, timeout=timeout
             )
 
-    def subscribe(self, token: int, callback: Callable[[], None]) -> Callable[[], None]:
+    def subscribe(
+        self, token: int, callback: Callable[[], None], channel: str = JOBS
+    ) -> Callable[[], None]:
         """Calls `callback` (from the listener's thread, or at once) on the
         first notification newer than `token`; returns the unsubscribe."""
         with self._cond:
-            if self._generation == token and not self._closed:
-                self._callbacks.add(callback)
-                return functools.partial(self._callbacks.discard, callback)
+            if self._generation[channel] == token and not self._closed:
+                self._callbacks[channel].add(callback)
+                return functools.partial(self._callbacks[channel].discard, callback)
         callback()
         return lambda: None
 
-    def wake(self) -> None:
-        """Wakes every waiter of this process (as a notification would)."""
+    def wake(self, channel: str | None = None) -> None:
+        """Wakes the waiters of `channel` (default: all) in this process, as a
+        notification would."""
+        callbacks: list[Callable[[], None]] = []
         with self._cond:
-            self._generation += 1
+            for ch in self.channels if channel is None else (channel,):
+                if ch not in self._generation:
+                    continue
+                self._generation[ch] += 1
+                callbacks.extend(self._callbacks[ch])
+                self._callbacks[ch] = set()
             self._cond.notify_all()
-            callbacks, self._callbacks = self._callbacks, set()
         for callback in callbacks:
             try:
                 callback()
@@ -130,7 +142,8 @@ class Listener:
                 continue
             self._conn = conn
             try:
-                conn.execute(f'LISTEN "{self.channel}"')
+                for channel in self.channels:
+                    conn.execute(f'LISTEN "{channel}"')
                 with self._cond:
                     self._connected = True
                     self.backend_pid = conn.info.backend_pid
@@ -139,11 +152,8 @@ class Listener:
                 self.wake()
                 delay = _RETRY_FIRST
                 while not self._closed:
-                    got = False
-                    for _ in conn.notifies(timeout=_SLICE, stop_after=1):
-                        got = True
-                    if got:
-                        self.wake()
+                    for note in conn.notifies(timeout=_SLICE, stop_after=1):
+                        self.wake(note.channel)
             except Exception as exc:  # lost connection (or closed by close())
                 _log.debug("listener connection lost: %s", exc)
             finally:

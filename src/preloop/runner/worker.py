@@ -37,6 +37,7 @@ from preloop.actions.reference import Override, Overrides
 from preloop.actions.steps import ActionSource
 from preloop.control import Completion, Lease, Store, StoreError
 from preloop.control.reusable import passed_secrets
+from preloop.control.wakeups import JOBS
 from preloop.errors import PreloopError
 from preloop.runner import watchdog
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_dir
@@ -162,12 +163,16 @@ def idle_wait(store: Store, poll: float, listen_poll: float) -> float:
 
 
 async def wait_for_work(
-    store: Store, token: int | None, timeout: float | None, *events: anyio.Event
+    store: Store,
+    token: int | None,
+    timeout: float | None,
+    *events: anyio.Event,
+    channel: str = JOBS,
 ) -> None:
     """Returns when a job may have been queued since `token` was taken
     (`Store.work_token`, taken before the claim that found nothing: no
     wake-up is lost in between), when one of `events` is set, or after
-    `timeout` seconds (the fallback poll)."""
+    `timeout` seconds (the fallback poll). `channel` `RUNS`: a run completed."""
     woke = anyio.Event()
     unsubscribe: Callable[[], None] = lambda: None  # noqa: E731
     if token is not None:
@@ -177,7 +182,7 @@ async def wait_for_work(
             with contextlib.suppress(RuntimeError):  # the loop has ended
                 loop.call_soon_threadsafe(woke.set)
 
-        unsubscribe = store.on_work(token, notified)
+        unsubscribe = store.on_work(token, notified, channel)
     try:
         with anyio.move_on_after(timeout):
             async with anyio.create_task_group() as tg:

@@ -7,7 +7,9 @@ into `JobControl.cancel()`, write the log and result under the state
 directory, complete the job in the store, and remove the job directory.
 
 `Runner.serve(stop)` is the long-lived loop of `preloop runner`: claim, run,
-repeat until `stop` is set; an idle runner polls the store.
+repeat until `stop` is set; an idle runner waits for a wake-up (PostgreSQL
+LISTEN/NOTIFY, see preloop.control.wakeups; a slow poll is the fallback) or,
+on the lite store, polls.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ from preloop.actions.reference import Override
 from preloop.actions.workflows import loading_for_run
 from preloop.control import JobInfo, Lease, Store, StoreError, open_store
 from preloop.control.urls import check_store_url
+from preloop.control.wakeups import RUNS
 from preloop.errors import PreloopError, UsageError
 from preloop.process import CommandFailed, run_command
 from preloop.runner import DEFAULT_LABELS, JobEvents, JobResult, Runner, RunnerOptions
@@ -61,6 +62,7 @@ from preloop.runner.checkout import (
     work_dir,
 )
 from preloop.runner.job import kill_tracked, tracking_prefix
+from preloop.runner.worker import idle_wait, wait_for_work
 from preloop.services import (
     ServiceAccess,
     default_branch_ref,
@@ -97,6 +99,7 @@ __all__ = [
 # github context: host, pid and host-unique run key of the submitting engine
 ENGINE_CONTEXT_KEY = "preloop_engine"
 _POLL = 0.25  # seconds between store polls while local runners are idle
+_LISTEN_POLL = 5.0  # the same while PostgreSQL wake-ups are live (a fallback)
 _REAP_EVERY = 5.0
 
 
@@ -667,21 +670,24 @@ class Engine:
             }
             while not done.is_set():
                 lease = None
+                changed = self._changed
+                token = store.work_token()  # before the claims: no wake-up is missed
                 for run_id, runner in runners.items():
                     if run_id not in finished:
                         lease = await runner.claim()
                         if lease is not None:
                             break
                 if lease is None:
-                    changed = self._changed
-                    with anyio.move_on_after(_POLL):
-                        await changed.wait()
+                    # A change here, a job queued anywhere (pg), or the fallback poll.
+                    wait = idle_wait(store, _POLL, _LISTEN_POLL)
+                    await wait_for_work(store, token, wait, changed, done)
                     continue
                 await runners[lease.run_id].run_lease(lease)
 
         async def watch() -> None:
             last_reap = time.monotonic()
             while True:
+                token = store.work_token(RUNS)  # before the reads: no completion is missed
                 for run_id in run_ids:
                     if run_id not in finished and await self._run_finished(store, run_id):
                         finished.add(run_id)
@@ -691,8 +697,9 @@ class Engine:
                     await anyio.to_thread.run_sync(store.expire_leases)
                     last_reap = time.monotonic()
                 changed = self._changed
-                with anyio.move_on_after(_POLL):
-                    await changed.wait()
+                # A change here, a run completed (pg, by a remote runner), or the poll.
+                wait = idle_wait(store, _POLL, _LISTEN_POLL)
+                await wait_for_work(store, token, wait, changed, channel=RUNS)
             done.set()
             self._wake()
 

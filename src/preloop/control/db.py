@@ -56,6 +56,7 @@ from typing import Any, Literal, TypeVar
 from preloop import config
 from preloop.control.counters import Counters
 from preloop.control.schema import MIGRATIONS, render
+from preloop.control.wakeups import Listener
 from preloop.errors import PreloopError
 
 __all__ = ["Backend", "LiteBackend", "PgBackend", "Row", "StoreError", "Tx"]
@@ -200,6 +201,11 @@ class Backend(ABC):
         COMMIT); on SQLite the same as `transaction`."""
         return self.transaction(op, fn)
 
+    def listener(self, start: bool = True) -> Listener | None:
+        """The process's wake-up listener (pg; started on first use unless
+        `start` is false), or None."""
+        return None
+
     @abstractmethod
     def close(self) -> None:
         """Releases the connection(s)."""
@@ -299,6 +305,8 @@ class PgBackend(Backend):
         self._warn = warn or _stderr_line
         self.connection_retries = 0
         self._local = threading.local()
+        self._listener: Listener | None = None
+        self._listener_lock = threading.Lock()
         self._held: list[Any] = []
         self._held_lock = threading.Lock()
         self._pool = ConnectionPool(
@@ -452,7 +460,17 @@ class PgBackend(Backend):
                 continue
             return bool(status == "committed")
 
+    def listener(self, start: bool = True) -> Listener | None:
+        with self._listener_lock:
+            if self._listener is None and start:
+                self._listener = Listener(self.url)
+            return self._listener
+
     def close(self) -> None:
+        with self._listener_lock:
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
         with self._held_lock:
             held, self._held = self._held, []
         for conn in held:

@@ -497,6 +497,47 @@ BEGIN
 END
 $fn$"""
 
+# Wake-ups (preloop.control.wakeups): a job that becomes queued, by any path,
+# (and a run that completes) sends a NOTIFY, delivered at commit; duplicates within one transaction
+# collapse into one. The WHEN clauses keep every other write trigger-free.
+_NOTIFY_QUEUED_FN = """CREATE OR REPLACE FUNCTION preloop_notify_queued() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    PERFORM pg_notify('preloop_jobs', '');
+    RETURN NULL;
+END
+$fn$"""
+
+_NOTIFY_COMPLETED_FN = """CREATE OR REPLACE FUNCTION preloop_notify_completed() RETURNS trigger
+LANGUAGE plpgsql AS $fn$
+BEGIN
+    PERFORM pg_notify('preloop_runs', '');
+    RETURN NULL;
+END
+$fn$"""
+
+_V6: list[Statement] = [
+    {"pg": _NOTIFY_QUEUED_FN, "lite": None},
+    {"pg": _NOTIFY_COMPLETED_FN, "lite": None},
+    {
+        "pg": "CREATE TRIGGER preloop_runs_completed AFTER UPDATE OF status ON runs "
+        "FOR EACH ROW WHEN (NEW.status = 'completed' AND OLD.status IS DISTINCT FROM "
+        "'completed') EXECUTE FUNCTION preloop_notify_completed()",
+        "lite": None,
+    },
+    {
+        "pg": "CREATE TRIGGER preloop_jobs_queued_insert AFTER INSERT ON jobs FOR EACH ROW "
+        "WHEN (NEW.status = 'queued') EXECUTE FUNCTION preloop_notify_queued()",
+        "lite": None,
+    },
+    {
+        "pg": "CREATE TRIGGER preloop_jobs_queued_update AFTER UPDATE OF status ON jobs "
+        "FOR EACH ROW WHEN (NEW.status = 'queued' AND OLD.status IS DISTINCT FROM 'queued') "
+        "EXECUTE FUNCTION preloop_notify_queued()",
+        "lite": None,
+    },
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -508,6 +549,7 @@ MIGRATIONS: list[list[Statement]] = [
         {"pg": _THROUGH_GROUP_FN.replace("@QUEUE_MAX@", str(QUEUE_MAX)), "lite": None},
         {"pg": _COMPLETE_CLAIM_FN, "lite": None},
     ],
+    _V6,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,7 @@ from preloop.control.types import (
     RunInfo,
     UnknownRun,
 )
+from preloop.control.wakeups import JOBS
 from preloop.errors import PreloopError
 from preloop.workflow.plan import ConcurrencySpec, Plan
 
@@ -163,6 +164,30 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
+
+    # ------------------------------------------------------------ wake-ups
+
+    def work_token(self, channel: str = JOBS) -> int | None:
+        """Take before looking for work, then wait with `on_work` (see
+        preloop.control.wakeups); None: this store has no wake-ups (lite): poll."""
+        listener = self._db.listener()
+        return None if listener is None else listener.token(channel)
+
+    @property
+    def listening(self) -> bool:
+        """Whether wake-ups are live now (the fallback poll may be slow)."""
+        listener = self._db.listener(start=False)
+        return listener is not None and listener.listening
+
+    def on_work(
+        self, token: int, callback: Callable[[], None], channel: str = JOBS
+    ) -> Callable[[], None]:
+        """Calls `callback` (from another thread, or at once) when a job may
+        have been queued (channel `RUNS`: a run completed) since `token` was
+        taken; returns the unsubscribe."""
+        listener = self._db.listener()
+        assert listener is not None, "on_work needs a token from work_token()"
+        return listener.subscribe(token, callback, channel)
 
     def __enter__(self) -> Store:
         return self

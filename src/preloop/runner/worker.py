@@ -7,11 +7,15 @@ into `JobControl.cancel()`, write the log and result under the state
 directory, complete the job in the store, and remove the job directory.
 
 `Runner.serve(stop)` is the long-lived loop of `preloop runner`: claim, run,
-repeat until `stop` is set; an idle runner polls the store.
+repeat until `stop` is set; an idle runner waits for a wake-up (PostgreSQL
+LISTEN/NOTIFY, see preloop.control.wakeups; a slow poll is the fallback) or,
+on the lite store, polls.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -35,6 +39,7 @@ from preloop.actions.reference import Override, Overrides
 from preloop.actions.steps import ActionSource
 from preloop.control import Completion, Lease, Store, StoreError
 from preloop.control.reusable import passed_secrets
+from preloop.control.wakeups import JOBS
 from preloop.errors import PreloopError
 from preloop.runner import watchdog
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation, work_dir
@@ -94,7 +99,11 @@ class RunnerOptions:
     # heartbeat also brings cancel requests).
     lease_seconds: float = field(default_factory=lambda: float(config.get("PRELOOP_LEASE_SECONDS")))
     heartbeat_interval: float | None = None
+    # An idle runner looks for work again after `idle_poll` seconds; on
+    # PostgreSQL, while its wake-up listener is connected, a queued job wakes
+    # it at once and `listen_poll` is only the fallback.
     idle_poll: float = 0.5
+    listen_poll: float = 5.0
     # Serve only this run (the local runners of `preloop run`); None serves any.
     run_id: int | None = None
     # The run's artifact and cache services (`preloop run`); None: tool cache only.
@@ -147,6 +156,47 @@ async def store_call(store: Store, fn: Callable[[], T]) -> T:
     if store.dialect == "lite":
         return fn()
     return await anyio.to_thread.run_sync(fn)
+
+
+def idle_wait(store: Store, poll: float, listen_poll: float) -> float:
+    """How long an idle runner waits before it looks again: `listen_poll`
+    while wake-ups are live, `poll` otherwise."""
+    return listen_poll if store.listening else poll
+
+
+async def wait_for_work(
+    store: Store,
+    token: int | None,
+    timeout: float | None,
+    *events: anyio.Event,
+    channel: str = JOBS,
+) -> None:
+    """Returns when a job may have been queued since `token` was taken
+    (`Store.work_token`, taken before the claim that found nothing: no
+    wake-up is lost in between), when one of `events` is set, or after
+    `timeout` seconds (the fallback poll). `channel` `RUNS`: a run completed."""
+    woke = anyio.Event()
+    unsubscribe: Callable[[], None] = lambda: None  # noqa: E731
+    if token is not None:
+        loop = asyncio.get_running_loop()
+
+        def notified() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has ended
+                loop.call_soon_threadsafe(woke.set)
+
+        unsubscribe = store.on_work(token, notified, channel)
+    try:
+        with anyio.move_on_after(timeout):
+            async with anyio.create_task_group() as tg:
+
+                async def until(event: anyio.Event) -> None:
+                    await event.wait()
+                    tg.cancel_scope.cancel()
+
+                for event in (woke, *events):
+                    tg.start_soon(until, event)
+    finally:
+        unsubscribe()
 
 
 def runnable_spec(lease: Lease, contexts: dict[str, Any]) -> dict[str, Any]:
@@ -209,6 +259,9 @@ class Runner:
                 opts.name, self.labels, lease_seconds=opts.lease_seconds, run_id=opts.run_id
             ),
         )
+
+    def _idle_wait(self) -> float:
+        return idle_wait(self.store, self.options.idle_poll, self.options.listen_poll)
 
     async def _run_key(self, run_id: int) -> str | None:
         """The host-unique key `preloop run` gave run `run_id` (None for runs
@@ -478,10 +531,10 @@ class Runner:
             tg.start_soon(watch)
             limit = self.options.max_jobs
             while not stop.is_set() and (limit is None or self.jobs_run < limit):
+                token = self.store.work_token()
                 lease = await self.claim()
                 if lease is None:
-                    with anyio.move_on_after(self.options.idle_poll):
-                        await stop.wait()
+                    await wait_for_work(self.store, token, self._idle_wait(), stop)
                     continue
                 control = JobControl()
                 if stop.is_set():
@@ -501,6 +554,7 @@ class Runner:
         send, receive = anyio.create_memory_object_stream[_Reported](capacity)
         active = 0
         started = 0  # for `max_jobs`: no claim past it, and serve returns after it
+        freed = [anyio.Event()]  # set when a finished job is sent for reporting
 
         def exhausted() -> bool:
             return opts.max_jobs is not None and started >= opts.max_jobs
@@ -510,6 +564,7 @@ class Runner:
             # the conclusion the store recorded).
             item = _Reported(lease, result)
             await send.send(item)
+            freed[0].set()
             await item.recorded.wait()
             if isinstance(item.outcome, Completion) and item.outcome.error is None:
                 return item.outcome
@@ -544,6 +599,7 @@ class Runner:
 
             tg.start_soon(watch)
             while not ((stop.is_set() or exhausted()) and active == 0):
+                token = self.store.work_token()
                 if not stop.is_set() and not exhausted() and active < capacity:
                     free = capacity - active
                     if opts.max_jobs is not None:
@@ -563,9 +619,12 @@ class Runner:
                         ),
                     )
                 batch: list[_Reported] = []
-                idle = None if active == capacity or stop.is_set() else opts.idle_poll
-                with anyio.move_on_after(idle):
+                if active == capacity or stop.is_set() or exhausted():
                     batch.append(await receive.receive())
+                else:
+                    # A free slot: a finished job, a wake-up or the fallback poll.
+                    await wait_for_work(self.store, token, self._idle_wait(), stop, freed[0])
+                    freed[0] = anyio.Event()  # before draining: a later report sets the new one
                 while True:
                     try:
                         batch.append(receive.receive_nowait())

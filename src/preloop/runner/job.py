@@ -28,13 +28,11 @@ data) one after another and returns a `JobResult`:
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
 import shlex
 import shutil
-import signal
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -59,6 +57,7 @@ from preloop.runner.commands import (
 from preloop.runner.limits import explain_e2big, limit_job_outputs
 from preloop.runner.masking import Masker, mask_json
 from preloop.runner.stream import run_streaming
+from preloop.runner.watchdog import kill_tracked_ids
 from preloop.services.toolcache import setup_action_hint
 from preloop.workflow import expressions as ex
 from preloop.workflow.hashfiles import hash_files
@@ -189,37 +188,7 @@ def kill_tracked(tracking_id: str, *, prefix: bool = False) -> int:
     """SIGKILLs every process whose environment holds RUNNER_TRACKING_ID=`tracking_id`
     (or one starting with it when `prefix`), repeating until none is left, so
     children forked meanwhile go too. Returns how many were killed."""
-    needle = f"\0RUNNER_TRACKING_ID={tracking_id}".encode() + (b"" if prefix else b"\0")
-    me = os.getpid()
-    # A killed process stays in /proc (environment readable) until it has
-    # exited and been reaped, so a later pass sees it again: count each
-    # process once, by pid and start time (a recycled pid is a new process).
-    killed: set[tuple[int, str]] = set()
-    for _ in range(10):
-        found = 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == me:
-                continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as fh:
-                    environ = fh.read()
-                with open(f"/proc/{entry}/stat", "rb") as fh:
-                    stat = fh.read()
-            except OSError:
-                continue  # gone, or another user's
-            if needle not in b"\0" + environ:
-                continue
-            fields = stat[stat.rfind(b")") + 2 :].split()
-            ident = (int(entry), fields[19].decode() if len(fields) > 19 else "")
-            if fields[:1] == [b"Z"] or ident in killed:
-                continue  # already dead (a zombie) or already killed by this call
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry), signal.SIGKILL)
-                killed.add(ident)
-                found += 1
-        if not found:
-            break
-    return len(killed)
+    return kill_tracked_ids([tracking_id], prefix=prefix)
 
 
 def _str(v: Any) -> str:

@@ -36,14 +36,20 @@ _log = logging.getLogger(__name__)
 TRACKING_FILE = ".preloop-tracking"
 
 
-def kill_tracked_ids(ids: set[str] | list[str]) -> int:
-    """SIGKILLs every process whose RUNNER_TRACKING_ID is one of `ids`,
-    repeating until none is left. Returns how many were killed."""
-    needles = [f"\0RUNNER_TRACKING_ID={i}\0".encode() for i in ids if i]
+def kill_tracked_ids(ids: set[str] | list[str], *, prefix: bool = False) -> int:
+    """SIGKILLs every process whose environment holds RUNNER_TRACKING_ID equal
+    to one of `ids` (or starting with one when `prefix`), repeating until none
+    is left, so children forked meanwhile go too. Returns how many were killed.
+    Standard library only: the watchdog runs this file as a script."""
+    end = b"" if prefix else b"\0"
+    needles = [f"\0RUNNER_TRACKING_ID={i}".encode() + end for i in ids if i]
     if not needles:
         return 0
     me = os.getpid()
-    killed = 0
+    # A killed process stays in /proc (environment readable) until it has
+    # exited and been reaped, so a later pass sees it again: count each
+    # process once, by pid and start time (a recycled pid is a new process).
+    killed: set[tuple[int, str]] = set()
     for _ in range(20):
         found = 0
         for entry in os.listdir("/proc"):
@@ -52,16 +58,23 @@ def kill_tracked_ids(ids: set[str] | list[str]) -> int:
             try:
                 with open(f"/proc/{entry}/environ", "rb") as fh:
                     environ = b"\0" + fh.read()
+                with open(f"/proc/{entry}/stat", "rb") as fh:
+                    stat = fh.read()
             except OSError:
                 continue  # gone, or another user's
-            if any(n in environ for n in needles):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(entry), signal.SIGKILL)
-                    found += 1
-        killed += found
+            if not any(n in environ for n in needles):
+                continue
+            fields = stat[stat.rfind(b")") + 2 :].split()
+            ident = (int(entry), fields[19].decode() if len(fields) > 19 else "")
+            if fields[:1] == [b"Z"] or ident in killed:
+                continue  # already dead (a zombie) or already killed by this call
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry), signal.SIGKILL)
+                killed.add(ident)
+                found += 1
         if not found:
             break
-    return killed
+    return len(killed)
 
 
 class _Watchdog:

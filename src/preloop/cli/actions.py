@@ -12,8 +12,8 @@ from rich.table import Table
 
 from preloop import config
 from preloop.actions.cache import actions_dir, list_cached_actions, prune_actions
-from preloop.cli.app import cli, emit_json
-from preloop.cli.cache import _human, state_dir_option
+from preloop.cli.app import cli, emit_json, state_dir_option
+from preloop.cli.cache import _human
 from preloop.errors import UsageError
 
 

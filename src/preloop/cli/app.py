@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
@@ -13,10 +14,19 @@ from preloop.errors import PreloopError
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["cli", "emit_json", "fail", "main", "make_console", "plural"]
+__all__ = ["cli", "emit_json", "fail", "main", "make_console", "plural", "state_dir_option"]
 
 #: Width of output that is not a terminal: lines are never wrapped or cut.
 _PIPE_WIDTH = 1_000_000
+
+
+#: `--state-dir`, as every command that reads or writes the state directory takes it.
+state_dir_option = click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="State directory (default: $PRELOOP_STATE_DIR, i.e. $PRELOOP_HOME/state).",
+)
 
 
 def plural(count: int, word: str, many: str | None = None) -> str:

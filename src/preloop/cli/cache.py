@@ -12,7 +12,7 @@ from rich.table import Table
 
 from preloop import config
 from preloop.actions.cache import actions_dir, list_cached_actions
-from preloop.cli.app import cli, emit_json, fail, make_console, plural
+from preloop.cli.app import cli, emit_json, fail, make_console, plural, state_dir_option
 from preloop.cli.services import actions_cache_document, print_actions_cache
 from preloop.errors import UsageError
 from preloop.snapshot import layout
@@ -44,14 +44,6 @@ def _human(n: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
-
-
-state_dir_option = click.option(
-    "--state-dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=None,
-    help="State directory (default: $PRELOOP_STATE_DIR, i.e. $PRELOOP_HOME/state).",
-)
 
 
 @cli.group("cache")

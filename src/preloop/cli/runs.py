@@ -10,7 +10,7 @@ import click
 from rich.table import Table
 
 from preloop import config
-from preloop.cli.app import cli, emit_json, make_console
+from preloop.cli.app import cli, emit_json, make_console, state_dir_option
 from preloop.control import Store, UnknownRun
 from preloop.engine import default_store_url, open_user_store
 from preloop.errors import PreloopError
@@ -18,11 +18,6 @@ from preloop.runner.logs import job_ids_with_logs, log_path, read_result, run_lo
 
 _store_option = click.option(
     "--store", help="Store URL (default: $PRELOOP_STORE_URL, else the lite store)."
-)
-_state_option = click.option(
-    "--state-dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    help="State directory (default: $PRELOOP_STATE_DIR).",
 )
 
 
@@ -58,7 +53,7 @@ def _open(store: str | None, state_dir: Path | None) -> tuple[Store, Path]:
 @cli.command("status")
 @click.argument("run_id", type=RUN_ID, required=False)
 @_store_option
-@_state_option
+@state_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 def status_command(
     run_id: int | None, store: str | None, state_dir: Path | None, as_json: bool
@@ -119,7 +114,7 @@ def _run_dict(r: object) -> dict[str, object]:
 @click.argument("run_id", type=RUN_ID)
 @click.argument("job", required=False)
 @_store_option
-@_state_option
+@state_dir_option
 @click.option(
     "--summary", is_flag=True, help="Print the step summaries (GITHUB_STEP_SUMMARY) instead."
 )
@@ -182,7 +177,7 @@ def logs_command(
 @cli.command("cancel")
 @click.argument("run_id", type=RUN_ID)
 @_store_option
-@_state_option
+@state_dir_option
 def cancel_command(run_id: int, store: str | None, state_dir: Path | None) -> None:
     """Cancel RUN_ID: queued jobs are cancelled, running jobs are told to stop."""
     db, _ = _open(store, state_dir)

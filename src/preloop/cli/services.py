@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from preloop import config
-from preloop.cli.app import cli, emit_json
+from preloop.cli.app import cli, emit_json, state_dir_option
 from preloop.errors import UsageError
 from preloop.services.storage import LocalStorage
 from preloop.services.toolcache import default_tool_cache, list_tool_cache, refresh_tool_cache
@@ -36,14 +36,6 @@ def _human(n: int) -> str:
 
 def _iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, tz=dt.UTC).isoformat(timespec="seconds")
-
-
-state_dir_option = click.option(
-    "--state-dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=None,
-    help="State directory (default: $PRELOOP_STATE_DIR, i.e. $PRELOOP_HOME/state).",
-)
 
 
 @cli.command("toolcache")

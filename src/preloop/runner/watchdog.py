@@ -20,13 +20,14 @@ runner's jobs by it before sweeping their directories
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 __all__ = ["TRACKING_FILE", "kill_tracked_ids", "register", "unregister"]
 
@@ -39,7 +40,9 @@ TRACKING_FILE = ".preloop-tracking"
 def kill_tracked_ids(ids: set[str] | list[str], *, prefix: bool = False) -> int:
     """SIGKILLs every process whose environment holds RUNNER_TRACKING_ID equal
     to one of `ids` (or starting with one when `prefix`), repeating until none
-    is left, so children forked meanwhile go too. Returns how many were killed.
+    is left, so children forked meanwhile go too, then waits (at most
+    `_EXIT_WAIT` seconds) until they have exited: a caller may then rely on
+    their working directories being released. Returns how many were killed.
     Standard library only: the watchdog runs this file as a script."""
     end = b"" if prefix else b"\0"
     needles = [f"\0RUNNER_TRACKING_ID={i}".encode() + end for i in ids if i]
@@ -50,31 +53,91 @@ def kill_tracked_ids(ids: set[str] | list[str], *, prefix: bool = False) -> int:
     # exited and been reaped, so a later pass sees it again: count each
     # process once, by pid and start time (a recycled pid is a new process).
     killed: set[tuple[int, str]] = set()
-    for _ in range(20):
-        found = 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == me:
-                continue
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as fh:
-                    environ = b"\0" + fh.read()
-                with open(f"/proc/{entry}/stat", "rb") as fh:
-                    stat = fh.read()
-            except OSError:
-                continue  # gone, or another user's
-            if not any(n in environ for n in needles):
-                continue
-            fields = stat[stat.rfind(b")") + 2 :].split()
-            ident = (int(entry), fields[19].decode() if len(fields) > 19 else "")
-            if fields[:1] == [b"Z"] or ident in killed:
-                continue  # already dead (a zombie) or already killed by this call
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry), signal.SIGKILL)
-                killed.add(ident)
-                found += 1
-        if not found:
-            break
+    exits: list[int] = []  # pidfds of killed processes: readable once they exited
+    try:
+        for _ in range(20):
+            found = 0
+            for entry in os.listdir("/proc"):
+                if not entry.isdigit() or int(entry) == me:
+                    continue
+                try:
+                    with open(f"/proc/{entry}/environ", "rb") as fh:
+                        environ = b"\0" + fh.read()
+                except OSError:
+                    continue  # gone, or another user's
+                if not any(n in environ for n in needles):
+                    continue
+                ident = _identity(entry)
+                if ident is None or ident in killed:
+                    continue  # gone, already dead (a zombie) or already killed by this call
+                if _kill(int(entry), ident, exits):
+                    killed.add(ident)
+                    found += 1
+            if not found:
+                break
+        _wait_exited(exits, _EXIT_WAIT)
+    finally:
+        for fd in exits:
+            os.close(fd)
     return len(killed)
+
+
+#: How long `kill_tracked_ids` waits for SIGKILLed processes to be gone.
+_EXIT_WAIT = 10.0
+
+
+def _identity(pid: str) -> tuple[int, str] | None:
+    """(pid, start time) of a live process; None when gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if fields[:1] == [b"Z"]:
+        return None
+    return (int(pid), fields[19].decode() if len(fields) > 19 else "")
+
+
+def _kill(pid: int, ident: tuple[int, str], exits: list[int]) -> bool:
+    """SIGKILLs `pid` if it is still the process `ident`, through a pidfd
+    (so a pid recycled meanwhile is never hit) kept in `exits` to wait on."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except OSError:  # no pidfds (old kernel): a plain kill, not waited for
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        return True
+    if _identity(str(pid)) != ident:  # the pid was recycled before the pidfd was taken
+        os.close(fd)
+        return False
+    try:
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except ProcessLookupError:
+        os.close(fd)
+        return False
+    exits.append(fd)
+    return True
+
+
+def _wait_exited(fds: list[int], timeout: float) -> None:
+    """Waits until every pidfd in `fds` is readable (its process exited)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    pending = len(fds)
+    deadline = time.monotonic() + timeout
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        for fd, _ in poller.poll(left * 1000):
+            poller.unregister(fd)
+            pending -= 1
 
 
 class _Watchdog:

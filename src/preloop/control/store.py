@@ -162,6 +162,12 @@ class Store:
     def counters(self) -> Counters:
         return self._db.counters
 
+    @property
+    def backend(self) -> Backend:
+        """The connection layer, for tables beside the scheduler's that share
+        its retries (e.g. `preloop.control.blobs`)."""
+        return self._db
+
     def close(self) -> None:
         self._db.close()
 

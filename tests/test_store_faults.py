@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import select
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -366,6 +367,107 @@ def test_sweep_kills_leftovers_by_tracking_id_and_spares_dirs_in_use(tmp_path: P
         assert sweep_work_dir(tmp_path) == [used]
     finally:
         for p in (leftover, untagged):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+LEGS = 12
+
+RACE = """\
+    on: push
+    jobs:
+      leg:
+        runs-on: [self-hosted, big]
+        strategy:
+          matrix:
+            i: {legs}
+        steps:
+          - run: |
+              echo "start ${{{{ matrix.i }}}} $RUNNER_NAME $(date +%s%N)" >> {log}
+              echo "${{{{ matrix.i }}}}" > {fifo}
+              echo "end ${{{{ matrix.i }}}} $RUNNER_NAME $(date +%s%N)" >> {log}
+    """
+
+
+def test_a_job_is_never_executed_twice_at_the_same_moment(
+    tmp_path: Path, app_url: tuple[str, str], pg_server_url: str
+) -> None:
+    """Three runners (two slots each) race for twelve legs while every
+    preloop connection is terminated three times: each leg runs exactly once,
+    on one runner, and no two executions of a leg overlap."""
+    url, app = app_url
+    fifo = tmp_path / "starts.fifo"
+    os.mkfifo(fifo)
+    log = tmp_path / "executions.log"
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(RACE.format(legs=list(range(1, LEGS + 1)), log=log, fifo=fifo)),
+    )
+    # Held open read-write: no writer ever blocks on a reader that went away.
+    reader = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        runner_args = ["--store", url, "--labels", "big", "--capacity", "2"]
+        for n in range(3):
+            procs.append(
+                subprocess.Popen(
+                    [*PRELOOP, "runner", "--name", f"r{n}", *runner_args],
+                    env=_env(tmp_path / f"runner{n}"),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        run = subprocess.Popen(
+            [*PRELOOP, "run", "-j", "0", "--store", url, "--json"],
+            cwd=repo,
+            env=_env(tmp_path / "state"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(run)
+        started = 0
+        buffered = b""
+        cuts = 0
+        while started < LEGS:
+            ready, _, _ = select.select([reader], [], [], 1.0)
+            for p in procs:
+                assert p.poll() is None, f"exited early: {p.args} -> {p.communicate()}"
+            if not ready:
+                continue
+            buffered += os.read(reader, 4096)
+            lines = buffered.split(b"\n")
+            buffered = lines.pop()
+            for _ in lines:
+                started += 1
+                if started in (2, 6, 10):
+                    cuts += _terminate(pg_server_url, app)
+        out, err = run.communicate(timeout=180)
+        assert run.returncode == 0, (out, err)
+        assert cuts >= 3
+        assert "Traceback" not in err, err
+        doc = json.loads(out)
+        assert doc["conclusion"] == "success"
+        assert len(doc["jobs"]) == LEGS
+        executions: dict[str, list[tuple[str, str, int]]] = {}
+        for line in log.read_text().splitlines():
+            what, leg, runner, ns = line.split()
+            executions.setdefault(leg, []).append((what, runner, int(ns)))
+        assert sorted(executions, key=int) == [str(i) for i in range(1, LEGS + 1)]
+        for leg, events in executions.items():
+            # Exactly one execution, whole, on one runner.
+            assert [e[0] for e in events] == ["start", "end"], (leg, events)
+            assert events[0][1] == events[1][1], (leg, events)
+        for p in procs[:3]:
+            p.terminate()
+            _, rerr = p.communicate(timeout=60)
+            assert p.returncode == 0, rerr
+            assert "Traceback" not in rerr, rerr
+    finally:
+        os.close(reader)
+        for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()

@@ -488,8 +488,10 @@ def test_lease_expiry_fails_the_job_and_cascades(store: Store) -> None:
     b.job("b", needs=["a"])
     b.job("c", needs=["a"], if_expr="failure()")
     run_id = store.submit_run(b.plan())
+    assert store.next_lease_expiry() is None  # nothing running: a reaper may sleep long
     lease = store.claim_job("r", [], lease_seconds=30)
     assert lease is not None
+    assert store.next_lease_expiry() == pytest.approx(lease.expires_at)
     assert store.expire_leases(now=lease.expires_at - 1) == 0
     assert store.expire_leases(now=lease.expires_at + 1) == 1
     a = store.get_job(run_id, "a")

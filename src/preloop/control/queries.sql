@@ -40,6 +40,10 @@ UPDATE runs SET remaining_jobs = remaining_jobs + 1 WHERE id = ?
 -- store: Store.expire_leases.find
 SELECT run_id, id, runner FROM jobs WHERE status = 'running' AND lease_expires < ? ORDER BY lease_expires LIMIT 500
 
+-- next_lease_expiry_select_jobs --
+-- store: Store.next_lease_expiry
+SELECT MIN(lease_expires) AS t FROM jobs WHERE status = 'running'
+
 -- rerun_select_runs --
 -- store: Store.rerun.tx_fn
 SELECT conc_cancel, conc_queue_max FROM runs WHERE id = ?

@@ -643,6 +643,14 @@ class Store:
         self._retry_groups(groups)
         return result
 
+    def next_lease_expiry(self) -> float | None:
+        """When the earliest lease of a running job expires (None: no job is
+        running), so a reaper sleeps until then instead of polling."""
+        row = self._db.transaction(
+            "next_lease_expiry", lambda tx: tx.one(Q["next_lease_expiry_select_jobs"])
+        )
+        return None if row is None or row["t"] is None else float(row["t"])
+
     def expire_leases(self, now: float | None = None) -> int:
         """Fails every running job whose lease expired before `now` (cascading),
         retries free concurrency groups with waiters and carries out the

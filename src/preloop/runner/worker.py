@@ -103,7 +103,7 @@ class RunnerOptions:
     # PostgreSQL, while its wake-up listener is connected, a queued job wakes
     # it at once and `listen_poll` is only the fallback.
     idle_poll: float = 0.5
-    listen_poll: float = 5.0
+    listen_poll: float = 30.0
     # Serve only this run (the local runners of `preloop run`); None serves any.
     run_id: int | None = None
     # The run's artifact and cache services (`preloop run`); None: tool cache only.

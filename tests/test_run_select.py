@@ -80,6 +80,34 @@ def test_an_event_that_triggers_nothing_says_so(tmp_path: Path, store_url: str) 
     assert out.ok
 
 
+def test_pull_request_activity_types_filter_with_the_default_payload(
+    tmp_path: Path, store_url: str
+) -> None:
+    """The default pull_request payload is a push to the PR's branch
+    (`synchronize`), so `types: [closed]` does not run, as on GitHub; a
+    payload with another activity chooses it."""
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            WF + "sync.yml": "on:\n  pull_request:\n    types: [opened, synchronize]\njobs:\n"
+            + job("sync"),
+            WF + "closed.yml": "on:\n  pull_request:\n    types: [closed]\njobs:\n" + job("closed"),
+        },
+    )
+    out, h = run_all(repo, store_url, tmp_path / "state", event="pull_request")
+    assert by_workflow(out) == {"sync.yml": {"sync": "success"}}
+    skipped = {s.path: s.reason for s in out.skipped}
+    assert skipped[WF + "closed.yml"].startswith(
+        "activity 'synchronize' is not in on.pull_request.types ('closed')"
+    )
+    assert "--eventpath" in skipped[WF + "closed.yml"]
+    payload = tmp_path / "closed.json"
+    payload.write_text(json.dumps({"action": "closed"}))
+    out, h = run_all(repo, store_url, tmp_path / "state", event="pull_request", event_path=payload)
+    assert by_workflow(out) == {"closed.yml": {"closed": "success"}}
+    assert "sync" not in h.started
+
+
 DISPATCH = """\
 on:
   workflow_dispatch:

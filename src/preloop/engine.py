@@ -74,7 +74,12 @@ from preloop.snapshot.holders import hold_run_repository, release_run_repository
 from preloop.snapshot.owner import ProcessIdentity
 from preloop.workflow import Plan, PlanError, WorkflowError, load_workflow, plan, workflow_files
 from preloop.workflow.changes import LocalEvent, event_facts
-from preloop.workflow.event_inputs import check_inputs, default_payload, load_payload
+from preloop.workflow.event_inputs import (
+    check_inputs,
+    default_action,
+    default_payload,
+    load_payload,
+)
 from preloop.workflow.expressions import evaluate_template
 from preloop.workflow.github_context import local_github_context
 from preloop.workflow.loader import EVENTS
@@ -407,7 +412,7 @@ class Engine:
                 problems.extend(exc.diagnostics)
         if problems:
             raise WorkflowError(problems, str(problems[0].path))
-        action = payload.get("action") if payload is not None else None
+        action = payload.get("action") if payload is not None else default_action(event)
         local = event_facts(
             root,
             event,

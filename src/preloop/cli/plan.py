@@ -17,7 +17,7 @@ from preloop.workflow import (
     workflow_files,
 )
 from preloop.workflow.changes import event_facts, normalize_ref
-from preloop.workflow.event_inputs import check_inputs, parse_pairs
+from preloop.workflow.event_inputs import check_inputs, default_action, parse_pairs
 from preloop.workflow.github_context import local_github_context
 from preloop.workflow.loader import EVENTS
 from preloop.workflow.triggers import Trigger, check_event_name, evaluate_trigger
@@ -107,7 +107,7 @@ def plan_command(
     # reported by the loader as `file:1:1`) must not break the lookup.
     root = _find_root(Path.cwd() if file is None else file.absolute().parent)
     github = local_github_context(root)
-    local = event_facts(root, event, ref=ref, base=base)
+    local = event_facts(root, event, ref=ref, base=base, action=default_action(event))
     if ref:
         full = normalize_ref(ref)
         is_tag = full.startswith("refs/tags/")

@@ -28,9 +28,19 @@ from preloop.errors import UsageError
 from preloop.workflow import expressions as ex
 from preloop.workflow.model import Workflow
 
-__all__ = ["check_inputs", "default_payload", "load_payload", "parse_pairs"]
+__all__ = ["check_inputs", "default_action", "default_payload", "load_payload", "parse_pairs"]
 
 _ZERO = "0" * 40
+
+# The activity of the default payload: a push to a pull request's branch.
+_DEFAULT_ACTIONS = {"pull_request": "synchronize", "pull_request_target": "synchronize"}
+
+
+def default_action(event: str) -> str | None:
+    """The activity type (`github.event.action`) of `event`'s default payload,
+    which `on.<event>.types` filters are checked against (None: the event has
+    no activity types, or its default payload names none)."""
+    return _DEFAULT_ACTIONS.get(event)
 
 
 def parse_pairs(option: str, pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
@@ -188,7 +198,7 @@ def default_payload(
         head_name = (head_ref or "").removeprefix("refs/heads/")
         base_name = (base_ref or "refs/heads/main").removeprefix("refs/heads/")
         payload.update(
-            action="synchronize",
+            action=default_action(event),
             number=1,
             pull_request={
                 "number": 1,

@@ -234,7 +234,10 @@ def evaluate_trigger(workflow: Workflow, facts: EventFacts) -> Trigger:
     if types is not None and facts.action is not None:
         if facts.action not in types:
             return Trigger(
-                False, f"activity {facts.action!r} is not in on.{event}.types ({_fmt(types)})"
+                False,
+                f"activity {facts.action!r} is not in on.{event}.types ({_fmt(types)}); "
+                "the activity is github.event.action (give a payload with "
+                "`preloop run --eventpath FILE`)",
             )
         reasons.append(f"activity {facts.action!r} is in on.{event}.types")
     if event in FILTERED_EVENTS and facts.ref is not None:

@@ -629,6 +629,8 @@ class Runner:
                         ),
                     )
                 batch: list[_Reported] = []
+                if active == 0 and (stop.is_set() or exhausted()):
+                    continue  # told to stop during the claim: nothing to wait for
                 if active == capacity or stop.is_set() or exhausted():
                     batch.append(await receive.receive())
                 else:

@@ -4,6 +4,7 @@
 <state>/actions/repos/<owner>/<repo>/<commit>/   the repository's tree at that commit (no .git)
 <state>/actions/refs/<owner>/<repo>/<ref>.json   last resolution of a branch/tag: commit, run, time
 <state>/actions/locks/<owner>+<repo>.lock        flock: one resolver/fetcher per repository
+                                                 (and one pruner)
 <state>/actions/tmp/<nonce>/                     a fetch in progress (renamed into repos/ when done)
 ```
 
@@ -16,6 +17,10 @@
   held while resolving and fetching), atomic (a temporary directory renamed
   into place) and bounded (`PRELOOP_ACTIONS_FETCH_TIMEOUT`, through
   `preloop.process`, which kills git's whole process group).
+- An action in use is never pruned: the cache that fetched it holds a shared
+  flock on its directory (taken under the repository lock, kept until
+  `ActionCache.release`, at the job's end); `prune_actions` takes it
+  exclusively without waiting and keeps what it cannot lock.
 - `PRELOOP_ACTIONS_URL` is the base of the remotes (`<base>/<owner>/<repo>`):
   `https://github.com` by default, any git URL base (`file:///srv/mirrors`).
 """
@@ -34,6 +39,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, unquote
 
 import anyio
@@ -57,6 +63,8 @@ __all__ = [
 _GIT_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "true", "LC_ALL": "C"}
 _LOCK_POLL_FIRST = 0.005
 _LOCK_POLL_MAX = 0.2
+#: How many runs' resolutions a ref's record remembers (runs going on at once).
+_RUNS_REMEMBERED = 32
 
 
 class ActionFetchError(PreloopError):
@@ -148,6 +156,21 @@ def try_lock(path: Path) -> int | None:
     return fd
 
 
+def _lock_directory(path: Path, how: int) -> int | None:
+    """A descriptor of directory `path` flocked with `how` (never waiting), or
+    None when a conflicting lock is held or the directory is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class ActionCache:
     """Resolves and fetches remote actions for one run (`run_key` names it, so
     that a branch or tag is resolved once per run)."""
@@ -165,6 +188,23 @@ class ActionCache:
         self.base_url = (base_url or config.get("PRELOOP_ACTIONS_URL")).rstrip("/")
         self.timeout = float(timeout or config.get("PRELOOP_ACTIONS_FETCH_TIMEOUT"))
         self.fetches = 0  # git fetches this object ran (tests, bench)
+        self._in_use: dict[Path, int] = {}  # action directory -> its shared flock
+
+    def release(self) -> None:
+        """Ends this run's use of the actions it fetched: they may be pruned."""
+        fds, self._in_use = list(self._in_use.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def _use(self, ref: RemoteRef, root: Path) -> None:
+        """Marks `root` in use until `release` (called under the repository
+        lock, which a pruner holds too: no prune is between its checks)."""
+        if root in self._in_use:
+            return
+        fd = _lock_directory(root, fcntl.LOCK_SH)
+        if fd is None:
+            raise ActionFetchError(f"action {ref}: {root} cannot be opened and locked for use")
+        self._in_use[root] = fd
 
     def url(self, ref: RemoteRef) -> str:
         return f"{self.base_url}/{ref.owner}/{ref.repo}"
@@ -177,21 +217,38 @@ class ActionCache:
         owner, repo = ref.key
         return self.root / "refs" / owner / repo / f"{quote(ref.ref, safe='')}.json"
 
-    def _read_record(self, ref: RemoteRef) -> dict[str, str] | None:
+    def _read_record(self, ref: RemoteRef) -> dict[str, Any] | None:
+        """The last resolution (`commit`, `run`, `resolved_at`) and, under
+        `runs`, the commit each recent run resolved the ref to."""
         try:
             data = json.loads(self._record_path(ref).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
         if isinstance(data, dict) and isinstance(data.get("commit"), str):
-            return {k: str(v) for k, v in data.items()}
+            return data
         return None
 
-    def _write_record(self, ref: RemoteRef, commit: str) -> None:
+    def _run_commit(self, record: dict[str, Any] | None) -> str | None:
+        """The commit this run already resolved the ref to, if it did (a
+        concurrent run resolving it since does not make this run re-resolve)."""
+        if record is None:
+            return None
+        runs = record.get("runs")
+        if isinstance(runs, dict) and isinstance(runs.get(self.run_key), str):
+            return str(runs[self.run_key])
+        return str(record["commit"]) if record.get("run") == self.run_key else None
+
+    def _write_record(self, ref: RemoteRef, commit: str, old: dict[str, Any] | None) -> None:
         path = self._record_path(ref)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        runs = old.get("runs") if old is not None else None
+        recent = {k: v for k, v in (runs if isinstance(runs, dict) else {}).items()}
+        recent.pop(self.run_key, None)
+        recent[self.run_key] = commit  # last in order: the most recent
+        recent = dict(list(recent.items())[-_RUNS_REMEMBERED:])
         doc = {"commit": commit, "run": self.run_key, "resolved_at": str(time.time())}
-        tmp.write_text(json.dumps(doc), encoding="utf-8")
+        tmp.write_text(json.dumps({**doc, "runs": recent}), encoding="utf-8")
         os.replace(tmp, path)
 
     def _cant(self, ref: RemoteRef, what: str) -> ActionFetchError:
@@ -228,7 +285,8 @@ class ActionCache:
         lock = _RepoLock(self.root / "locks" / f"{owner}+{repo}.lock")
         async with lock:
             commit = await self._resolve_and_fetch(ref, warn)
-        root = self._repo_dir(ref) / commit
+            root = self._repo_dir(ref) / commit
+            self._use(ref, root)
         with contextlib.suppress(OSError):
             os.utime(root)  # last use, for `preloop actions prune`
         directory = root / ref.path if ref.path else root
@@ -245,19 +303,18 @@ class ActionCache:
                 await self._fetch_commit(ref, commit)
             return commit
         record = self._read_record(ref)
-        if record is not None and record.get("run") == self.run_key:
-            commit = record["commit"]
-            if (self._repo_dir(ref) / commit).is_dir():
-                return commit
+        mine = self._run_commit(record)
+        if mine is not None and (self._repo_dir(ref) / mine).is_dir():
+            return mine
         try:
             resolved, ambiguous = await self._ls_remote(ref)
         except (CommandFailed, CommandTimeout) as exc:
             why = f"{self.url(ref)} is unreachable ({_first_line(exc)})"
-            if record is None or not (self._repo_dir(ref) / record["commit"]).is_dir():
+            commit = str(record["commit"]) if record is not None else ""
+            if not commit or not (self._repo_dir(ref) / commit).is_dir():
                 raise self._cant(ref, why) from None
-            commit = record["commit"]
             warn(f"action {ref}: {why}; using {ref.ref} = {commit[:12]} as resolved before")
-            self._write_record(ref, commit)
+            self._write_record(ref, commit, record)
             return commit
         if resolved is None:
             raise ActionFetchError(
@@ -274,7 +331,7 @@ class ActionCache:
                     shutil.rmtree(tmp, ignore_errors=True)
                 else:
                     self._publish(ref, tmp, resolved)
-        self._write_record(ref, resolved)
+        self._write_record(ref, resolved, record)
         return resolved
 
     async def _fetch_into_tmp(
@@ -397,8 +454,9 @@ def prune_actions(
     state_dir: Path, *, older_than: float, dry_run: bool = False, now: float | None = None
 ) -> tuple[list[CachedAction], list[CachedAction]]:
     """Removes cached actions unused for `older_than` seconds (0: all). Returns
-    (removed, kept busy): a repository whose lock another process holds (it is
-    being fetched) is left alone. Resolution records of removed commits go too."""
+    (removed, kept busy): an action a run is using (its directory's shared
+    lock is held) or whose repository is being fetched (its lock is held) is
+    left alone. Resolution records of removed commits go too."""
     root = actions_dir(state_dir)
     now = time.time() if now is None else now
     removed: list[CachedAction] = []
@@ -406,26 +464,33 @@ def prune_actions(
     for entry in list_cached_actions(state_dir):
         if now - entry.last_use < older_than:
             continue
-        if dry_run:
-            removed.append(entry)
-            continue
         fd = try_lock(root / "locks" / f"{entry.owner}+{entry.repo}.lock")
         if fd is None:
             busy.append(entry)
             continue
+        trash: Path | None = None
         try:
-            # Out of sight first (atomic), then deleted.
-            trash = root / "tmp" / f"prune-{uuid.uuid4().hex[:12]}"
-            trash.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(entry.path, trash)
-            for name in entry.refs:
-                ref = RemoteRef(entry.owner, entry.repo, "", name)
-                cache = root / "refs" / entry.owner / entry.repo / f"{quote(ref.ref, safe='')}.json"
-                with contextlib.suppress(FileNotFoundError):
-                    cache.unlink()
+            use = _lock_directory(entry.path, fcntl.LOCK_EX)
+            if use is None:
+                busy.append(entry)
+                continue
+            try:
+                if not dry_run:
+                    # Out of sight first (atomic), then deleted.
+                    trash = root / "tmp" / f"prune-{uuid.uuid4().hex[:12]}"
+                    trash.parent.mkdir(parents=True, exist_ok=True)
+                    os.rename(entry.path, trash)
+                    refs = root / "refs" / entry.owner / entry.repo
+                    for name in entry.refs:
+                        record = refs / f"{quote(name, safe='')}.json"
+                        with contextlib.suppress(FileNotFoundError):
+                            record.unlink()
+            finally:
+                os.close(use)
         finally:
             os.close(fd)
-        shutil.rmtree(trash, ignore_errors=True)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
         removed.append(entry)
     # Fetches that died half-way.
     for tmp in (root / "tmp").glob("*") if (root / "tmp").is_dir() else []:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.actions_support import JS_ACTION, publish_action
+from tests.actions_support import JS_ACTION, git_calls, git_wrapper, publish_action
 from tests.run_support import make_repo, results, run_engine, workflow
 
 from preloop.actions.reference import parse_overrides
@@ -287,3 +287,65 @@ def test_action_option_overrides_a_remote_reusable_workflow(
     )
     assert outcome.conclusion == "success", h.all_text()
     assert "got=remote-dev" in h.lines["after"]
+
+
+def test_remote_reusable_workflow_resolves_once_per_run(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two jobs call one remote workflow@tag, and the tag moves right after the
+    first fetch: one `ls-remote`, one fetch, both callers on the first commit;
+    the next run re-resolves."""
+    import shutil
+
+    remotes = tmp_path / "remotes"
+    publish_action(remotes, "acme/flows", REUSABLE, node_modules=False)
+    inner = REUSABLE[".github/workflows/inner.yml"].replace("remote-", "moved-")
+    moved = publish_action(
+        remotes,
+        "acme/flows",
+        {".github/workflows/inner.yml": inner},
+        tags=(),
+        node_modules=False,
+    )
+    log, move_tag = tmp_path / "git.log", tmp_path / "move-tag"
+    move_tag.write_text(
+        f"{shutil.which('git')} --git-dir={remotes}/acme/flows.git "
+        f"update-ref refs/tags/v1 {moved}\n"
+    )
+    bin_dir = git_wrapper(tmp_path / "bin", log, after_clone=move_tag)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{remotes}")
+    monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              a:
+                uses: acme/flows/.github/workflows/build.yml@v1
+                with:
+                  name: a
+              b:
+                uses: acme/flows/.github/workflows/build.yml@v1
+                with:
+                  name: b
+              after:
+                needs: [a, b]
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo "got=${{ needs.a.outputs.said }},${{ needs.b.outputs.said }}"
+            """
+        ),
+    )
+    state = tmp_path / "state"
+    outcome, h = run_engine(repo, store_url, state)
+    assert outcome.conclusion == "success", h.all_text()
+    assert Path(f"{move_tag}.ran").exists()  # the tag did move after the first fetch
+    assert "got=remote-a,remote-b" in h.lines["after"]
+    assert len(git_calls(log, "ls-remote", "acme/flows")) == 1
+    assert len(git_calls(log, "clone", "acme/flows")) == 1
+    outcome, h = run_engine(repo, store_url, state)
+    assert outcome.conclusion == "success", h.all_text()
+    assert "got=moved-a,moved-b" in h.lines["after"]
+    assert len(git_calls(log, "ls-remote", "acme/flows")) == 2

@@ -151,7 +151,8 @@ def git_wrapper(
     hook = ""
     if after_clone is not None:
         q, ran = shlex.quote(str(after_clone)), shlex.quote(f"{after_clone}.ran")
-        hook = f'case " $* " in *" clone "*) if mv {q} {ran} 2>/dev/null; then sh {ran}; fi;; esac\n'
+        once = f"if mv {q} {ran} 2>/dev/null; then sh {ran}; fi"
+        hook = f'case " $* " in *" clone "*) {once};; esac\n'
     bin_dir.mkdir(parents=True, exist_ok=True)
     (bin_dir / "git").write_text(
         "#!/bin/sh\n"

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from tests.actions_support import JS_ACTION, publish_action
+from tests.actions_support import JS_ACTION, git_calls, git_wrapper, publish_action
 
 from preloop.actions import steps as action_steps
 from preloop.actions.cache import ActionCache, ActionFetchError
@@ -288,6 +289,97 @@ def test_two_runs_fetching_one_action_fetch_once(env: Env, tmp_path: Path) -> No
     assert log.read_text().count("fetch") == 1
     assert len(results) == 2 and results[0] == results[1]
     assert caches[0].fetches + caches[1].fetches == 1
+
+
+# One process fetching `acme/ver@v1` into the action cache; when it finds the
+# repository's lock taken it writes its pid to the `waiting` FIFO (once) and
+# goes on waiting with the real flock.
+_FETCH_PROCESS = """
+import errno, fcntl, os, sys
+from pathlib import Path
+import anyio
+from preloop.actions.cache import ActionCache
+from preloop.actions.reference import RemoteRef
+
+state, url, waiting = sys.argv[1:4]
+real_flock, told = fcntl.flock, []
+
+def flock(fd, how):
+    try:
+        return real_flock(fd, how)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) and not told:
+            told.append(True)
+            with open(waiting, "w") as fh:
+                fh.write(f"{os.getpid()}\\n")
+        raise
+
+fcntl.flock = flock
+cache = ActionCache(Path(state), run_key=f"proc-{os.getpid()}", base_url=url, timeout=120)
+got = anyio.run(lambda: cache.fetch(RemoteRef("acme", "ver", "", "v1"), print))
+print("commit", got.commit, cache.fetches)
+"""
+
+
+def _fifo_line(fd: int, what: str) -> str:
+    """The next line written to a FIFO we hold open read-write (so writers
+    never block on opening it), waiting at most a minute."""
+    import select
+
+    ready, _, _ = select.select([fd], [], [], 120)
+    assert ready, f"nothing came from {what}"
+    return os.read(fd, 4096).decode().strip()
+
+
+def test_two_processes_fetching_one_action_fetch_once(env: Env, tmp_path: Path) -> None:
+    """Two real processes fetch the same action at once: the first holds its
+    git fetch (a wrapper `git` blocks on a FIFO) until the second is seen
+    waiting on the repository's lock; one fetch in all, one commit."""
+    commit = publish_action(env.remotes, "acme/ver", _echo_action("one"))
+    fifos = {}
+    for name in ("started", "gate", "waiting"):
+        os.mkfifo(tmp_path / name)
+        fifos[name] = os.open(tmp_path / name, os.O_RDWR)
+    log = tmp_path / "git.log"
+    bin_dir = git_wrapper(
+        tmp_path / "bin",
+        log,
+        before_fetch=f"echo $$ > {tmp_path}/started; read _ < {tmp_path}/gate",
+    )
+    penv = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    argv = [
+        sys.executable,
+        "-c",
+        _FETCH_PROCESS,
+        str(env.state),
+        env.url,
+        str(tmp_path / "waiting"),
+    ]
+    procs = [
+        subprocess.Popen(argv, env=penv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        _fifo_line(fifos["started"], "the first fetch")  # one process is in git
+        waiter = int(_fifo_line(fifos["waiting"], "the second process"))
+        assert waiter in {p.pid for p in procs}
+        assert len(git_calls(log, "clone")) == 1
+        os.write(fifos["gate"], b"go\n")
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for fd in fifos.values():
+            os.close(fd)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    lines = sorted(out.strip().splitlines()[-1] for out, _ in outs)
+    # Both got the same commit; only the one not waiting fetched.
+    assert lines == [f"commit {commit} 0", f"commit {commit} 1"]
+    assert len(git_calls(log, "clone")) + len(git_calls(log, "fetch")) == 1
+    waited = next(out for p, (out, _) in zip(procs, outs, strict=True) if p.pid == waiter)
+    assert waited.strip().endswith(" 0")
 
 
 def test_remote_composite_calling_a_javascript_action(env: Env) -> None:

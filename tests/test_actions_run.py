@@ -349,3 +349,69 @@ def test_remote_reusable_workflow_resolves_once_per_run(
     assert outcome.conclusion == "success", h.all_text()
     assert "got=moved-a,moved-b" in h.lines["after"]
     assert len(git_calls(log, "ls-remote", "acme/flows")) == 2
+
+
+def _composite(directory: Path, says: str) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "action.yml").write_text(
+        f"runs:\n  using: composite\n  steps:\n    - run: echo {says}\n      shell: bash\n"
+    )
+    return directory
+
+
+def test_action_overrides_by_environment_and_by_ref(tmp_path: Path) -> None:
+    """`PRELOOP_ACTION_OVERRIDES` for step actions; `--action owner/repo@ref=DIR`
+    wins over `owner/repo=DIR` whatever their order, and `--action` over the
+    environment; nothing is fetched."""
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              j:
+                runs-on: ubuntu-latest
+                steps:
+                  - uses: acme/greet@v1
+                  - uses: acme/greet@v2
+                  - uses: acme/tool@v3
+                  - uses: acme/tool/sub@v3
+            """
+        ),
+    )
+    plain = _composite(tmp_path / "plain", "plain-greet")
+    pinned = _composite(tmp_path / "pinned", "pinned-greet-v2")
+    from_env = _composite(tmp_path / "env-greet", "env-greet-v2")
+    tool = _composite(tmp_path / "tool", "env-tool")
+    _composite(tool / "sub", "env-tool-sub")
+    state = tmp_path / "state"
+    env = _env(
+        state,
+        PRELOOP_ACTIONS_URL=f"file://{tmp_path}/offline",
+        PRELOOP_ACTION_OVERRIDES=f"acme/tool={tool}; acme/greet@v2={from_env}",
+    )
+    r = subprocess.run(
+        [
+            *PRELOOP,
+            "run",
+            "--action",
+            f"acme/greet={plain}",
+            "--action",
+            f"acme/greet@v2={pinned}",
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    said = [
+        line.split()[-1]
+        for line in r.stdout.splitlines()
+        if line.split()[-1:]
+        and line.split()[-1].startswith(("plain-", "pinned-", "env-"))
+        and "Run echo" not in line
+    ]
+    assert said == ["plain-greet", "pinned-greet-v2", "env-tool", "env-tool-sub"], r.stdout
+    assert not (state / "actions" / "repos").exists()

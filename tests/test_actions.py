@@ -556,3 +556,88 @@ def test_composite_required_input_missing_is_a_warning(env: Env) -> None:
     assert "who=[]" in lines
     warnings = [a.message for a in result.annotations if a.level == "warning"]
     assert warnings == ["./act: Input required and not supplied: who"]
+
+
+def test_docker_actions_through_a_daemon(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fake `docker` on PATH records its calls and stands in for the daemon
+    and the container: the argv preloop builds (image, args, `runs.env` and
+    INPUT_* passed by name, the workspace mount), and outputs written to
+    GITHUB_OUTPUT reaching a later step."""
+    calls = tmp_path / "docker-calls"
+    calls.mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(
+        textwrap.dedent(
+            f"""\
+            #!/bin/sh
+            n=$(ls {calls} | grep -c args)
+            printf '%s\\n' "$@" > {calls}/$n.args
+            case "$1" in
+              info) echo 27.0.1 ;;
+              build) echo sha256:0123456789ab ;;
+              run)
+                env > {calls}/$n.env
+                echo "container: who=$INPUT_WHO mode=$MODE args=$*"
+                echo "said=$INPUT_WHO/$MODE" >> "$GITHUB_OUTPUT" ;;
+              *) echo "fake docker: $1?" >&2; exit 1 ;;
+            esac
+            """
+        )
+    )
+    (bin_dir / "docker").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(action_steps, "_docker_checked", {})
+    publish_action(
+        env.remotes,
+        "acme/dock",
+        {
+            "action.yml": """\
+                inputs:
+                  who: {default: nobody}
+                runs:
+                  using: docker
+                  image: Dockerfile
+                  args: ["--greet", "${{ inputs.who }}"]
+                  env:
+                    MODE: strict-${{ inputs.who }}
+                """,
+            "Dockerfile": "FROM alpine:3\n",
+        },
+        node_modules=False,
+    )
+    result, lines = env.run(
+        [
+            {"id": "d", "uses": "acme/dock@v1", "with": {"who": "docker"}},
+            {"uses": "docker://alpine:3", "with": {"args": "echo hi", "entrypoint": "sh"}},
+            {"run": "echo got=${{ steps.d.outputs.said }}"},
+        ]
+    )
+    assert result.conclusion == "success", lines
+    assert "got=docker/strict-docker" in lines
+    argv = [
+        (calls / f"{i}.args").read_text().splitlines()
+        for i in range(len(list(calls.glob("*.args"))))
+    ]
+    assert [a[0] for a in argv] == ["info", "build", "run", "run"]
+    build, run, plain = argv[1], argv[2], argv[3]
+    tag = build[build.index("-t") + 1]
+    action_dir = Path(build[-1])
+    assert tag.startswith("preloop-action-")
+    assert build[build.index("-f") + 1] == str(action_dir / "Dockerfile")
+    assert action_dir.parent.parent == env.state / "actions" / "repos" / "acme"
+    ws = str(env.tmp / f"job{env.runs}" / "ws")
+    # docker run --rm -v WS:WS -v TEMP:TEMP -w WS -e NAME... IMAGE ARGS
+    assert run[:5] == ["run", "--rm", "-v", f"{ws}:{ws}", "-v"] and run[6:8] == ["-w", ws]
+    assert run[-3:] == [tag, "--greet", "docker"]
+    passed = {run[i + 1] for i, a in enumerate(run) if a == "-e"}
+    assert {"INPUT_WHO", "MODE", "GITHUB_OUTPUT", "GITHUB_ENV", "GITHUB_WORKSPACE", "CI"} <= passed
+    assert "PATH" not in passed and "HOME" not in passed
+    run_env = dict(
+        line.split("=", 1) for line in (calls / "2.env").read_text().splitlines() if "=" in line
+    )
+    assert run_env["INPUT_WHO"] == "docker" and run_env["MODE"] == "strict-docker"
+    assert run_env["GITHUB_ACTION_REPOSITORY"] == "acme/dock"
+    assert plain[-5:] == ["--entrypoint", "sh", "alpine:3", "echo", "hi"]

@@ -641,3 +641,56 @@ def test_docker_actions_through_a_daemon(
     assert run_env["INPUT_WHO"] == "docker" and run_env["MODE"] == "strict-docker"
     assert run_env["GITHUB_ACTION_REPOSITORY"] == "acme/dock"
     assert plain[-5:] == ["--entrypoint", "sh", "alpine:3", "echo", "hi"]
+
+
+def test_prune_keeps_actions_a_running_job_uses(env: Env, tmp_path: Path) -> None:
+    """`preloop actions prune --older-than 0` while a job is between the main
+    and the post of a JavaScript action keeps that action (the job's shared
+    lock on its directory); once the job has ended, prune removes it."""
+    import json
+    import threading
+
+    publish_action(env.remotes, "acme/greet", JS_ACTION)
+    for name in ("reached", "gate"):
+        os.mkfifo(tmp_path / name)
+    reached = os.open(tmp_path / "reached", os.O_RDWR)
+    gate = os.open(tmp_path / "gate", os.O_RDWR)
+    box: dict[str, tuple[JobResult, list[str]]] = {}
+    job = threading.Thread(
+        target=lambda: box.setdefault(
+            "done",
+            env.run(
+                [
+                    {"uses": "acme/greet@v1", "with": {"who": "pruned"}},
+                    {"run": f"echo in-job > {tmp_path}/reached; read _ < {tmp_path}/gate"},
+                ]
+            ),
+        )
+    )
+
+    def prune() -> dict[str, Any]:
+        cli = [sys.executable, "-m", "preloop", "actions", "prune", "--older-than", "0", "--json"]
+        penv = {**os.environ, "PRELOOP_STATE_DIR": str(env.state)}
+        r = subprocess.run(cli, env=penv, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        out: dict[str, Any] = json.loads(r.stdout)
+        return out
+
+    job.start()
+    try:
+        _fifo_line(reached, "the job's second step")
+        kept = prune()
+        assert kept["removed"] == [] and [e["repository"] for e in kept["busy"]] == ["acme/greet"]
+        cached = list((env.state / "actions" / "repos" / "acme" / "greet").iterdir())
+        assert len(cached) == 1 and (cached[0] / "post.js").is_file()
+    finally:
+        os.write(gate, b"go\n")
+        job.join(timeout=300)
+        os.close(reached)
+        os.close(gate)
+    result, lines = box["done"]
+    assert result.conclusion == "success", lines
+    assert "post: P-pruned M-pruned" in lines  # the post step ran from the kept directory
+    gone = prune()
+    assert [e["repository"] for e in gone["removed"]] == ["acme/greet"] and gone["busy"] == []
+    assert list((env.state / "actions" / "repos" / "acme" / "greet").iterdir()) == []

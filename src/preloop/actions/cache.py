@@ -99,13 +99,17 @@ def _first_line(exc: CommandFailed | CommandTimeout) -> str:
     return (fatal or lines or [str(exc)])[0]
 
 
-def _discard(path: Path, tmp_root: Path) -> None:
+def _discard(path: Path, tmp_root: Path) -> threading.Thread:
     """Removes `path` off the caller's critical path: renamed out of the action
-    at once, deleted by a background thread (a crash leaves it under tmp/,
-    where `prune_actions` sweeps directories of dead processes)."""
+    at once, deleted by the background thread returned (a crash leaves it
+    under tmp/, where `prune_actions` sweeps directories of dead processes)."""
     trash = tmp_root / f"{os.getpid()}-trash-{uuid.uuid4().hex[:12]}"
     os.rename(path, trash)
-    threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}).start()
+    thread = threading.Thread(
+        target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True
+    )
+    thread.start()
+    return thread
 
 
 class _RepoLock:
@@ -189,12 +193,18 @@ class ActionCache:
         self.timeout = float(timeout or config.get("PRELOOP_ACTIONS_FETCH_TIMEOUT"))
         self.fetches = 0  # git fetches this object ran (tests, bench)
         self._in_use: dict[Path, int] = {}  # action directory -> its shared flock
+        self._discards: list[threading.Thread] = []  # deletions of fetched .git dirs
 
-    def release(self) -> None:
-        """Ends this run's use of the actions it fetched: they may be pruned."""
+    def release(self, *, wait: bool = False) -> None:
+        """Ends this run's use of the actions it fetched (they may be pruned);
+        with `wait`, also waits for the deletions its fetches left running in
+        the background (a benchmark counts them; a job does not wait)."""
         fds, self._in_use = list(self._in_use.values()), {}
         for fd in fds:
             os.close(fd)
+        threads, self._discards = self._discards, []
+        for thread in threads if wait else ():
+            thread.join()
 
     def _use(self, ref: RemoteRef, root: Path) -> None:
         """Marks `root` in use until `release` (called under the repository
@@ -371,7 +381,7 @@ class ActionCache:
                 await self._git(
                     "-C", str(tmp), "-c", "advice.detachedHead=false", "checkout", "-q", commit
                 )
-            _discard(tmp / ".git", self.root / "tmp")
+            self._discards.append(_discard(tmp / ".git", self.root / "tmp"))
         except CommandTimeout as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise self._cant(ref, f"fetching from {url} timed out ({exc})") from None

@@ -200,6 +200,13 @@ def test_refs_tag_branch_sha_and_a_moved_tag(env: Env) -> None:
     publish_action(env.remotes, "acme/ver", _echo_action("branch"), tags=(), branch="v2")
     _, lines = env.run([{"uses": "acme/ver@v2"}], run_key="r3")
     assert "version tagged" in lines
+    # A ref the remote does not have: that step fails, saying so.
+    result, lines = env.run([{"uses": "acme/ver@v3"}], run_key="r4")
+    assert result.conclusion == "failure"
+    assert any(
+        line.startswith("✖ Run acme/ver@v3: ") and "has no branch or tag 'v3'" in line
+        for line in lines
+    ), lines
 
 
 def _echo_action(version: str) -> dict[str, str]:

@@ -8,9 +8,10 @@
 <state>/actions/tmp/<nonce>/                     a fetch in progress (renamed into repos/ when done)
 ```
 
-- A ref is resolved once per run (`git ls-remote`; the record names the run;
-  a tag wins over a branch of the same name, as on GitHub),
-  a full commit SHA never. When the remote is unreachable a previous
+- A ref is resolved once per run (the record names the run: `git ls-remote`
+  when an earlier resolution is cached, else the shallow clone that fetches
+  it; a tag wins over a branch of the same name, as on GitHub), a full
+  commit SHA never. When the remote is unreachable a previous
   resolution is reused with a warning; with none the action cannot run and
   `ActionFetchError` says what to do.
 - Fetches are single-flight across processes (the repository's lock file,
@@ -45,7 +46,7 @@ from urllib.parse import quote, unquote
 import anyio
 
 from preloop import config
-from preloop.actions.reference import RemoteRef
+from preloop.actions.reference import FULL_SHA, RemoteRef
 from preloop.errors import PreloopError
 from preloop.fs import tree_bytes
 from preloop.process import CommandFailed, CommandTimeout, run_command
@@ -110,6 +111,16 @@ def _discard(path: Path, tmp_root: Path) -> threading.Thread:
     )
     thread.start()
     return thread
+
+
+def _detached_head(git_dir: Path) -> str | None:
+    """The commit a detached HEAD names (saves a `git rev-parse`), or None
+    when HEAD is a branch or cannot be read."""
+    try:
+        head = (git_dir / "HEAD").read_text(encoding="ascii").strip()
+    except (OSError, ValueError):
+        return None
+    return head.lower() if FULL_SHA.fullmatch(head) else None
 
 
 class _RepoLock:
@@ -316,42 +327,89 @@ class ActionCache:
         mine = self._run_commit(record)
         if mine is not None and (self._repo_dir(ref) / mine).is_dir():
             return mine
+        before = str(record["commit"]) if record is not None else ""
+        if (before and (self._repo_dir(ref) / before).is_dir()) or ref.ref.startswith("refs/"):
+            # A resolution to check (usually unchanged): `ls-remote` first.
+            resolved = await self._check_resolution(ref, before, warn)
+        else:
+            # Never fetched: resolving is fetching, one shallow clone.
+            resolved = await self._clone_by_name(ref)
+        self._write_record(ref, resolved, record)
+        return resolved
+
+    async def _check_resolution(
+        self, ref: RemoteRef, before: str, warn: Callable[[str], None]
+    ) -> str:
+        """The commit `ref` names now (`ls-remote`), fetched if new; the
+        previous resolution `before` (cached) when the remote is unreachable."""
         try:
             resolved, ambiguous = await self._ls_remote(ref)
         except (CommandFailed, CommandTimeout) as exc:
             why = f"{self.url(ref)} is unreachable ({_first_line(exc)})"
-            commit = str(record["commit"]) if record is not None else ""
-            if not commit or not (self._repo_dir(ref) / commit).is_dir():
+            if not before or not (self._repo_dir(ref) / before).is_dir():
                 raise self._cant(ref, why) from None
-            warn(f"action {ref}: {why}; using {ref.ref} = {commit[:12]} as resolved before")
-            self._write_record(ref, commit, record)
-            return commit
+            warn(f"action {ref}: {why}; using {ref.ref} = {before[:12]} as resolved before")
+            return before
         if resolved is None:
-            raise ActionFetchError(
-                f"action {ref}: {self.url(ref)} has no branch or tag {ref.ref!r} "
-                "(a commit must be given as its full 40-character SHA)"
-            )
+            raise self._no_such_ref(ref)
         if not (self._repo_dir(ref) / resolved).is_dir():
             if ambiguous or ref.ref.startswith("refs/"):
                 await self._fetch_commit(ref, resolved)
             else:
-                # One shallow clone of the branch or tag, as a user would run.
-                tmp, resolved = await self._fetch_into_tmp(ref, ref.ref, by_name=True)
-                if (self._repo_dir(ref) / resolved).is_dir():
-                    shutil.rmtree(tmp, ignore_errors=True)
-                else:
-                    self._publish(ref, tmp, resolved)
-        self._write_record(ref, resolved, record)
+                resolved = await self._clone_by_name(ref)
         return resolved
+
+    def _no_such_ref(self, ref: RemoteRef) -> ActionFetchError:
+        return ActionFetchError(
+            f"action {ref}: {self.url(ref)} has no branch or tag {ref.ref!r} "
+            "(a commit must be given as its full 40-character SHA)"
+        )
+
+    async def _clone_by_name(self, ref: RemoteRef) -> str:
+        """Resolves and fetches the branch or tag `ref.ref` with one shallow
+        clone, as a user would run; returns its commit, now in the cache."""
+        try:
+            tmp, commit, is_tag = await self._fetch_into_tmp(ref, ref.ref, by_name=True)
+        except ActionFetchError:
+            # Why: the remote is unreachable, or has no such branch or tag?
+            try:
+                named, _ = await self._ls_remote(ref)
+            except (CommandFailed, CommandTimeout) as exc:
+                why = f"{self.url(ref)} is unreachable ({_first_line(exc)})"
+                raise self._cant(ref, why) from None
+            if named is None:
+                raise self._no_such_ref(ref) from None
+            raise
+        if not is_tag:
+            # `git clone --branch` takes a branch over a tag of the same name;
+            # GitHub takes the tag.
+            try:
+                tagged, ambiguous = await self._ls_remote(ref)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            if ambiguous and tagged is not None and tagged != commit:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not (self._repo_dir(ref) / tagged).is_dir():
+                    await self._fetch_commit(ref, tagged)
+                return tagged
+        if (self._repo_dir(ref) / commit).is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            self._publish(ref, tmp, commit)
+        return commit
 
     async def _fetch_into_tmp(
         self, ref: RemoteRef, what: str, *, by_name: bool = False
-    ) -> tuple[Path, str]:
+    ) -> tuple[Path, str, bool]:
         """A shallow copy of `what` (a commit, or with `by_name` a branch or
-        tag) in a new directory under tmp/, without its .git; and its commit."""
+        tag) in a new directory under tmp/, without its .git; its commit; and
+        whether it came detached (a tag: `git clone --branch` detaches a tag's
+        HEAD, not a branch's)."""
         tmp = self.root / "tmp" / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         tmp.parent.mkdir(parents=True, exist_ok=True)
         url = self.url(ref)
+        detached = False
         try:
             self.fetches += 1
             if by_name:
@@ -369,7 +427,10 @@ class ActionCache:
                     url,
                     str(tmp),
                 )
-                commit = (await self._git("-C", str(tmp), "rev-parse", "HEAD")).strip()
+                commit = _detached_head(tmp / ".git")
+                detached = commit is not None
+                if commit is None:
+                    commit = (await self._git("-C", str(tmp), "rev-parse", "HEAD")).strip()
             else:
                 await self._git("init", "-q", str(tmp))
                 await self._git(
@@ -393,7 +454,7 @@ class ActionCache:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        return tmp, commit
+        return tmp, commit, detached
 
     def _publish(self, ref: RemoteRef, tmp: Path, commit: str) -> None:
         final = self._repo_dir(ref) / commit
@@ -406,7 +467,7 @@ class ActionCache:
                 raise ActionFetchError(f"action {ref}: cannot store it in {final}: {exc}") from None
 
     async def _fetch_commit(self, ref: RemoteRef, commit: str) -> None:
-        tmp, got = await self._fetch_into_tmp(ref, commit)
+        tmp, got, _ = await self._fetch_into_tmp(ref, commit)
         if got != commit:  # pragma: no cover - git guarantees it
             shutil.rmtree(tmp, ignore_errors=True)
             raise ActionFetchError(f"action {ref}: fetched {got} instead of {commit}")

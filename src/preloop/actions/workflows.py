@@ -4,9 +4,15 @@
 cache, same resolution rules) and loaded as the callee; `$/.github/workflows/
 x.yml` names a workflow in the same repository as the calling workflow file
 (the workspace for the top-level workflow, the fetched commit for a workflow
-that came from another repository). `--action` (through `loading_for_run`) and
-`PRELOOP_ACTION_OVERRIDES` entries naming a directory apply here too
-(`owner/repo=DIR` reads `DIR/.github/workflows/x.yml`).
+that came from another repository). `--action` (through `PlanRun` /
+`loading_for_run`) and `PRELOOP_ACTION_OVERRIDES` entries naming a directory
+apply here too (`owner/repo=DIR` reads `DIR/.github/workflows/x.yml`).
+
+A ref is resolved once per run: the engine plans every workflow file of a
+run through one `PlanRun` carrying the run's key (the key its jobs resolve
+actions with), which memoises each `owner/repo/...@ref`; a workflow loaded
+outside a run (`preloop plan`, `load_workflow`) is a run of its own
+(`planning`).
 """
 
 from __future__ import annotations

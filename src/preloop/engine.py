@@ -61,6 +61,7 @@ from preloop.runner.checkout import (
     sweep_work_dir,
     work_dir,
 )
+from preloop.runner.follow import follow_elsewhere
 from preloop.runner.job import kill_tracked, tracking_prefix
 from preloop.runner.worker import idle_wait, wait_for_work
 from preloop.services import (
@@ -634,6 +635,9 @@ class Engine:
 
         return JobEvents(on_start=start, on_line=line, on_end=end)
 
+    def _set_duration(self, run_id: int, job_id: str, seconds: float) -> None:
+        self._durations[(run_id, job_id)] = seconds
+
     async def _run_finished(self, store: Store, run_id: int) -> bool:
         info = await anyio.to_thread.run_sync(store.get_run, run_id)
         return info.status == "completed"
@@ -716,6 +720,17 @@ class Engine:
                 async with anyio.create_task_group() as tg:
                     for i in range(count):
                         tg.start_soon(local_runner, i)
+                    if store.dialect == "pg":
+                        # Jobs that runners on other machines take are shown too.
+                        tg.start_soon(
+                            follow_elsewhere,
+                            store,
+                            run_ids,
+                            f"{req.runner_name}-{os.getpid()}-",
+                            events,
+                            done,
+                            self._set_duration,
+                        )
                     await watch()
         finally:
             self._runners_scope = None

@@ -210,12 +210,20 @@ def test_remote_reusable_workflow_checks_and_failures(
               nme: x
           gone:
             uses: acme/nothing/.github/workflows/x.yml@v1
+          gone-too:
+            uses: acme/nothing/.github/workflows/x.yml@v1
         """
     )
     repo = make_repo(tmp_path / "repo", files)
+    log = tmp_path / "git.log"
+    monkeypatch.setenv("PATH", f"{git_wrapper(tmp_path / 'bin', log)}:{os.environ['PATH']}")
     with pytest.raises(WorkflowError) as info:
         load_workflow(repo / ".github" / "workflows" / "ci.yml")
     messages = [d.message for d in info.value.diagnostics]
+    # Both callers are told; the remote was asked once (a failure is memoised too).
+    gone = [m for m in messages if m.startswith("reusable workflow 'acme/nothing/")]
+    assert len(gone) == 2 and gone[0] == gone[1], messages
+    assert len(git_calls(log, "clone", "acme/nothing")) == 1
     assert any("input 'nme' is not declared by" in m for m in messages), messages
     assert any("requires input 'name'" in m for m in messages), messages
     assert any(

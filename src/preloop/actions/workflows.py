@@ -66,7 +66,7 @@ class PlanRun:
         self.overrides = tuple(overrides)
         self.run_key = run_key or f"plan-{uuid.uuid4().hex}"
         self.base_url = base_url
-        self._fetched: dict[str, tuple[Path, Path]] = {}
+        self._fetched: dict[str, tuple[Path, Path] | PreloopError] = {}
         self._lock = threading.Lock()
         self._cache: ActionCache | None = None
 
@@ -90,28 +90,35 @@ class PlanRun:
             return fn()
 
     def fetch(self, ref: RemoteRef, uses: str) -> tuple[Path, Path]:
-        """(workflow file, repository root) of `ref`, fetched once per run."""
+        """(workflow file, repository root) of `ref`, fetched once per run (a
+        failure too: every caller of it gets the same error)."""
         key = str(ref)
         with self._lock:  # one load at a time asks; a second caller waits for the first
             known = self._fetched.get(key)
+            if isinstance(known, PreloopError):
+                raise known
             if known is not None:
                 return known
-            if self._cache is None:
-                self._cache = ActionCache(
-                    self.state_dir or config.state_dir(),
-                    run_key=self.run_key,
-                    base_url=self.base_url,
-                )
-            cache = self._cache
-            fetched = _run_sync(
-                lambda: cache.fetch(ref, lambda message: _log.warning("%s", message))
+            try:
+                found = self._fetch(ref, uses)
+            except PreloopError as exc:
+                self._fetched[key] = exc
+                raise
+            self._fetched[key] = found
+            return found
+
+    def _fetch(self, ref: RemoteRef, uses: str) -> tuple[Path, Path]:
+        if self._cache is None:
+            self._cache = ActionCache(
+                self.state_dir or config.state_dir(), run_key=self.run_key, base_url=self.base_url
             )
-            if not fetched.directory.is_file():
-                raise RemoteWorkflowError(
-                    f"'{uses}': {ref.slug} has no file {ref.path} at {fetched.commit[:12]}"
-                )
-            self._fetched[key] = (fetched.directory, fetched.root)
-            return self._fetched[key]
+        cache = self._cache
+        fetched = _run_sync(lambda: cache.fetch(ref, lambda message: _log.warning("%s", message)))
+        if not fetched.directory.is_file():
+            raise RemoteWorkflowError(
+                f"'{uses}': {ref.slug} has no file {ref.path} at {fetched.commit[:12]}"
+            )
+        return fetched.directory, fetched.root
 
 
 # The run being planned, for the loader (set by `PlanRun.active`).

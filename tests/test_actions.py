@@ -194,6 +194,9 @@ def test_refs_tag_branch_sha_and_a_moved_tag(env: Env) -> None:
     assert "version one" in lines
     _, lines = env.run([{"uses": "acme/ver@v1"}], run_key="r2")
     assert "version three" in lines
+    # r1 (say a later job of it) keeps its resolution though r2 resolved since.
+    _, lines = env.run([{"uses": "acme/ver@v1"}], run_key="r1")
+    assert "version one" in lines
     assert (env.state / "actions" / "repos" / "acme" / "ver" / third).is_dir()
     # A tag and a branch of one name: the tag wins, as on GitHub.
     publish_action(env.remotes, "acme/ver", _echo_action("tagged"), tags=("v2",))

@@ -47,7 +47,7 @@ import anyio
 import preloop.snapshot.prune  # noqa: F401  (registers the post-capture prune hook)
 from preloop import config
 from preloop.actions.reference import Override
-from preloop.actions.workflows import loading_for_run
+from preloop.actions.workflows import PlanRun
 from preloop.control import JobInfo, Lease, Store, StoreError, open_store
 from preloop.control.urls import check_store_url
 from preloop.control.wakeups import RUNS
@@ -337,6 +337,9 @@ class Engine:
         self._annotations: dict[tuple[int, str], list[str]] = {}
         self._reasons: dict[tuple[int, str], str] = {}
         self._labels: dict[tuple[int, str], tuple[str, ...]] = {}
+        # Host-unique: names the run's snapshot, processes and action
+        # resolutions (plan time and job time resolve a ref once, alike).
+        self.run_key = f"run-{uuid.uuid4().hex[:16]}"
 
     @property
     def run_id(self) -> int | None:
@@ -397,20 +400,17 @@ class Engine:
         chosen: list[tuple[Any, str]] = []
         skipped: list[SkippedWorkflow] = []
         loaded: list[tuple[Path, Any]] = []
-        for path in paths:
-            try:
-                loaded.append(
-                    (
-                        path,
-                        loading_for_run(
-                            self.state_dir,
-                            req.action_overrides,
-                            functools.partial(load_workflow, path, root=root),
-                        ),
+        remote = PlanRun(self.state_dir, req.action_overrides, run_key=self.run_key)
+        try:
+            for path in paths:
+                try:
+                    loaded.append(
+                        (path, remote.load(functools.partial(load_workflow, path, root=root)))
                     )
-                )
-            except WorkflowError as exc:
-                problems.extend(exc.diagnostics)
+                except WorkflowError as exc:
+                    problems.extend(exc.diagnostics)
+        finally:
+            remote.close()  # the workflows are read: their files may be pruned
         if problems:
             raise WorkflowError(problems, str(problems[0].path))
         action = payload.get("action") if payload is not None else default_action(event)
@@ -509,7 +509,7 @@ class Engine:
         await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
         await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir)
         await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir)
-        run_key = f"run-{uuid.uuid4().hex[:16]}"
+        run_key = self.run_key
         # Held before the capture, released after the removal: a crash in
         # between leaves a dead holder that the next sweep or prune cleans.
         holder = hold_run_repository(self.state_dir, run_key)

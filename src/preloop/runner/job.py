@@ -811,6 +811,7 @@ async def execute_job(
     finally:
         control._scope = None
         run.kill_leftovers()
+        run.actions.release()  # its actions may be pruned from now on
     if control.cancelled and reason is None:
         conclusion = "cancelled"
         reason = "cancelled"

@@ -180,7 +180,8 @@ class ActionSteps:
             meta = load_action(directory, label)
             return _Resolved(label, "remote", meta, repository=ref.slug, ref=ref.ref)
         fetched = await self.cache.fetch(ref, self.warn)
-        self.run.log(f"{label}: {ref.slug}@{fetched.commit[:12]}")
+        # As GitHub's runner says it at a job's start.
+        self.run.log(f"Download action repository '{label}' (SHA:{fetched.commit})")
         meta = load_action(fetched.directory, label)
         return _Resolved(label, "remote", meta, repository=ref.slug, ref=ref.ref)
 

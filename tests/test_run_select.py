@@ -324,6 +324,41 @@ def test_cli_runs_two_workflows_with_one_summary_and_exit_status(tmp_path: Path)
     assert "  triggered: tag 'v2' matches on.push.tags 'v*'" in plan.stdout.splitlines()
 
 
+def test_a_detached_head_decides_paths_and_never_guesses_the_ref(tmp_path: Path) -> None:
+    """No branch checked out and no --ref: a branch- or tag-filtered workflow
+    is reported not triggered (how to decide it), path filters still apply."""
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            WF + "main.yml": "name: Main\non:\n  push:\n    branches: [main]\njobs:\n"
+            + job("onmain", "exit 1"),
+            WF + "rel.yml": "name: Rel\non:\n  push:\n    tags: ['v*']\njobs:\n" + job("rel"),
+            WF + "docs.yml": "name: Docs\non:\n  push:\n    paths: ['docs/**']\njobs:\n"
+            + job("docs", "exit 1"),
+            WF + "src.yml": "name: Src\non:\n  push:\n    paths: ['src/**']\njobs:\n" + job("src"),
+            "src/a.py": "x\n",
+        },
+    )
+    git(repo, "checkout", "-q", "--detach", "HEAD")
+    state = tmp_path / "state"
+    out = cli(repo, state, "run")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    unknown = "ref unknown (detached HEAD): pass --ref REF"
+    assert f"not run: {WF}main.yml: {unknown}" in lines
+    assert f"not run: {WF}rel.yml: {unknown}" in lines
+    assert any(line.startswith(f"not run: {WF}docs.yml: none of the") for line in lines)
+    assert "[src] ok" in lines and "run 1: Src (1 job)" in lines
+    plan = cli(repo, state, "plan")
+    assert plan.returncode == 0, plan.stderr
+    plan_lines = plan.stdout.splitlines()
+    assert f"{WF}main.yml: not triggered: {unknown}" in plan_lines
+    assert f"{WF}rel.yml: not triggered: {unknown}" in plan_lines
+    assert "  triggered: 'src/a.py' matches on.push.paths 'src/**'" in plan_lines
+    # --ref decides it.
+    assert cli(repo, state, "run", "--ref", "main", "--job", "onmain").returncode == 1
+
+
 def test_cli_list_shows_jobs_legs_and_events(tmp_path: Path) -> None:
     repo = make_repo(
         tmp_path / "repo",

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -17,6 +18,7 @@ from tests.run_support import make_repo, workflow
 from preloop.control import Lease
 from preloop.engine import Engine, EngineEvents, RunRequest
 from preloop.runner import JobResult
+from preloop.services.storage import LocalStorage
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
 
@@ -246,6 +248,27 @@ def test_piped_output_is_never_wrapped_and_counts_are_singular(tmp_path: Path) -
     assert any(
         line.startswith("1 entry, ") and cache_dir in line for line in cache.stdout.splitlines()
     ), cache.stdout
+    # The tables of `actions list`, `toolcache` and `artifacts`: whole rows.
+    (state / "actions" / "repos" / "owner" / LONG / ("c" * 40)).mkdir(parents=True)
+    tool = state / "toolcache" / LONG / "1.2.3"
+    (tool / "x64").mkdir(parents=True)
+    (tool / "x64.complete").touch()
+    storage = LocalStorage(state)
+    upload = storage.create_artifact("1", "build", LONG, None)
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"zip"
+
+    anyio.run(storage.write_block, upload, None, body(), 1024)
+    storage.finalize_artifact("1", "build", LONG, 3, "sha256:x")
+    for args, expect in (
+        (("actions", "list"), f"owner/{LONG}"),
+        (("toolcache",), f"{LONG}  1.2.3"),
+        (("artifacts", "1"), f"{LONG}  3 B"),
+    ):
+        listed = preloop(*args, cwd=repo, state=state)
+        assert listed.returncode == 0, listed.stderr
+        assert any(expect in line for line in listed.stdout.splitlines()), listed.stdout
 
 
 def test_a_silent_step_prints_a_still_running_line(tmp_path: Path) -> None:

@@ -129,6 +129,7 @@ jobs:
       - run: |
           echo "env=${{ inputs.env }} dry=${{ inputs.dry }} count=${{ inputs.count }}"
           echo "event=${{ github.event.inputs.env }} ref=${{ github.ref }}"
+          echo "event dry=${{ github.event.inputs.dry }} count=${{ github.event.inputs.count }}"
 """
 
 
@@ -152,6 +153,8 @@ def test_dispatch_inputs_are_typed_and_checked(tmp_path: Path, store_url: str) -
     assert out.ok
     assert "env=prod dry=false count=2" in h.lines["show"]
     assert "event=prod ref=refs/heads/main" in h.lines["show"]
+    # github.event.inputs: the checked inputs, defaults applied, as strings.
+    assert "event dry=false count=2" in h.lines["show"]
 
 
 def test_eventpath_and_default_payload(tmp_path: Path, store_url: str) -> None:
@@ -226,6 +229,42 @@ def test_matrix_legs_and_repeated_jobs(tmp_path: Path, store_url: str) -> None:
         run_all(repo, store_url, tmp_path / "state", matrix={"arch": "x"})
     with pytest.raises(UsageError, match=r"no job 'nope'.*jobs: build, lint, other, test"):
         run_all(repo, store_url, tmp_path / "state", jobs=("nope",))
+
+
+COMPUTED = """\
+on: push
+jobs:
+  setup:
+    runs-on: ubuntu-latest
+    outputs:
+      matrix: ${{ steps.m.outputs.matrix }}
+    steps:
+      - id: m
+        run: echo 'matrix={"os":["bsd","linux","hurd"],"py":["3"]}' >> "$GITHUB_OUTPUT"
+  test:
+    needs: setup
+    strategy:
+      matrix: ${{ fromJSON(needs.setup.outputs.matrix) }}
+    runs-on: ubuntu-latest
+    steps:
+      - run: echo "ran ${{ matrix.os }}"
+"""
+
+
+def test_matrix_selection_applies_to_a_matrix_computed_at_run_time(
+    tmp_path: Path, store_url: str
+) -> None:
+    repo = make_repo(tmp_path / "repo", {WF + "c.yml": COMPUTED})
+    out, h = run_all(repo, store_url, tmp_path / "state", matrix={"os": "linux"})
+    assert out.ok
+    jobs = {j.name: j for j in out.runs[0].jobs}
+    assert jobs["test (linux, 3)"].conclusion == "success"
+    for other in ("bsd", "hurd"):
+        leg = jobs[f"test ({other}, 3)"]
+        assert leg.conclusion == "skipped"
+        assert leg.reason == f"not selected by --matrix os=linux (this leg has os={other})"
+    assert "ran linux" in h.all_text()
+    assert "ran bsd" not in h.all_text() and "ran hurd" not in h.all_text()
 
 
 PLATFORMS = """\

@@ -16,7 +16,9 @@ import pytest
 from tests.run_support import make_repo, workflow
 
 from preloop.control import Lease
+from preloop.control.urls import check_store_url
 from preloop.engine import Engine, EngineEvents, RunRequest
+from preloop.errors import UsageError
 from preloop.runner import JobResult
 from preloop.services.storage import LocalStorage
 
@@ -75,6 +77,8 @@ def test_logs_never_show_another_stores_run_with_the_same_id(tmp_path: Path) -> 
     ("url", "message"),
     [
         ("postgres//x", "--store 'postgres//x' is not a store URL: use postgresql://"),
+        ("postgres//x", "(did you mean postgres://x?)"),
+        ("sqlit:/tmp/x.db", "(did you mean sqlite:///tmp/x.db?)"),
         ("sqlite:///missing/dir/x.db", "directory /missing/dir does not exist"),
         ("mysql://host/db", "is not a store URL"),
     ],
@@ -91,6 +95,22 @@ def test_a_mistyped_store_is_an_error_and_creates_nothing(
     assert env_out.returncode == 2 and "PRELOOP_STORE_URL" in env_out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert not Path("/missing").exists()
+
+
+def test_a_store_url_typo_suggests_the_url_it_meant() -> None:
+    for typed, meant in (
+        ("postgres//x", "postgres://x"),
+        ("postgresql:/u@h/db", "postgresql://u@h/db"),
+        ("postgresq://h/db", "postgresql://h/db"),
+        ("sqlite//tmp/x.db", "sqlite:///tmp/x.db"),
+    ):
+        with pytest.raises(UsageError) as caught:
+            check_store_url(typed, "--store")
+        assert str(caught.value).endswith(f"(did you mean {meant}?)"), caught.value
+        assert ":://" not in str(caught.value)
+    with pytest.raises(UsageError) as caught:
+        check_store_url("mysql://h/db", "--store")
+    assert "did you mean" not in str(caught.value)
 
 
 def test_unreachable_or_missing_postgresql_is_one_line_at_once(tmp_path: Path, pg_url: str) -> None:

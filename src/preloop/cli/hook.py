@@ -164,7 +164,17 @@ def _pushed_commit(sha: str) -> Iterator[Path]:
     holder = Path(tempfile.mkdtemp(prefix="preloop-pre-push-"))
     tree = holder / Path(top).name  # the repository's directory name, as in the work tree
     try:
-        _git_out("worktree", "add", "--quiet", "--detach", str(tree), sha)
+        # No post-checkout hook of the user's runs for this private checkout.
+        _git_out(
+            "-c",
+            "core.hooksPath=/dev/null",
+            "worktree",
+            "add",
+            "--quiet",
+            "--detach",
+            str(tree),
+            sha,
+        )
         saved = {k: os.environ.pop(k) for k in _GIT_LOCATION_VARS if k in os.environ}
         try:
             yield tree

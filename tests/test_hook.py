@@ -109,7 +109,9 @@ def test_pre_push_hook_blocks_allows_skips_and_chains(tmp_path: Path) -> None:
     assert res.returncode == 2 and "no preloop pre-push hook" in res.stderr
 
 
-ON_PUSH = FAILING.replace("  push:\n    branches: [main]\n", "  push:\n")
+ON_PUSH = FAILING.replace("  push:\n    branches: [main]\n", "  push:\n") + (
+    '      - run: echo "before=${{ github.event.before }} created=${{ github.event.created }}"\n'
+)
 
 
 def test_pre_push_runs_the_pushed_commits_not_the_work_tree(tmp_path: Path) -> None:
@@ -142,6 +144,16 @@ def test_pre_push_runs_the_pushed_commits_not_the_work_tree(tmp_path: Path) -> N
     res = sh(repo, state, *git, "push", "-q", "origin", "main")
     assert res.returncode == 0, (res.stdout, res.stderr)
     assert "✓ success" in res.stdout
+    assert f"before={'0' * 40} created=true" in res.stdout  # a new ref
+    first = remote_head(remote)
+    (repo / "BROKEN").unlink()
+    (repo / "more.txt").write_text("more")
+    assert sh(repo, state, *git, "add", "more.txt").returncode == 0
+    assert sh(repo, state, *git, "commit", "-q", "-m", "more").returncode == 0
+    (repo / "BROKEN").write_text("uncommitted")
+    res = sh(repo, state, *git, "push", "-q", "origin", "main")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert f"before={first} created=false" in res.stdout  # the remote's old commit
     # ... and the fixed feat passes with the broken file left in the work tree.
     (repo / "BROKEN").unlink()
     assert sh(repo, state, *git, "checkout", "-q", "feat").returncode == 0

@@ -136,6 +136,9 @@ class RunRequest:
     event_path: Path | None = None  # a JSON payload for github.event
     ref: str | None = None  # the ref the event is about (default: the current branch)
     base: str | None = None  # changes are counted from the merge base with this
+    # A push's old remote commit (github.event.before; zeros: a new ref), when
+    # known (the pre-push hook); default: the merge base the changes count from.
+    before: str | None = None
     platforms: dict[str, str] = field(default_factory=dict)  # runs-on label -> "host"
 
 
@@ -471,7 +474,9 @@ class Engine:
                 event,
                 github=github,
                 head_ref=local.head_ref,
-                base_sha=local.merge_base,
+                base_sha=_push_before(req.before, local.merge_base)
+                if event == "push"
+                else local.merge_base,
                 base_ref=local.facts.ref if event.startswith("pull_request") else None,
                 inputs=event_inputs,
             )
@@ -831,6 +836,14 @@ def _github_context(root: Path, event: str, local: LocalEvent) -> dict[str, Any]
             ref_type="tag" if is_tag else "branch",
         )
     return gh
+
+
+def _push_before(before: str | None, merge_base: str | None) -> str | None:
+    """github.event.before of a push: the old remote commit when known (None
+    for a new ref, all zeros in git's pre-push input), else the merge base."""
+    if before is None:
+        return merge_base
+    return None if before.strip("0") == "" else before
 
 
 def _leg_labels(lease: Lease) -> tuple[str, ...]:

@@ -133,7 +133,10 @@ def pre_push_command(remote: str | None, url: str | None) -> None:
         )
         with _pushed_commit(local_sha) as tree:
             try:
-                code = execute(RunRequest(workspace=tree, event="push", ref=remote_ref, base=base))
+                request = RunRequest(
+                    workspace=tree, event="push", ref=remote_ref, base=base, before=remote_sha
+                )
+                code = execute(request)
             except NothingTriggered as exc:
                 click.echo(f"preloop: nothing to run: {exc}")
                 continue

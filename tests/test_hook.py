@@ -107,3 +107,65 @@ def test_pre_push_hook_blocks_allows_skips_and_chains(tmp_path: Path) -> None:
     assert not (hooks / "pre-push.preloop-chained").exists()
     res = sh(repo, state, *preloop, "hook", "uninstall")
     assert res.returncode == 2 and "no preloop pre-push hook" in res.stderr
+
+
+ON_PUSH = FAILING.replace("  push:\n    branches: [main]\n", "  push:\n") + (
+    '      - run: echo "before=${{ github.event.before }} created=${{ github.event.created }}"\n'
+)
+
+
+def test_pre_push_runs_the_pushed_commits_not_the_work_tree(tmp_path: Path) -> None:
+    """Each pushed ref runs on its own commit: pushing a failing branch from a
+    clean main is blocked, and uncommitted edits never decide the outcome."""
+    remote = tmp_path / "remote.git"
+    subprocess.run(["git", "init", "-q", "--bare", "-b", "main", str(remote)], check=True)
+    repo = make_repo(tmp_path / "repo", {".github/workflows/ci.yml": ON_PUSH})
+    state = tmp_path / "state"
+    git = ["git", *GIT_ID]
+    preloop = [sys.executable, "-m", "preloop"]
+    assert sh(repo, state, *git, "remote", "add", "origin", str(remote)).returncode == 0
+    assert sh(repo, state, *preloop, "hook", "install").returncode == 0
+    assert sh(repo, state, *git, "checkout", "-q", "-b", "feat").returncode == 0
+    (repo / "BROKEN").write_text("x")
+    assert sh(repo, state, *git, "add", "BROKEN").returncode == 0
+    assert sh(repo, state, *git, "commit", "-q", "-m", "broken").returncode == 0
+    assert sh(repo, state, *git, "checkout", "-q", "main").returncode == 0
+    assert not (repo / "BROKEN").exists()  # main's clean tree would pass
+
+    res = sh(repo, state, *git, "push", "-q", "origin", "feat")
+    assert res.returncode != 0, (res.stdout, res.stderr)
+    assert "push blocked: a workflow run failed" in res.stderr
+    assert "to refs/heads/feat on origin" in res.stdout
+    assert "✗ failure" in res.stdout
+    assert sh(remote, state, "git", "rev-parse", "-q", "--verify", "refs/heads/feat").stdout == ""
+
+    # main's commit passes even with an uncommitted file that would fail it.
+    (repo / "BROKEN").write_text("uncommitted")
+    res = sh(repo, state, *git, "push", "-q", "origin", "main")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert "✓ success" in res.stdout
+    assert f"before={'0' * 40} created=true" in res.stdout  # a new ref
+    first = remote_head(remote)
+    (repo / "BROKEN").unlink()
+    (repo / "more.txt").write_text("more")
+    assert sh(repo, state, *git, "add", "more.txt").returncode == 0
+    assert sh(repo, state, *git, "commit", "-q", "-m", "more").returncode == 0
+    (repo / "BROKEN").write_text("uncommitted")
+    res = sh(repo, state, *git, "push", "-q", "origin", "main")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert f"before={first} created=false" in res.stdout  # the remote's old commit
+    # ... and the fixed feat passes with the broken file left in the work tree.
+    (repo / "BROKEN").unlink()
+    assert sh(repo, state, *git, "checkout", "-q", "feat").returncode == 0
+    assert sh(repo, state, *git, "rm", "-q", "--cached", "BROKEN").returncode == 0
+    assert sh(repo, state, *git, "commit", "-q", "-m", "fix").returncode == 0
+    assert (repo / "BROKEN").exists()  # untracked, in the work tree only
+    res = sh(repo, state, *git, "push", "-q", "origin", "feat")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    # No temporary worktree is left registered.
+    listed = sh(repo, state, "git", "worktree", "list", "--porcelain").stdout
+    assert listed.count("worktree ") == 1
+    # A deletion runs nothing and passes.
+    res = sh(repo, state, *git, "push", "-q", "origin", ":feat")
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert "✗" not in res.stdout and "✓" not in res.stdout

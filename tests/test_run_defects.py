@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -15,8 +16,11 @@ import pytest
 from tests.run_support import make_repo, workflow
 
 from preloop.control import Lease
+from preloop.control.urls import check_store_url
 from preloop.engine import Engine, EngineEvents, RunRequest
+from preloop.errors import UsageError
 from preloop.runner import JobResult
+from preloop.services.storage import LocalStorage
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
 
@@ -73,6 +77,8 @@ def test_logs_never_show_another_stores_run_with_the_same_id(tmp_path: Path) -> 
     ("url", "message"),
     [
         ("postgres//x", "--store 'postgres//x' is not a store URL: use postgresql://"),
+        ("postgres//x", "(did you mean postgres://x?)"),
+        ("sqlit:/tmp/x.db", "(did you mean sqlite:///tmp/x.db?)"),
         ("sqlite:///missing/dir/x.db", "directory /missing/dir does not exist"),
         ("mysql://host/db", "is not a store URL"),
     ],
@@ -89,6 +95,22 @@ def test_a_mistyped_store_is_an_error_and_creates_nothing(
     assert env_out.returncode == 2 and "PRELOOP_STORE_URL" in env_out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert not Path("/missing").exists()
+
+
+def test_a_store_url_typo_suggests_the_url_it_meant() -> None:
+    for typed, meant in (
+        ("postgres//x", "postgres://x"),
+        ("postgresql:/u@h/db", "postgresql://u@h/db"),
+        ("postgresq://h/db", "postgresql://h/db"),
+        ("sqlite//tmp/x.db", "sqlite:///tmp/x.db"),
+    ):
+        with pytest.raises(UsageError) as caught:
+            check_store_url(typed, "--store")
+        assert str(caught.value).endswith(f"(did you mean {meant}?)"), caught.value
+        assert ":://" not in str(caught.value)
+    with pytest.raises(UsageError) as caught:
+        check_store_url("mysql://h/db", "--store")
+    assert "did you mean" not in str(caught.value)
 
 
 def test_unreachable_or_missing_postgresql_is_one_line_at_once(tmp_path: Path, pg_url: str) -> None:
@@ -246,6 +268,27 @@ def test_piped_output_is_never_wrapped_and_counts_are_singular(tmp_path: Path) -
     assert any(
         line.startswith("1 entry, ") and cache_dir in line for line in cache.stdout.splitlines()
     ), cache.stdout
+    # The tables of `actions list`, `toolcache` and `artifacts`: whole rows.
+    (state / "actions" / "repos" / "owner" / LONG / ("c" * 40)).mkdir(parents=True)
+    tool = state / "toolcache" / LONG / "1.2.3"
+    (tool / "x64").mkdir(parents=True)
+    (tool / "x64.complete").touch()
+    storage = LocalStorage(state)
+    upload = storage.create_artifact("1", "build", LONG, None)
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"zip"
+
+    anyio.run(storage.write_block, upload, None, body(), 1024)
+    storage.finalize_artifact("1", "build", LONG, 3, "sha256:x")
+    for args, expect in (
+        (("actions", "list"), f"owner/{LONG}"),
+        (("toolcache",), f"{LONG}  1.2.3"),
+        (("artifacts", "1"), f"{LONG}  3 B"),
+    ):
+        listed = preloop(*args, cwd=repo, state=state)
+        assert listed.returncode == 0, listed.stderr
+        assert any(expect in line for line in listed.stdout.splitlines()), listed.stdout
 
 
 def test_a_silent_step_prints_a_still_running_line(tmp_path: Path) -> None:

@@ -129,6 +129,7 @@ jobs:
       - run: |
           echo "env=${{ inputs.env }} dry=${{ inputs.dry }} count=${{ inputs.count }}"
           echo "event=${{ github.event.inputs.env }} ref=${{ github.ref }}"
+          echo "event dry=${{ github.event.inputs.dry }} count=${{ github.event.inputs.count }}"
 """
 
 
@@ -152,6 +153,8 @@ def test_dispatch_inputs_are_typed_and_checked(tmp_path: Path, store_url: str) -
     assert out.ok
     assert "env=prod dry=false count=2" in h.lines["show"]
     assert "event=prod ref=refs/heads/main" in h.lines["show"]
+    # github.event.inputs: the checked inputs, defaults applied, as strings.
+    assert "event dry=false count=2" in h.lines["show"]
 
 
 def test_eventpath_and_default_payload(tmp_path: Path, store_url: str) -> None:
@@ -226,6 +229,42 @@ def test_matrix_legs_and_repeated_jobs(tmp_path: Path, store_url: str) -> None:
         run_all(repo, store_url, tmp_path / "state", matrix={"arch": "x"})
     with pytest.raises(UsageError, match=r"no job 'nope'.*jobs: build, lint, other, test"):
         run_all(repo, store_url, tmp_path / "state", jobs=("nope",))
+
+
+COMPUTED = """\
+on: push
+jobs:
+  setup:
+    runs-on: ubuntu-latest
+    outputs:
+      matrix: ${{ steps.m.outputs.matrix }}
+    steps:
+      - id: m
+        run: echo 'matrix={"os":["bsd","linux","hurd"],"py":["3"]}' >> "$GITHUB_OUTPUT"
+  test:
+    needs: setup
+    strategy:
+      matrix: ${{ fromJSON(needs.setup.outputs.matrix) }}
+    runs-on: ubuntu-latest
+    steps:
+      - run: echo "ran ${{ matrix.os }}"
+"""
+
+
+def test_matrix_selection_applies_to_a_matrix_computed_at_run_time(
+    tmp_path: Path, store_url: str
+) -> None:
+    repo = make_repo(tmp_path / "repo", {WF + "c.yml": COMPUTED})
+    out, h = run_all(repo, store_url, tmp_path / "state", matrix={"os": "linux"})
+    assert out.ok
+    jobs = {j.name: j for j in out.runs[0].jobs}
+    assert jobs["test (linux, 3)"].conclusion == "success"
+    for other in ("bsd", "hurd"):
+        leg = jobs[f"test ({other}, 3)"]
+        assert leg.conclusion == "skipped"
+        assert leg.reason == f"not selected by --matrix os=linux (this leg has os={other})"
+    assert "ran linux" in h.all_text()
+    assert "ran bsd" not in h.all_text() and "ran hurd" not in h.all_text()
 
 
 PLATFORMS = """\
@@ -322,6 +361,41 @@ def test_cli_runs_two_workflows_with_one_summary_and_exit_status(tmp_path: Path)
     plan = cli(repo, state, "plan", "--ref", "refs/tags/v2")
     assert plan.returncode == 0, plan.stderr
     assert "  triggered: tag 'v2' matches on.push.tags 'v*'" in plan.stdout.splitlines()
+
+
+def test_a_detached_head_decides_paths_and_never_guesses_the_ref(tmp_path: Path) -> None:
+    """No branch checked out and no --ref: a branch- or tag-filtered workflow
+    is reported not triggered (how to decide it), path filters still apply."""
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            WF + "main.yml": "name: Main\non:\n  push:\n    branches: [main]\njobs:\n"
+            + job("onmain", "exit 1"),
+            WF + "rel.yml": "name: Rel\non:\n  push:\n    tags: ['v*']\njobs:\n" + job("rel"),
+            WF + "docs.yml": "name: Docs\non:\n  push:\n    paths: ['docs/**']\njobs:\n"
+            + job("docs", "exit 1"),
+            WF + "src.yml": "name: Src\non:\n  push:\n    paths: ['src/**']\njobs:\n" + job("src"),
+            "src/a.py": "x\n",
+        },
+    )
+    git(repo, "checkout", "-q", "--detach", "HEAD")
+    state = tmp_path / "state"
+    out = cli(repo, state, "run")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    unknown = "ref unknown (detached HEAD): pass --ref REF"
+    assert f"not run: {WF}main.yml: {unknown}" in lines
+    assert f"not run: {WF}rel.yml: {unknown}" in lines
+    assert any(line.startswith(f"not run: {WF}docs.yml: none of the") for line in lines)
+    assert "[src] ok" in lines and "run 1: Src (1 job)" in lines
+    plan = cli(repo, state, "plan")
+    assert plan.returncode == 0, plan.stderr
+    plan_lines = plan.stdout.splitlines()
+    assert f"{WF}main.yml: not triggered: {unknown}" in plan_lines
+    assert f"{WF}rel.yml: not triggered: {unknown}" in plan_lines
+    assert "  triggered: 'src/a.py' matches on.push.paths 'src/**'" in plan_lines
+    # --ref decides it.
+    assert cli(repo, state, "run", "--ref", "main", "--job", "onmain").returncode == 1
 
 
 def test_cli_list_shows_jobs_legs_and_events(tmp_path: Path) -> None:

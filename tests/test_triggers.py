@@ -15,6 +15,7 @@ from preloop.workflow.loader import EVENTS
 from preloop.workflow.triggers import (
     EventFacts,
     PatternError,
+    Trigger,
     check_event_name,
     evaluate_trigger,
     list_matches,
@@ -119,7 +120,9 @@ def wf(tmp_path: Path, on: str) -> object:
     return load_workflow(path)
 
 
-def decide(workflow: object, event: str, ref: str, paths: tuple[str, ...] | None = ()) -> bool:
+def decide(
+    workflow: object, event: str, ref: str | None, paths: tuple[str, ...] | None = ()
+) -> bool:
     return evaluate_trigger(workflow, EventFacts(event, ref, paths)).triggered  # type: ignore[arg-type]
 
 
@@ -173,6 +176,28 @@ def test_path_filters(tmp_path: Path) -> None:
     assert decide(branch_and_paths, "push", "refs/heads/main", ("src/a",))
     assert not decide(branch_and_paths, "push", "refs/heads/dev", ("src/a",))
     assert not decide(branch_and_paths, "push", "refs/heads/main", ("doc/a",))
+
+
+def test_an_unknown_ref_skips_ref_filtered_workflows_and_still_checks_paths(
+    tmp_path: Path,
+) -> None:
+    """A detached HEAD without --ref: branch/tag filters cannot be decided
+    (not triggered, saying how to decide them); path filters still apply."""
+    for on in (
+        "on:\n  push:\n    branches: [main]",
+        "on:\n  push:\n    branches-ignore: [dev]",
+        "on:\n  push:\n    tags: ['v*']",
+        "on:\n  push:\n    tags-ignore: ['v*']",
+    ):
+        trig = evaluate_trigger(wf(tmp_path, on), EventFacts("push", None, ("a",)))  # type: ignore[arg-type]
+        assert trig == Trigger(False, "ref unknown (detached HEAD): pass --ref REF"), on
+    js = wf(tmp_path, "on:\n  push:\n    paths: ['**.js']")
+    assert not decide(js, "push", None, ("README.md",))
+    trig = evaluate_trigger(js, EventFacts("push", None, ("src/app.js",)))  # type: ignore[arg-type]
+    assert trig == Trigger(True, "'src/app.js' matches on.push.paths '**.js'")
+    ignored = wf(tmp_path, "on:\n  push:\n    paths-ignore: ['docs/**']")
+    assert not decide(ignored, "push", None, ("docs/a.md",))
+    assert decide(wf(tmp_path, "on: push"), "push", None)
 
 
 def test_pull_request_filters_and_types(tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ from preloop import config
 from preloop.actions.reference import Override
 from preloop.actions.workflows import PlanRun
 from preloop.control import JobInfo, Lease, Store, StoreError, open_store
+from preloop.control.cascade import RUN_CANCELLED
 from preloop.control.urls import check_store_url
 from preloop.control.wakeups import RUNS
 from preloop.errors import PreloopError, UsageError
@@ -81,10 +82,16 @@ from preloop.workflow.event_inputs import (
     default_payload,
     load_payload,
 )
-from preloop.workflow.expressions import evaluate_template
+from preloop.workflow.expressions import coerce_string, evaluate_template
 from preloop.workflow.github_context import local_github_context
 from preloop.workflow.loader import EVENTS
-from preloop.workflow.selection import foreign_platform, known_jobs, select_jobs, select_legs
+from preloop.workflow.selection import (
+    foreign_platform,
+    known_jobs,
+    leg_not_selected,
+    select_jobs,
+    select_legs,
+)
 from preloop.workflow.triggers import check_event_name, evaluate_trigger
 from preloop.workflow.yamltree import Diagnostic
 
@@ -129,6 +136,9 @@ class RunRequest:
     event_path: Path | None = None  # a JSON payload for github.event
     ref: str | None = None  # the ref the event is about (default: the current branch)
     base: str | None = None  # changes are counted from the merge base with this
+    # A push's old remote commit (github.event.before; zeros: a new ref), when
+    # known (the pre-push hook); default: the merge base the changes count from.
+    before: str | None = None
     platforms: dict[str, str] = field(default_factory=dict)  # runs-on label -> "host"
 
 
@@ -206,12 +216,20 @@ class RunOutcome:
             return None
         if self.interrupted:
             return "cancelled by Ctrl-C"
-        reasons = [j.reason for j in self.jobs if j.conclusion == "cancelled" and j.reason]
+        # The cascade stores the cause with every job it cancels; a runner
+        # that stopped a job on its own says only "cancelled", a job gated
+        # after the cancellation only that the run was.
+        generic = ("cancelled", RUN_CANCELLED)
+        reasons = [
+            j.reason
+            for j in self.jobs
+            if j.conclusion == "cancelled" and j.reason and j.reason not in generic
+        ]
         for key in ("concurrency group", "fail-fast"):
             for r in reasons:
                 if key in r:
                     return r
-        return "cancelled by the user (preloop cancel)"
+        return reasons[0] if reasons else "cancelled (no reason was recorded)"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -436,28 +454,38 @@ class Engine:
         if not chosen:
             detail = "; ".join(f"{s.path}: {s.reason}" for s in skipped)
             raise NothingTriggered(f"'{event}' on {ref} triggers no workflow: {detail}")
+        # Inputs first: the default payload's `inputs` are the checked ones
+        # (defaults applied), as strings, as GitHub's `github.event.inputs`.
+        declared: set[str] = set()
+        checked: list[dict[str, Any]] = []
+        for wf, _reason in chosen:
+            own = _declared_inputs(wf, event)
+            declared |= own
+            mine = {k: v for k, v in req.inputs.items() if k in own or len(chosen) == 1}
+            checked.append(check_inputs(wf, event, mine))
         github = _github_context(root, event, local)
         if payload is None:
+            event_inputs: dict[str, str] = {}
+            for typed in checked:
+                for name, value in typed.items():
+                    event_inputs.setdefault(name, coerce_string(value))
             payload = default_payload(
                 root,
                 event,
                 github=github,
                 head_ref=local.head_ref,
-                base_sha=local.merge_base,
+                base_sha=_push_before(req.before, local.merge_base)
+                if event == "push"
+                else local.merge_base,
                 base_ref=local.facts.ref if event.startswith("pull_request") else None,
-                inputs=req.inputs,
+                inputs=event_inputs,
             )
         github["event"] = payload
-        declared: set[str] = set()
         names = [*req.jobs, *([req.job] if req.job else [])]
         plans: list[Plan] = []
         reasons: list[str] = []
         all_jobs: set[str] = set()
-        for wf, reason in chosen:
-            own = _declared_inputs(wf, event)
-            declared |= own
-            mine = {k: v for k, v in req.inputs.items() if k in own or len(chosen) == 1}
-            inputs = check_inputs(wf, event, mine)
+        for (wf, reason), inputs in zip(chosen, checked, strict=True):
             planned = plan(wf, event, inputs=inputs, github=github)
             all_jobs.update(known_jobs(planned))
             if names:
@@ -486,7 +514,9 @@ class Engine:
                     f"no job {missing[0] if missing else names[0]!r} in the triggered "
                     f"workflows (jobs: {', '.join(sorted(all_jobs))}){untriggered}"
                 )
-        if req.matrix:
+        # A matrix computed at run time has keys nobody knows yet: its legs
+        # are filtered when leased (`skip_reason`).
+        if req.matrix and not any(j.kind == "deferred" for p in plans for j in p.jobs):
             keys = {k for p in plans for j in p.jobs for k in (j.matrix or {})}
             lost = sorted(set(req.matrix) - keys)
             if lost:
@@ -600,9 +630,14 @@ class Engine:
         )
 
     def skip_reason(self, lease: Lease) -> str | None:
-        """Why a leased job is not run on this host (another OS), or None."""
+        """Why a leased job is not run on this host (another OS; a leg of a
+        matrix computed at run time that `--matrix` does not select), or None."""
         labels = self._labels.get((lease.run_id, lease.job_id))
         if labels is None:  # a leg of a deferred matrix: its runs-on as written
+            if lease.run_id in self.run_ids:  # never another run's (a shared store)
+                unwanted = leg_not_selected(lease.matrix, self.request.matrix)
+                if unwanted is not None:
+                    return unwanted
             labels = _leg_labels(lease)
         return foreign_platform(labels, self.request.platforms)
 
@@ -803,6 +838,14 @@ def _github_context(root: Path, event: str, local: LocalEvent) -> dict[str, Any]
     return gh
 
 
+def _push_before(before: str | None, merge_base: str | None) -> str | None:
+    """github.event.before of a push: the old remote commit when known (None
+    for a new ref, all zeros in git's pre-push input), else the merge base."""
+    if before is None:
+        return merge_base
+    return None if before.strip("0") == "" else before
+
+
 def _leg_labels(lease: Lease) -> tuple[str, ...]:
     value = lease.spec.get("runs-on")
     if isinstance(value, dict):
@@ -830,7 +873,7 @@ async def settle_cancelled(store: Store, run_id: int, reason: str) -> None:
     """Cancels run `run_id` and ends every job of it that did not end (no
     runner of ours is left to run them)."""
     with anyio.CancelScope(shield=True):
-        await anyio.to_thread.run_sync(store.cancel_run, run_id)
+        await anyio.to_thread.run_sync(store.cancel_run, run_id, reason)
         for _ in range(100):
             info = await anyio.to_thread.run_sync(store.get_run, run_id)
             if info.status == "completed":

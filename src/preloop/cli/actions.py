@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
-import sys
 from pathlib import Path
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from preloop import config
 from preloop.actions.cache import actions_dir, list_cached_actions, prune_actions
-from preloop.cli.app import cli, emit_json, state_dir_option
+from preloop.cli.app import cli, emit_json, make_console, state_dir_option
 from preloop.cli.cache import _human
 from preloop.errors import UsageError
 
@@ -57,7 +55,7 @@ def list_command(state_dir: Path | None, as_json: bool) -> None:
             }
         )
         return
-    console = Console(file=sys.stdout, soft_wrap=True, highlight=False)
+    console = make_console(highlight=False)
     if entries:
         table = Table("repository", "commit", "refs", "bytes", "last use (UTC)", box=None)
         for e in entries:

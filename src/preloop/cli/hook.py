@@ -4,15 +4,23 @@ event for the refs being pushed and blocks the push when a run fails.
 The hook chains a pre-push hook that was there before (it is kept as
 `pre-push.preloop-chained`, runs first with the same arguments and input,
 and is put back by `uninstall`). `PRELOOP_SKIP=1 git push` bypasses the
-workflows once. The hook runs the work tree, as `preloop run` does.
+workflows once.
+
+Each pushed ref runs on what is pushed: its commit, checked out (detached)
+in a temporary linked worktree (`_pushed_commit`) and captured from there,
+never the work tree, whose uncommitted edits are not part of the push.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -105,7 +113,8 @@ def uninstall_command() -> None:
 @click.argument("remote", required=False)
 @click.argument("url", required=False)
 def pre_push_command(remote: str | None, url: str | None) -> None:
-    """What the hook runs: git's pre-push input on stdin."""
+    """What the hook runs: git's pre-push input on stdin, one
+    `local_ref local_sha remote_ref remote_sha` line per pushed ref."""
     from preloop.cli.run import execute
 
     status = 0
@@ -119,14 +128,18 @@ def pre_push_command(remote: str | None, url: str | None) -> None:
         base = None
         if remote_sha != _ZERO and _have(remote_sha):
             base = remote_sha
-        click.echo(f"preloop: push of {remote_ref} to {remote or url or 'the remote'}")
-        try:
-            code = execute(
-                RunRequest(workspace=Path.cwd(), event="push", ref=remote_ref, base=base)
-            )
-        except NothingTriggered as exc:
-            click.echo(f"preloop: nothing to run: {exc}")
-            continue
+        click.echo(
+            f"preloop: push of {local_sha[:12]} to {remote_ref} on {remote or url or 'the remote'}"
+        )
+        with _pushed_commit(local_sha) as tree:
+            try:
+                request = RunRequest(
+                    workspace=tree, event="push", ref=remote_ref, base=base, before=remote_sha
+                )
+                code = execute(request)
+            except NothingTriggered as exc:
+                click.echo(f"preloop: nothing to run: {exc}")
+                continue
         if code != 0:
             status = code
     if status:
@@ -135,6 +148,55 @@ def pre_push_command(remote: str | None, url: str | None) -> None:
             err=True,
         )
     sys.exit(status)
+
+
+# Set by git for hooks in some setups; they would make git commands run in
+# the temporary worktree act on the user's work tree and index instead.
+_GIT_LOCATION_VARS = ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_PREFIX")
+
+
+@contextlib.contextmanager
+def _pushed_commit(sha: str) -> Iterator[Path]:
+    """`sha` checked out (detached) in a temporary linked worktree of this
+    repository (same remotes and refs, so the run's context and changed paths
+    are those of the repository); removed on exit. A crash leaves a directory
+    in the temp dir whose registration the next hook's `git worktree prune`
+    drops once the directory is gone."""
+    top = _git_out("rev-parse", "--show-toplevel")
+    subprocess.run(["git", "worktree", "prune"], capture_output=True, check=False)
+    holder = Path(tempfile.mkdtemp(prefix="preloop-pre-push-"))
+    tree = holder / Path(top).name  # the repository's directory name, as in the work tree
+    try:
+        # No post-checkout hook of the user's runs for this private checkout.
+        _git_out(
+            "-c",
+            "core.hooksPath=/dev/null",
+            "worktree",
+            "add",
+            "--quiet",
+            "--detach",
+            str(tree),
+            sha,
+        )
+        saved = {k: os.environ.pop(k) for k in _GIT_LOCATION_VARS if k in os.environ}
+        try:
+            yield tree
+        finally:
+            os.environ.update(saved)
+    finally:
+        subprocess.run(
+            ["git", "worktree", "remove", "--force", str(tree)], capture_output=True, check=False
+        )
+        shutil.rmtree(holder, ignore_errors=True)
+        subprocess.run(["git", "worktree", "prune"], capture_output=True, check=False)
+
+
+def _git_out(*args: str) -> str:
+    proc = subprocess.run(["git", *args], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        raise UsageError(f"git {' '.join(args)}: {lines[-1] if lines else 'failed'}")
+    return proc.stdout.strip()
 
 
 def _have(sha: str) -> bool:

@@ -7,7 +7,6 @@ cache through `actions_cache_document` / `print_actions_cache` here.
 from __future__ import annotations
 
 import datetime as dt
-import sys
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from preloop import config
-from preloop.cli.app import cli, emit_json, state_dir_option
+from preloop.cli.app import cli, emit_json, make_console, state_dir_option
 from preloop.errors import UsageError
 from preloop.services.storage import LocalStorage
 from preloop.services.toolcache import default_tool_cache, list_tool_cache, refresh_tool_cache
@@ -71,7 +70,7 @@ def toolcache_command(state_dir: Path | None, as_json: bool, no_refresh: bool) -
             }
         )
         return
-    console = Console(file=sys.stdout, soft_wrap=True)
+    console = make_console()
     table = Table("tool", "version", "arch", "links to", "origin", box=None)
     for e in entries:
         table.add_row(e.tool, e.version, e.arch, e.source, e.origin)
@@ -116,7 +115,7 @@ def artifacts_command(
         if not records:
             click.echo(f"run {run_id} has no artifacts in {state / 'artifacts'}")
             return
-        console = Console(file=sys.stdout, soft_wrap=True)
+        console = make_console()
         table = Table("id", "name", "size", "job", "created (UTC)", box=None)
         for r in records:
             table.add_row(str(r.id), r.name, _human(r.size), r.job, r.created_at)

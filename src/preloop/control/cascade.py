@@ -42,6 +42,10 @@ from preloop.workflow.planner import PlanError, expand_deferred
 if TYPE_CHECKING:
     from preloop.control.store import Store
 
+#: Why a job that had not started when its run was cancelled ends cancelled
+#: (the run's own cause is on the jobs the cancellation reached).
+RUN_CANCELLED = "the run was cancelled"
+
 # Takes a concurrency group for a job (or, holder_job NULL, a run) when it is
 # free and nobody waits; the row is created on first use. On PostgreSQL the
 # group row stays locked either way until commit.
@@ -199,7 +203,7 @@ class _Cascade:
             if conclusion == "cancelled" and job["status"] == "queued":
                 self.tx.execute(
                     Q["conclude_update_jobs_2"],
-                    (run_id, job["id"]),
+                    (reason, run_id, job["id"]),
                 )
             return
         self.run_delta.setdefault(run_id, [0, 0, 0])[0] -= 1
@@ -387,7 +391,10 @@ class _Cascade:
                 self.conclude(job, "failure", {}, f"job {job['id']!r}: if: {exc}")
                 return
         if not go:
-            self.skip(job, "cancelled" if status == "cancelled" else "skipped")
+            if status == "cancelled":
+                self.skip(job, "cancelled", RUN_CANCELLED)
+            else:
+                self.skip(job, "skipped")
             return
         if job["kind"] == "deferred":
             self.expand(job)
@@ -396,10 +403,10 @@ class _Cascade:
             # max-parallel, its `concurrency:`): it starts where a job queues.
             self.admit(job)
 
-    def skip(self, job: Row, conclusion: str) -> None:
+    def skip(self, job: Row, conclusion: str, reason: str | None = None) -> None:
         if job["kind"] == "caller":
             self.skip_inner(int(job["run_id"]), job["id"], conclusion)
-        self.conclude(job, conclusion, {}, None)
+        self.conclude(job, conclusion, {}, reason)
 
     def skip_inner(self, run_id: int, caller: str, conclusion: str) -> None:
         """A caller that will not run: every job inside it (nested callers
@@ -761,7 +768,9 @@ class _Cascade:
             self.defer(group, "make_room", queue_max=queue_max)
             return
         if w["is_run"]:
-            self.cancel_pending_run(run_id)
+            self.cancel_pending_run(
+                run_id, f"replaced by a newer run in concurrency group {group!r}"
+            )
             return
         job = self.tx.one(
             f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id = ? AND status = 'waiting'",
@@ -791,8 +800,9 @@ class _Cascade:
                 self.defer(group, "cancel_holder", holder=(run_id, g["holder_job"]))
                 return
             self.note_run(locked)
+        reason = f"cancelled in progress by concurrency group {group!r}"
         if g["holder_job"] is None:
-            self.cancel_run(self.run(run_id))
+            self.cancel_run(self.run(run_id), reason)
             return
         job = self.tx.one(
             f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id = ?", (run_id, g["holder_job"])
@@ -802,14 +812,12 @@ class _Cascade:
         if job["status"] == "running":
             self.tx.execute(
                 Q["cancel_holder_update_jobs"],
-                (run_id, job["id"]),
+                (reason, run_id, job["id"]),
             )
         elif job["status"] == "folding":
-            self.cancel_caller(job, f"cancelled in progress by concurrency group {group!r}")
+            self.cancel_caller(job, reason)
         elif job["status"] == "queued":
-            self.conclude(
-                job, "cancelled", {}, f"cancelled in progress by concurrency group {group!r}"
-            )
+            self.conclude(job, "cancelled", {}, reason)
 
     def defer(
         self,
@@ -931,12 +939,13 @@ class _Cascade:
         self.promote_group(group)
         return False
 
-    def cancel_pending_run(self, run_id: int) -> None:
-        """A run that never started (waiting on its workflow-level group) ends cancelled."""
+    def cancel_pending_run(self, run_id: int, reason: str) -> None:
+        """A run that never started (waiting on its workflow-level group) ends
+        cancelled; its jobs keep `reason`."""
         tx = self.tx
         rows = tx.execute(
             Q["cancel_pending_run_update_jobs"],
-            (time.time(), run_id),
+            (reason, time.time(), run_id),
         )
         tx.execute(
             Q["cancel_pending_run_update_units"],
@@ -950,14 +959,17 @@ class _Cascade:
 
     # -- cancellation
 
-    def cancel_run(self, run: Row) -> bool:
+    def cancel_run(self, run: Row, reason: str) -> bool:
+        """Cancels `run` (`preloop cancel`, Ctrl-C, a workflow-level group's
+        cancel-in-progress): every job it ends or tells to stop keeps `reason`
+        (a running job's is kept when its runner reports it ended)."""
         tx = self.tx
         run_id = int(run["id"])
         self.note_run(run)
         if run["status"] == "completed":
             return False
         if run["status"] == "pending":
-            self.cancel_pending_run(run_id)
+            self.cancel_pending_run(run_id, reason)
             return True
         if int(run["cancel_requested"]):
             return False
@@ -981,11 +993,11 @@ class _Cascade:
             if job["status"] == "running":
                 tx.execute(
                     Q["cancel_run_update_jobs"],
-                    (run_id, job["id"]),
+                    (reason, run_id, job["id"]),
                 )
             else:
                 # Concluded at once (see _do_fail_fast).
-                self._do_conclude(job, "cancelled", {}, "the run was cancelled")
+                self._do_conclude(job, "cancelled", {}, reason)
         return True
 
     def _do_fail_fast(self, run_id: int, cohort: str, failed_id: str) -> None:
@@ -996,7 +1008,7 @@ class _Cascade:
         reason = f"fail-fast: leg {failed_id!r} failed"
         self.tx.execute(
             Q["fail_fast_update_jobs"],
-            (run_id, cohort),
+            (reason, run_id, cohort),
         )
         for leg in self.tx.execute(
             f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND cohort = ? AND status = 'folding'",
@@ -1023,7 +1035,7 @@ class _Cascade:
         lo, hi = _inner_range(caller["id"])
         tx.execute(
             Q["cancel_caller_update_jobs"],
-            (run_id, lo, hi, caller["id"]),
+            (reason, run_id, lo, hi, caller["id"]),
         )
         rest = tx.execute(
             f"SELECT {_JOB} FROM jobs WHERE run_id = ? AND id >= ? AND id < ? "

@@ -174,7 +174,7 @@ UPDATE runs SET status = 'pending', wait_seq = ? WHERE id = ?
 
 -- cancel_pending_run_update_jobs --
 -- cascade: _Cascade.cancel_pending_run
-UPDATE jobs SET status = 'completed', conclusion = 'cancelled', completed_at = ? WHERE run_id = ? AND status = 'blocked' RETURNING id
+UPDATE jobs SET status = 'completed', conclusion = 'cancelled', reason = ?, completed_at = ? WHERE run_id = ? AND status = 'blocked' RETURNING id
 
 -- cancel_pending_run_update_units --
 -- cascade: _Cascade.cancel_pending_run
@@ -194,11 +194,11 @@ SELECT fail_fast FROM cohorts WHERE run_id = ? AND id = ?
 
 -- fail_fast_update_jobs --
 -- cascade: _Cascade._do_fail_fast
-UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND cohort = ? AND status = 'running'
+UPDATE jobs SET cancel_requested = 1, reason = COALESCE(reason, ?) WHERE run_id = ? AND cohort = ? AND status = 'running'
 
 -- cancel_caller_update_jobs --
 -- cascade: _Cascade.cancel_caller
-UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND ((id >= ? AND id < ? AND status IN ('running', 'folding')) OR id = ?)
+UPDATE jobs SET cancel_requested = 1, reason = COALESCE(reason, ?) WHERE run_id = ? AND ((id >= ? AND id < ? AND status IN ('running', 'folding')) OR id = ?)
 
 -- context_select_runs --
 -- cascade: _Cascade.context
@@ -234,7 +234,7 @@ UPDATE cohorts SET active = active - 1 WHERE run_id = ? AND id = ?
 
 -- cancel_holder_update_jobs --
 -- cascade: _Cascade.cancel_holder
-UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND id = ?
+UPDATE jobs SET cancel_requested = 1, reason = COALESCE(reason, ?) WHERE run_id = ? AND id = ?
 
 -- promote_group_select_jobs --
 -- cascade: _Cascade.promote_group
@@ -242,7 +242,7 @@ SELECT run_id, id, wait_seq, 0 AS is_run FROM jobs WHERE conc_group = ? AND stat
 
 -- conclude_update_jobs_2 --
 -- cascade: _Cascade._do_conclude
-UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND id = ? AND status = 'running'
+UPDATE jobs SET cancel_requested = 1, reason = COALESCE(reason, ?) WHERE run_id = ? AND id = ? AND status = 'running'
 
 -- end_unit_select_deps --
 -- cascade: _Cascade._do_end_unit
@@ -270,7 +270,7 @@ UPDATE conc_groups SET holder_run = ?, holder_job = ? WHERE name = ?
 
 -- cancel_run_update_jobs --
 -- cascade: _Cascade.cancel_run
-UPDATE jobs SET cancel_requested = 1 WHERE run_id = ? AND id = ?
+UPDATE jobs SET cancel_requested = 1, reason = COALESCE(reason, ?) WHERE run_id = ? AND id = ?
 
 -- finish_update_runs --
 -- cascade: _Cascade.finish

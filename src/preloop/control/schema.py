@@ -206,8 +206,12 @@ END
 $fn$"""
 
 
-def _settle_fn(run_cols: str, slot_guard: str) -> str:
-    return _SETTLE_TEMPLATE.replace("@RUN_COLS@", run_cols).replace("@SLOT_GUARD@", slot_guard)
+def _settle_fn(run_cols: str, slot_guard: str, reason: str = "p_reason") -> str:
+    return (
+        _SETTLE_TEMPLATE.replace("@RUN_COLS@", run_cols)
+        .replace("@SLOT_GUARD@", slot_guard)
+        .replace("reason = p_reason", f"reason = {reason}")
+    )
 
 
 _SETTLE_FN = _settle_fn("id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs", "")
@@ -587,6 +591,21 @@ _V8_JOB_LOGS: list[Statement] = [
     )""",
 ]
 
+# A job told to stop (fail-fast, a concurrency group, a cancelled run) keeps
+# the reason the cascade stored with the request: the settle of a result
+# without a reason (a runner's batch) no longer clears it. SQLite's settle is
+# in Python (`Store._settle_tx`).
+_V9_CANCEL_REASON: list[Statement] = [
+    {
+        "pg": _settle_fn(
+            "id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs, cancelled_jobs",
+            " AND kind = 'job'",
+            "COALESCE(p_reason, reason)",
+        ),
+        "lite": None,
+    },
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -601,6 +620,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V6,
     _V7_BLOBS,
     _V8_JOB_LOGS,
+    _V9_CANCEL_REASON,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

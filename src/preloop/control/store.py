@@ -106,6 +106,7 @@ from preloop.workflow.plan import ConcurrencySpec, Plan
 
 __all__ = [
     "TERMINAL",
+    "USER_CANCEL_REASON",
     "Completion",
     "Heartbeat",
     "JobInfo",
@@ -118,6 +119,9 @@ __all__ = [
     "UnknownRun",
     "open_store",
 ]
+
+#: Why a run `Store.cancel_run` cancels was cancelled, unless told otherwise.
+USER_CANCEL_REASON = "cancelled by the user (preloop cancel)"
 
 
 def open_store(url: str | None = None) -> Store:
@@ -557,7 +561,8 @@ class Store:
         job = tx.one(
             "UPDATE jobs SET status = 'completed', conclusion = CASE WHEN "
             "cancel_requested = 1 AND ? <> 'skipped' THEN 'cancelled' ELSE ? END, "
-            "outputs = ?, reason = ?, completed_at = ?, lease_token = NULL "
+            # A job told to stop keeps why (a runner's batch result has no reason).
+            "outputs = ?, reason = COALESCE(?, reason), completed_at = ?, lease_token = NULL "
             "WHERE run_id = ? AND id = ? AND status NOT IN ('completed', 'expanded', 'folding')"
             f"{lease_guard} RETURNING {_JOB}, conclusion",
             (
@@ -624,9 +629,10 @@ class Store:
         groups.update(c.retry_groups)
         return Completion(run_id, job_id, job["conclusion"], True)
 
-    def cancel_run(self, run_id: int) -> bool:
+    def cancel_run(self, run_id: int, reason: str = USER_CANCEL_REASON) -> bool:
         """Cancels a run: queued jobs are cancelled, running jobs told to stop,
-        `always()` jobs still run. Returns False when the run had already ended."""
+        `always()` jobs still run; the jobs it ends keep `reason` (why the run
+        was cancelled). Returns False when the run had already ended."""
         groups: set[str] = set()
 
         def tx_fn(tx: Tx) -> bool:
@@ -634,7 +640,7 @@ class Store:
             if run is None:
                 raise UnknownRun(f"no run {run_id}")
             c = _Cascade(tx, self)
-            changed = c.cancel_run(run)
+            changed = c.cancel_run(run, reason)
             c.finish()
             groups.update(c.retry_groups)
             return changed

@@ -10,6 +10,7 @@ is a `UsageError` naming the URL, where it came from (`--store` or
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 
 from preloop.errors import UsageError
@@ -37,13 +38,24 @@ def check_store_url(url: str, origin: str, state_dir: Path | None = None) -> str
                 f"{origin} {url!r}: directory {path.parent} does not exist (create it first)"
             )
         return url
-    head = url.split("/", 1)[0] + "//"
-    near = difflib.get_close_matches(head, [s.rstrip("/") + "//" for s in _SCHEMES], n=1)
-    hint = f" (did you mean {near[0].replace('//', '://')}...?)" if near else ""
+    hint = f" (did you mean {near}?)" if (near := _corrected(url)) else ""
     raise UsageError(
         f"{origin} {url!r} is not a store URL: use postgresql://USER@HOST/DB or "
         f"sqlite:///PATH{hint}"
     )
+
+
+def _corrected(url: str) -> str | None:
+    """The URL a typo most likely meant: the nearest scheme with its own
+    separator, then the rest (`postgres//x` -> `postgres://x`), or None."""
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)[:/]*(.*)", url, re.DOTALL)
+    if m is None:
+        return None
+    names = {scheme.split(":", 1)[0]: scheme for scheme in _SCHEMES}
+    near = difflib.get_close_matches(m.group(1).lower(), list(names), n=1)
+    if not near:
+        return None
+    return names[near[0]] + m.group(2).lstrip("/")
 
 
 def _same(a: Path, b: Path) -> bool:

@@ -5,7 +5,9 @@
 - `select_legs(plan, wanted)`: only the matrix legs whose values match every
   `KEY=VALUE` given for a key their matrix has (`--matrix`); jobs without
   those keys are kept whole. A matrix job with the key but no matching leg is
-  an error naming the values it has.
+  an error naming the values it has. A matrix known only at run time
+  (`fromJSON(needs.x.outputs.y)`) is filtered when its legs are leased:
+  `leg_not_selected(matrix, wanted)` is why such a leg is skipped.
 - `foreign_platform(labels, platforms)`: why a job whose `runs-on` names
   another operating system (`windows-*`, `macos-*`) is not run here, unless
   `platforms` maps that label to `host`.
@@ -22,7 +24,14 @@ from preloop.errors import UsageError
 from preloop.workflow import expressions as ex
 from preloop.workflow.plan import Plan, PlannedJob
 
-__all__ = ["FOREIGN_OS", "foreign_platform", "known_jobs", "select_jobs", "select_legs"]
+__all__ = [
+    "FOREIGN_OS",
+    "foreign_platform",
+    "known_jobs",
+    "leg_not_selected",
+    "select_jobs",
+    "select_legs",
+]
 
 #: runs-on label prefixes of GitHub-hosted runners of other operating systems.
 FOREIGN_OS = {"windows": "Windows", "macos": "macOS"}
@@ -97,6 +106,19 @@ def select_legs(p: Plan, wanted: Mapping[str, str]) -> Plan:
             asked = ", ".join(f"{k}={v}" for k, v in wanted.items() if k in values)
             raise UsageError(f"{p.workflow}: no leg of job {base!r} has {asked} ({shown})")
     return _rebuild(p, keep)
+
+
+def leg_not_selected(matrix: Mapping[str, Any] | None, wanted: Mapping[str, str]) -> str | None:
+    """Why a matrix leg with values `matrix` is not run under `--matrix`
+    `wanted` (a value differs for a key its matrix has), or None."""
+    if not matrix:
+        return None
+    differ = [(k, v) for k, v in wanted.items() if k in matrix and _text(matrix[k]) != v]
+    if not differ:
+        return None
+    asked = " ".join(f"--matrix {k}={v}" for k, v in differ)
+    has = ", ".join(f"{k}={_text(matrix[k])}" for k, _ in differ)
+    return f"not selected by {asked} (this leg has {has})"
 
 
 def _text(value: Any) -> str:

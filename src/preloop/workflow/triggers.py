@@ -15,7 +15,10 @@ the reason in words (`preloop plan` and `preloop run` show it):
   `paths-ignore`: it does not run when every changed path is ignored; with no
   changed path at all a path-filtered workflow does not run. When the changed
   paths are unknown (`facts.changed_paths is None`) path filters pass, as on
-  GitHub when it cannot compute the diff.
+  GitHub when it cannot compute the diff;
+- an unknown ref (`facts.ref is None`: a detached HEAD and no `--ref`): a
+  workflow with a branch or tag filter is not triggered (`UNKNOWN_REF_REASON`);
+  path filters are still evaluated.
 
 Patterns follow GitHub's filter pattern cheat sheet (`compile_pattern`):
 `*` matches anything but `/`, `**` anything (`**/` also nothing), `?` makes
@@ -39,6 +42,7 @@ from preloop.workflow.model import Workflow
 
 __all__ = [
     "FILTERED_EVENTS",
+    "UNKNOWN_REF_REASON",
     "EventFacts",
     "PatternError",
     "Trigger",
@@ -50,6 +54,12 @@ __all__ = [
 
 #: Events whose `on.<event>` filters are about refs and paths.
 FILTERED_EVENTS = frozenset({"push", "pull_request", "pull_request_target"})
+
+#: The filters that need the event's ref.
+_REF_FILTER_KEYS = ("branches", "branches-ignore", "tags", "tags-ignore")
+
+#: Why a ref-filtered workflow is not run when the ref is unknown.
+UNKNOWN_REF_REASON = "ref unknown (detached HEAD): pass --ref REF"
 
 
 class PatternError(UsageError):
@@ -240,7 +250,17 @@ def evaluate_trigger(workflow: Workflow, facts: EventFacts) -> Trigger:
                 "`preloop run --eventpath FILE`)",
             )
         reasons.append(f"activity {facts.action!r} is in on.{event}.types")
-    if event in FILTERED_EVENTS and facts.ref is not None:
+    if event in FILTERED_EVENTS and facts.ref is None:
+        # No branch checked out and no --ref: a ref filter cannot be decided,
+        # and guessing either way would run (or skip) what GitHub would not.
+        if any(k in filters for k in _REF_FILTER_KEYS):
+            return Trigger(False, UNKNOWN_REF_REASON)
+        paths = _paths_filter(filters, facts.changed_paths, event)
+        if paths is not None:
+            if not paths[0]:
+                return Trigger(False, paths[1])
+            reasons.append(paths[1])
+    elif event in FILTERED_EVENTS and facts.ref is not None:
         ref = facts.ref
         is_tag = ref.startswith("refs/tags/")
         name = ref.removeprefix("refs/tags/") if is_tag else ref.removeprefix("refs/heads/")

@@ -50,12 +50,12 @@ def _hidden(submitter: Path) -> list[str]:
 
 
 def _runner(
-    url: str, submitter: Path, state: Path, name: str, label: str, *flags: str
+    url: str, submitter: Path, state: Path, name: str, label: str, *flags: str, **env: str
 ) -> subprocess.Popen[str]:
     argv = [*PRELOOP, "runner", "--store", url, "--name", name, "--labels", label, *flags]
     return subprocess.Popen(
         ["bwrap", *_hidden(submitter), "--die-with-parent", "--", *argv],
-        env=_env(state),
+        env=_env(state, **env),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -194,6 +194,21 @@ def test_artifacts_and_caches_pass_between_jobs_on_different_runners(
         assert not any((tmp_path / r / "service-blobs").rglob("*"))
 
 
+# A client that dies mid-upload: one block staged, never committed nor finalized.
+STAGE_ONE_BLOCK = """
+import json, os, urllib.request
+url, token = os.environ["ACTIONS_RESULTS_URL"], os.environ["ACTIONS_RUNTIME_TOKEN"]
+req = urllib.request.Request(
+    url + "twirp/github.actions.results.api.v1.ArtifactService/CreateArtifact",
+    data=json.dumps({"name": "half", "version": 4}).encode(),
+    headers={"Content-Type": "application/json", "Authorization": "Bearer " + token},
+)
+signed = json.load(urllib.request.urlopen(req))["signedUploadUrl"]
+block = signed + "&comp=block&blockid=YjA="
+put = urllib.request.Request(block, data=b"x" * 100000, method="PUT")
+assert urllib.request.urlopen(put).status == 201
+"""
+
 STAGE_AND_HANG = """
 on: push
 jobs:
@@ -201,20 +216,7 @@ jobs:
     runs-on: [self-hosted, a]
     steps:
       - run: |
-          python3 - <<'EOF'
-          import json, os, urllib.request
-          url, token = os.environ["ACTIONS_RESULTS_URL"], os.environ["ACTIONS_RUNTIME_TOKEN"]
-          def call(method, body):
-              req = urllib.request.Request(
-                  url + "twirp/github.actions.results.api.v1.ArtifactService/" + method,
-                  data=json.dumps(body).encode(),
-                  headers={{"Content-Type": "application/json", "Authorization": "Bearer " + token}},
-              )
-              return json.load(urllib.request.urlopen(req))
-          signed = call("CreateArtifact", {{"name": "half", "version": 4}})["signedUploadUrl"]
-          block = urllib.request.Request(signed + "&comp=block&blockid=YjA=", data=b"x" * 100000, method="PUT")
-          assert urllib.request.urlopen(block).status == 201
-          EOF
+          python3 {script}
           echo staged > {fifo}
           sleep 1000
 """
@@ -226,8 +228,11 @@ def test_a_runner_killed_mid_upload_leaves_nothing_visible(
     state = tmp_path / "submitter"
     fifo = tmp_path / "staged.fifo"
     os.mkfifo(fifo)
-    repo = make_repo(tmp_path / "repo", workflow(STAGE_AND_HANG.format(fifo=fifo)))
-    runner = _runner(pg_url, state, tmp_path / "ra", "ra", "a")
+    script = tmp_path / "stage.py"
+    script.write_text(STAGE_ONE_BLOCK)
+    repo = make_repo(tmp_path / "repo", workflow(STAGE_AND_HANG.format(script=script, fifo=fifo)))
+    # the lease is the claimer's: a short one, so the dead runner's job fails soon
+    runner = _runner(pg_url, state, tmp_path / "ra", "ra", "a", PRELOOP_LEASE_SECONDS="3")
     procs.append(runner)
     run = subprocess.Popen(
         [*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"],

@@ -194,6 +194,76 @@ def test_artifacts_and_caches_pass_between_jobs_on_different_runners(
         assert not any((tmp_path / r / "service-blobs").rglob("*"))
 
 
+# `down`'s runs-on comes from `up`'s outputs (a deferred matrix): the local
+# runners of `preloop run` take every label the plan names, but not this one,
+# so `down` can only go to the remote runner, whatever the timing.
+MIXED = f"""
+on: push
+env:
+  NODE_PATH: {NODE_MODULES}
+  JS: {JS}
+jobs:
+  up:
+    runs-on: [self-hosted, on-the-submitter]
+    outputs:
+      where: ${{{{ steps.up.outputs.where }}}}
+      tree: ${{{{ steps.up.outputs.tree }}}}
+    steps:
+      - id: up
+        run: |
+          mkdir -p made deps
+          head -c 1000000 /dev/urandom > made/blob.bin
+          echo "made on $RUNNER_NAME" > made/who.txt
+          node $JS/artifacts_up.cjs dir:made:made
+          echo "tree=$(cd made && {DIGEST})" >> "$GITHUB_OUTPUT"
+          echo "deps of the submitter" > deps/v
+          node $JS/cache.cjs "save:mixed-${{{{ github.run_id }}}}:deps"
+          echo 'where=["b"]' >> "$GITHUB_OUTPUT"
+  down:
+    needs: up
+    strategy:
+      matrix:
+        where: ${{{{ fromJSON(needs.up.outputs.where) }}}}
+    runs-on: [self-hosted, "${{{{ matrix.where }}}}"]
+    steps:
+      - run: |
+          node $JS/artifacts_down.cjs made got
+          test "$(cd got/made && {DIGEST})" = "${{{{ needs.up.outputs.tree }}}}"
+          echo "got $(cat got/made/who.txt) on $RUNNER_NAME"
+          node $JS/cache.cjs "restore:mixed-${{{{ github.run_id }}}}:deps"
+          echo "cached: $(cat deps/v)"
+"""
+
+
+def test_a_local_job_and_a_remote_job_of_one_run_share_artifacts(
+    tmp_path: Path, pg_url: str, procs: list[subprocess.Popen[str]]
+) -> None:
+    """`preloop run -j 1` on PostgreSQL keeps its local job's artifact and
+    cache in the store, where a remote runner's job of the run finds them."""
+    state = tmp_path / "submitter"
+    repo = make_repo(tmp_path / "repo", workflow(MIXED))
+    runner = _runner(pg_url, state, tmp_path / "rb", "rb", "b", "--once")
+    procs.append(runner)
+    run = subprocess.Popen(
+        [*PRELOOP, "run", "-j", "1", "--store", pg_url, "--json"],
+        cwd=repo,
+        env=_env(state),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    procs.append(run)
+    out, err = run.communicate(timeout=300)
+    logs = {p.name: p.read_text() for p in tmp_path.glob("rb/logs/*/*.log")}
+    assert run.returncode == 0, (out, err, logs)
+    rout, rerr = runner.communicate(timeout=120)
+    assert runner.returncode == 0 and "stopped after 1 job" in rout, (rout, rerr)
+    [down] = logs.values()
+    assert "got made on " in down and " on rb" in down and "made on rb" not in down
+    assert "cached: deps of the submitter" in down
+    assert not (state / "artifacts").exists() and not (state / "actions-cache").exists()
+
+
 # A client that dies mid-upload: one block staged, never committed nor finalized.
 STAGE_ONE_BLOCK = """
 import json, os, urllib.request

@@ -108,8 +108,8 @@ def job_environment(
 ) -> dict[str, str]:
     """The environment variables a job of run `run_id` needs for the runner's
     services. Refreshes the tool cache from the host's toolchains first (a few
-    `stat`s when nothing changed). Without `access` (a runner on another
-    machine) only the tool cache is provided."""
+    `stat`s when nothing changed). Without `access` (a runner given no
+    service) only the tool cache is provided."""
     tool_cache = default_tool_cache(state_dir)
     refresh_tool_cache(tool_cache)
     env = {"RUNNER_TOOL_CACHE": str(tool_cache)}

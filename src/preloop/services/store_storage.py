@@ -133,8 +133,8 @@ class StoreStorage(StagedUploads):
 
     # -- staging -----------------------------------------------------------------
     def _stage(self) -> str:
-        upload = uuid.uuid4().hex
-        return self._new_upload(self.staging, self.staging / f"{upload}.data")
+        """A new upload staged under this service's directory."""
+        return self._new_upload(self.staging, self.staging / f"{uuid.uuid4().hex}.data")
 
     def _abandon(self, upload: str) -> None:
         staged = self._uploads.get(upload)

@@ -61,6 +61,7 @@ from preloop.runner.checkout import (
     sweep_work_dir,
     work_dir,
 )
+from preloop.runner.follow import follow_elsewhere
 from preloop.runner.job import kill_tracked, tracking_prefix
 from preloop.runner.worker import idle_wait, wait_for_work
 from preloop.services import (
@@ -642,6 +643,9 @@ class Engine:
 
         return JobEvents(on_start=start, on_line=line, on_end=end)
 
+    def _set_duration(self, run_id: int, job_id: str, seconds: float) -> None:
+        self._durations[(run_id, job_id)] = seconds
+
     async def _run_finished(self, store: Store, run_id: int) -> bool:
         info = await anyio.to_thread.run_sync(store.get_run, run_id)
         return info.status == "completed"
@@ -660,25 +664,32 @@ class Engine:
         events = self._job_events()
         templates = CheckoutTemplates(work_dir(self.state_dir))
 
+        def options(index: int, run_id: int, capacity: int = 1) -> RunnerOptions:
+            return RunnerOptions(
+                name=f"{req.runner_name}-{os.getpid()}-{index}",
+                labels=labels,
+                state_dir=self.state_dir,
+                secrets=dict(req.secrets),
+                sandbox=req.sandbox,
+                sandbox_network=req.sandbox_network,
+                run_id=run_id,
+                skip=self.skip_reason,
+                services=services,
+                action_overrides=req.action_overrides,
+                idle_poll=_POLL,
+                capacity=capacity,
+            )
+
+        async def slot_runner(stop: anyio.Event) -> None:
+            # One run (the common case): one runner with a slot per local
+            # runner claims every free slot in one statement and reports
+            # finished jobs with the next claims in one transaction.
+            runner = Runner(store, options(0, run_ids[0], count), events, templates)
+            await runner.serve(stop)
+
         async def local_runner(index: int) -> None:
             runners = {
-                run_id: Runner(
-                    store,
-                    RunnerOptions(
-                        name=f"{req.runner_name}-{os.getpid()}-{index}",
-                        labels=labels,
-                        state_dir=self.state_dir,
-                        secrets=dict(req.secrets),
-                        sandbox=req.sandbox,
-                        sandbox_network=req.sandbox_network,
-                        run_id=run_id,
-                        skip=self.skip_reason,
-                        services=services,
-                        action_overrides=req.action_overrides,
-                    ),
-                    events,
-                    templates,
-                )
+                run_id: Runner(store, options(index, run_id), events, templates)
                 for run_id in run_ids
             }
             while not done.is_set():
@@ -716,15 +727,37 @@ class Engine:
             done.set()
             self._wake()
 
+        slots = len(run_ids) == 1 and count > 1
+        slot_stop = anyio.Event()
         try:
-            with anyio.CancelScope() as scope:
-                self._runners_scope = scope
-                if self._interrupted:
-                    scope.cancel()
-                async with anyio.create_task_group() as tg:
-                    for i in range(count):
-                        tg.start_soon(local_runner, i)
-                    await watch()
+            async with anyio.create_task_group() as outer:
+                if slots:
+                    # Outside the scope Ctrl-C cancels: told to stop, it
+                    # cancels its jobs and records them before it returns.
+                    outer.start_soon(slot_runner, slot_stop)
+                try:
+                    with anyio.CancelScope() as scope:
+                        self._runners_scope = scope
+                        if self._interrupted:
+                            scope.cancel()
+                        async with anyio.create_task_group() as tg:
+                            if not slots:
+                                for i in range(count):
+                                    tg.start_soon(local_runner, i)
+                            if store.dialect == "pg":
+                                # Jobs that runners on other machines take are shown too.
+                                tg.start_soon(
+                                    follow_elsewhere,
+                                    store,
+                                    run_ids,
+                                    f"{req.runner_name}-{os.getpid()}-",
+                                    events,
+                                    done,
+                                    self._set_duration,
+                                )
+                            await watch()
+                finally:
+                    slot_stop.set()
         finally:
             self._runners_scope = None
             templates.close()

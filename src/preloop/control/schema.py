@@ -566,6 +566,27 @@ _V7_BLOBS: list[Statement] = [
     "CREATE INDEX IF NOT EXISTS preloop_blob_pins_holder ON preloop_blob_pins (holder)",
 ]
 
+# Job logs and results in the store (preloop.control.joblogs): what `preloop
+# logs` and the submitting `preloop run` read of jobs that ran on other
+# machines. A row holds one batch of lines of one job, numbered by its writer.
+_V8_JOB_LOGS: list[Statement] = [
+    """CREATE TABLE IF NOT EXISTS preloop_job_logs (
+        run_id BIGINT NOT NULL,
+        job_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        lines TEXT NOT NULL,
+        at {real} NOT NULL,
+        PRIMARY KEY (run_id, job_id, seq)
+    )""",
+    """CREATE TABLE IF NOT EXISTS preloop_job_results (
+        run_id BIGINT NOT NULL,
+        job_id TEXT NOT NULL,
+        result TEXT NOT NULL,
+        at {real} NOT NULL,
+        PRIMARY KEY (run_id, job_id)
+    )""",
+]
+
 # Artifacts and actions-cache entries kept in the store
 # (preloop.services.store_storage): the bytes are blobs (`blob`, pinned by
 # `artifact:<id>` / `cache:<id>`), these rows say what they are. An artifact
@@ -617,6 +638,7 @@ MIGRATIONS: list[list[Statement]] = [
     ],
     _V6,
     _V7_BLOBS,
+    _V8_JOB_LOGS,
     _V10_SERVICES,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -175,6 +175,8 @@ def _artifacts(
     record = match[0]
     dest = (directory if directory is not None else Path(download)).absolute()
     archive = storage.blob_path("artifact", f"{run_id}/{record.id}")
+    if not archive.is_file():  # removed (retention, a delete) since it was listed
+        raise UsageError(f"run {run_id}'s artifact {download!r} is no longer in {where}")
     extracted = _extract(archive, dest)
     if as_json:
         emit_json({"run_id": run_id, "name": download, "directory": str(dest), "files": extracted})

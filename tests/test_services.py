@@ -39,9 +39,12 @@ def _workflow(jobs: str) -> dict[str, str]:
     return {".github/workflows/ci.yml": head + jobs}
 
 
-def _preloop(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _preloop(state: Path, *args: str, store: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`preloop ARGS` on `state` (and `store`: on PostgreSQL, artifacts and
+    caches are in the store)."""
+    extra = ["--store", store] if store else []
     return subprocess.run(
-        [sys.executable, "-m", "preloop", *args, "--state-dir", str(state)],
+        [sys.executable, "-m", "preloop", *args, "--state-dir", str(state), *extra],
         capture_output=True,
         text=True,
         check=False,
@@ -101,19 +104,28 @@ def test_artifacts_upload_then_download_in_a_dependent_job(tmp_path: Path, store
     assert "listed data,other,part-1,part-2" in text
     assert "downloaded data digestMismatch=false" in text
 
-    listed = _preloop(state, "artifacts", str(outcome.run_id), "--json")
+    listed = _preloop(state, "artifacts", str(outcome.run_id), "--json", store=store_url)
     assert listed.returncode == 0, listed.stderr
     names = {a["name"]: a for a in json.loads(listed.stdout)["artifacts"]}
     assert sorted(names) == ["data", "other", "part-1", "part-2"]
     assert names["data"]["job"] == "up" and names["data"]["digest"].startswith("sha256:")
     # the zip as GitHub stores it, extracted with file modes kept
     out = tmp_path / "downloaded"
-    got = _preloop(state, "artifacts", str(outcome.run_id), "--download", "data", str(out))
+    got = _preloop(
+        state, "artifacts", str(outcome.run_id), "--download", "data", str(out), store=store_url
+    )
     assert got.returncode == 0, got.stderr
     assert _tree(out) == _tree(repo / "data")
     assert _tree(out)["run.sh"][1] == 0o755
-    missing = _preloop(state, "artifacts", str(outcome.run_id), "--download", "nope")
+    missing = _preloop(
+        state, "artifacts", str(outcome.run_id), "--download", "nope", store=store_url
+    )
     assert missing.returncode == 2 and "no artifact named 'nope'" in missing.stderr
+    if store_url.startswith("postgresql"):
+        # on PostgreSQL they are in the store (preloop.services.store_storage)
+        assert not (state / "artifacts" / str(outcome.run_id)).exists()
+        assert not any((state / "service-uploads").rglob("*.data"))
+        return
     # nothing half-written is left in the run's directory
     run_dir = state / "artifacts" / str(outcome.run_id)
     assert sorted(p.name for p in run_dir.iterdir() if p.suffix == ".zip") == [
@@ -197,7 +209,7 @@ def test_cache_miss_then_hit_across_runs_with_restore_keys(tmp_path: Path, store
     assert f"had from run {first.run_id}" in t2, brief
     # ... and, with two entries under the prefix, the newest
     assert f"restore nothing-here,deps- -> {k2}" in t2
-    status = _preloop(state, "cache", "status", "--json")
+    status = _preloop(state, "cache", "status", "--json", store=store_url)
     assert status.returncode == 0, status.stderr
     keys = [e["key"] for e in json.loads(status.stdout)["actions_cache"]["entries"]]
     assert sorted(keys) == sorted([k1, k2])

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from preloop.control import open_store
 from preloop.services import ServiceAccess, job_environment, run_services
 from preloop.services.storage import LocalStorage, StorageConflict
 from preloop.services.tokens import Claims, mint
@@ -27,9 +28,19 @@ ART = "/twirp/github.actions.results.api.v1.ArtifactService/"
 CACHE = "/twirp/github.actions.results.api.v1.CacheService/"
 
 
-@pytest.fixture
-def services(tmp_path: Path) -> Iterator[ServiceAccess]:
-    with run_services(tmp_path / "state", "/repo/a", "refs/heads/feat", "refs/heads/main") as acc:
+@pytest.fixture(params=["disk", "pg"])
+def services(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ServiceAccess]:
+    """The services of a run: on the local disk (lite), or over a PostgreSQL
+    store (`StoreStorage`, what `preloop run` and runners use on PostgreSQL)."""
+    args = (tmp_path / "state", "/repo/a", "refs/heads/feat", "refs/heads/main")
+    if request.param == "disk":
+        with run_services(*args) as acc:
+            yield acc
+        return
+    with (
+        open_store(request.getfixturevalue("pg_url")) as store,
+        run_services(*args, store=store) as acc,
+    ):
         yield acc
 
 

@@ -66,10 +66,12 @@ from preloop.runner.follow import follow_elsewhere
 from preloop.runner.job import kill_tracked, tracking_prefix
 from preloop.runner.worker import idle_wait, wait_for_work
 from preloop.services import (
+    SERVICES_CONTEXT_KEY,
     ServiceAccess,
     default_branch_ref,
     remove_expired_artifacts,
     run_services,
+    services_scope,
 )
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
 from preloop.snapshot.holders import hold_run_repository, release_run_repository
@@ -557,6 +559,11 @@ class Engine:
                 if self.events.on_recovered is not None:
                     self.events.on_recovered(old)
             location = SnapshotLocation(str(snap.repository), "snapshot", snap.commit)
+            # The cache scope of the run's jobs, for remote runners' services too.
+            default_ref = await anyio.to_thread.run_sync(default_branch_ref, root)
+            ref = str(selection.github.get("ref") or "")
+            if store.dialect == "pg":
+                await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir, store)
             labels: set[str] = set()
             for planned in selection.plans:
                 if self._interrupted:
@@ -565,6 +572,7 @@ class Engine:
                     **selection.github,
                     "sha": snap.commit,
                     SNAPSHOT_CONTEXT_KEY: location.to_dict(),
+                    SERVICES_CONTEXT_KEY: services_scope(str(root), ref, default_ref),
                     ENGINE_CONTEXT_KEY: {
                         "host": socket.gethostname(),
                         "pid": os.getpid(),
@@ -584,10 +592,10 @@ class Engine:
                 if self.events.on_submitted is not None:
                     self.events.on_submitted(run_id, planned)
             if not self._interrupted:
-                default_ref = await anyio.to_thread.run_sync(default_branch_ref, root)
-                ref = str(selection.github.get("ref") or "")
-                # One service for every run of this invocation: its tokens are run-scoped.
-                with run_services(self.state_dir, str(root), ref, default_ref) as services:
+                # One service for every run of this invocation: its tokens are
+                # run-scoped. On PostgreSQL it keeps artifacts and caches in
+                # the store, shared with remote runners' jobs of the same run.
+                with run_services(self.state_dir, str(root), ref, default_ref, store) as services:
                     await self._drive(store, list(self.run_ids), sorted(labels), services)
             outcomes: list[RunOutcome] = []
             for run_id, planned in zip(self.run_ids, selection.plans, strict=False):

@@ -13,7 +13,7 @@ from rich.table import Table
 from preloop import config
 from preloop.actions.cache import actions_dir, list_cached_actions
 from preloop.cli.app import cli, emit_json, fail, make_console, plural, state_dir_option
-from preloop.cli.services import actions_cache_document, print_actions_cache
+from preloop.cli.services import actions_cache_document, print_actions_cache, store_option
 from preloop.errors import UsageError
 from preloop.snapshot import layout
 from preloop.snapshot.prune import (
@@ -58,8 +58,9 @@ def cache_group() -> None:
 
 @cache_group.command("status")
 @state_dir_option
+@store_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
-def status_command(state_dir: Path | None, as_json: bool) -> None:
+def status_command(state_dir: Path | None, store: str | None, as_json: bool) -> None:
     """Entries, sizes, pins, referencing runs and last use, oldest first."""
     state = _state_dir(state_dir)
     cap = object_cache_max_bytes()
@@ -102,7 +103,7 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
                 "entries": entries,
                 "references_error": refs_error,
                 "actions": actions,
-                "actions_cache": actions_cache_document(state),
+                "actions_cache": actions_cache_document(state, store),
             }
         )
         return
@@ -132,7 +133,7 @@ def status_command(state_dir: Path | None, as_json: bool) -> None:
         f"{actions['dir']} (`preloop actions list`)",
         highlight=False,
     )
-    print_actions_cache(console, actions_cache_document(state))
+    print_actions_cache(console, actions_cache_document(state, store))
 
 
 def _report_document(report: PruneReport) -> dict[str, Any]:

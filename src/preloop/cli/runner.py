@@ -4,6 +4,11 @@ It claims jobs whose `runs-on` labels it has, checks out the run's snapshot,
 heartbeats its lease, and on SIGTERM/SIGINT cancels its job (killing its
 process groups), completes it as cancelled and exits 0. While idle it waits on
 PostgreSQL wake-ups and costs the database a few short queries a minute.
+
+Its jobs' artifacts and actions caches go through the store: the runner
+serves the artifact and cache services on its own 127.0.0.1 over the store
+(`preloop.services.runner_services`), so a job here downloads what a job of
+the same run uploaded on another machine.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from preloop.control import open_store
 from preloop.errors import UsageError
 from preloop.runner import Runner, RunnerOptions
 from preloop.runner.checkout import sweep_work_dir
+from preloop.services import runner_services
 
 # The reaper looks again when the earliest lease can have expired, at least
 # this long after its last look (and a little after the expiry itself).
@@ -120,7 +126,8 @@ def runner_command(
         max_jobs=1 if once else max_jobs,
     )
     sweep_work_dir(state)
-    with open_store(store) as db:
+    with open_store(store) as db, runner_services(state, db) as endpoint:
+        options.service_endpoint = endpoint
         runner = Runner(db, options)
         click.echo(f"runner {options.name}: waiting for jobs ({', '.join(runner.labels)})")
         try:

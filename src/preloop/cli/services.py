@@ -6,8 +6,10 @@ cache through `actions_cache_document` / `print_actions_cache` here.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +20,40 @@ from rich.table import Table
 from preloop import config
 from preloop.cli.app import cli, emit_json, make_console, state_dir_option
 from preloop.errors import UsageError
-from preloop.services.storage import LocalStorage
+from preloop.services.storage import LocalStorage, ServiceStorage
 from preloop.services.toolcache import default_tool_cache, list_tool_cache, refresh_tool_cache
 
-__all__ = ["actions_cache_document", "print_actions_cache"]
+__all__ = ["actions_cache_document", "print_actions_cache", "service_storage", "store_option"]
+
+store_option = click.option(
+    "--store",
+    help="Store URL (default: $PRELOOP_STORE_URL, else the lite store). On PostgreSQL, "
+    "artifacts and caches are read from the store.",
+)
+
+
+@contextlib.contextmanager
+def service_storage(state: Path, store: str | None) -> Iterator[tuple[ServiceStorage, str]]:
+    """The storage `preloop run` and runners use with this store, and where it
+    is (for messages): in the store on PostgreSQL, else under `state`."""
+    from preloop.engine import default_store_url, open_user_store
+
+    url = default_store_url(state, store)
+    if not url.startswith(("postgresql:", "postgres:")):
+        local = LocalStorage(state)
+        try:
+            yield local, str(state / "artifacts")
+        finally:
+            local.close()
+        return
+    from preloop.services.store_storage import StoreStorage
+
+    with open_user_store(url, store) as db:
+        shared = StoreStorage(db, state, int(config.get("PRELOOP_ACTIONS_CACHE_MAX_BYTES")))
+        try:
+            yield shared, shared.location
+        finally:
+            shared.close()
 
 
 def _human(n: int) -> str:
@@ -90,21 +122,35 @@ def toolcache_command(state_dir: Path | None, as_json: bool, no_refresh: bool) -
 )
 @click.argument("directory", required=False, type=click.Path(path_type=Path, file_okay=False))
 @state_dir_option
+@store_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document for scripts.")
 def artifacts_command(
     run_id: int,
     download: str | None,
     directory: Path | None,
     state_dir: Path | None,
+    store: str | None,
     as_json: bool,
 ) -> None:
     """List the artifacts run RUN_ID uploaded, or download one.
 
-    Artifacts are kept under <state>/artifacts/<run> as the zips the
-    upload-artifact action made, for PRELOOP_ARTIFACT_RETENTION_DAYS.
+    Artifacts are kept as the zips the upload-artifact action made, for
+    PRELOOP_ARTIFACT_RETENTION_DAYS: under <state>/artifacts/<run> with the
+    lite store, in the store itself on PostgreSQL (whichever runner ran the job).
     """
     state = state_dir if state_dir is not None else config.state_dir()
-    storage = LocalStorage(state)
+    with service_storage(state, store) as (storage, where):
+        _artifacts(storage, where, run_id, download, directory, as_json)
+
+
+def _artifacts(
+    storage: ServiceStorage,
+    where: str,
+    run_id: int,
+    download: str | None,
+    directory: Path | None,
+    as_json: bool,
+) -> None:
     records = storage.list_artifacts(str(run_id))
     if download is None:
         if directory is not None:
@@ -113,7 +159,7 @@ def artifacts_command(
             emit_json({"run_id": run_id, "artifacts": [r.to_dict() for r in records]})
             return
         if not records:
-            click.echo(f"run {run_id} has no artifacts in {state / 'artifacts'}")
+            click.echo(f"run {run_id} has no artifacts in {where}")
             return
         console = make_console()
         table = Table("id", "name", "size", "job", "created (UTC)", box=None)
@@ -128,6 +174,8 @@ def artifacts_command(
     record = match[0]
     dest = (directory if directory is not None else Path(download)).absolute()
     archive = storage.blob_path("artifact", f"{run_id}/{record.id}")
+    if not archive.is_file():  # removed (retention, a delete) since it was listed
+        raise UsageError(f"run {run_id}'s artifact {download!r} is no longer in {where}")
     extracted = _extract(archive, dest)
     if as_json:
         emit_json({"run_id": run_id, "name": download, "directory": str(dest), "files": extracted})
@@ -159,16 +207,16 @@ def _extract(archive: Path, dest: Path) -> int:
     return count
 
 
-def actions_cache_document(state: Path) -> dict[str, Any]:
-    """The actions cache (actions/cache entries) of `state` for `preloop cache status`."""
+def actions_cache_document(state: Path, store: str | None = None) -> dict[str, Any]:
+    """The actions cache (actions/cache entries) for `preloop cache status`:
+    of `state`, or of the store when it is PostgreSQL."""
     cap = int(config.get("PRELOOP_ACTIONS_CACHE_MAX_BYTES"))
-    storage = LocalStorage(state)
-    try:
+    with service_storage(state, store) as (storage, where):
         entries = storage.cache_entries()
-    finally:
-        storage.close()
+        if isinstance(storage, LocalStorage):
+            where = str(storage.cache_dir)
     return {
-        "cache_dir": str(storage.cache_dir),
+        "cache_dir": where,
         "max_bytes": cap,
         "total_bytes": sum(e.size for e in entries),
         "entries": [

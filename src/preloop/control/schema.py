@@ -606,6 +606,44 @@ _V9_CANCEL_REASON: list[Statement] = [
     },
 ]
 
+# Artifacts and actions-cache entries kept in the store
+# (preloop.services.store_storage): the bytes are blobs (`blob`, pinned by
+# `artifact:<id>` / `cache:<id>`), these rows say what they are. An artifact
+# row exists only once its upload was finalized; a cache entry is `pending`
+# from its reservation to its finalization. Both dialects.
+_V10_SERVICES: list[Statement] = [
+    """CREATE TABLE IF NOT EXISTS preloop_artifacts (
+        id {id} PRIMARY KEY,
+        run TEXT NOT NULL,
+        job TEXT NOT NULL,
+        name TEXT NOT NULL,
+        size BIGINT NOT NULL,
+        digest TEXT NOT NULL,
+        blob TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        created {real} NOT NULL,
+        expires_at TEXT
+    )""",
+    "CREATE UNIQUE INDEX IF NOT EXISTS preloop_artifacts_name ON preloop_artifacts (run, name)",
+    """CREATE TABLE IF NOT EXISTS preloop_cache_entries (
+        id {id} PRIMARY KEY,
+        repo TEXT NOT NULL,
+        ref TEXT NOT NULL,
+        key TEXT NOT NULL,
+        version TEXT NOT NULL,
+        size BIGINT NOT NULL DEFAULT 0,
+        state TEXT NOT NULL,
+        upload TEXT,
+        blob TEXT,
+        created {real} NOT NULL,
+        last_used {real} NOT NULL
+    )""",
+    "CREATE UNIQUE INDEX IF NOT EXISTS preloop_cache_entries_key "
+    "ON preloop_cache_entries (repo, ref, key, version)",
+    "CREATE INDEX IF NOT EXISTS preloop_cache_entries_lru "
+    "ON preloop_cache_entries (state, last_used)",
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -621,6 +659,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V7_BLOBS,
     _V8_JOB_LOGS,
     _V9_CANCEL_REASON,
+    _V10_SERVICES,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -58,7 +58,12 @@ from preloop.runner.logs import JobLog, mark_run
 from preloop.runner.masking import Masker
 from preloop.runner.sandbox import bubblewrap_wrapper
 from preloop.runner.watchdog import TRACKING_FILE
-from preloop.services import ServiceAccess, job_environment
+from preloop.services import (
+    SERVICES_CONTEXT_KEY,
+    ServiceAccess,
+    ServiceEndpoint,
+    job_environment,
+)
 from preloop.workflow import PlanError, PlannedJob, expand_deferred
 
 __all__ = ["DEFAULT_LABELS", "JobEvents", "Runner", "RunnerOptions"]
@@ -109,6 +114,9 @@ class RunnerOptions:
     run_id: int | None = None
     # The run's artifact and cache services (`preloop run`); None: tool cache only.
     services: ServiceAccess | None = None
+    # A service for any run (`preloop runner`'s own, over the store): each
+    # job gets access scoped by its run's context. Unused when `services` is set.
+    service_endpoint: ServiceEndpoint | None = None
     # `--action` overrides; PRELOOP_ACTION_OVERRIDES is added after them.
     action_overrides: tuple[Override, ...] = ()
     # Why a claimed job is not run here (it is completed `skipped`), or None.
@@ -441,6 +449,10 @@ class Runner:
             github = dict(contexts.get("github") or {})
             location = SnapshotLocation.from_context(github, where)
             github.pop("preloop_snapshot", None)
+            services = opts.services
+            if services is None and opts.service_endpoint is not None:
+                services = opts.service_endpoint.access(github)
+            github.pop(SERVICES_CONTEXT_KEY, None)
             engine = github.pop("preloop_engine", None)
             tracking_key = engine.get("run_key") if isinstance(engine, dict) else None
             contexts["github"] = github
@@ -476,7 +488,7 @@ class Runner:
                 f"checked out snapshot {location.commit[:12]} in {time.monotonic() - started:.2f}s"
             )
             service_env = await anyio.to_thread.run_sync(
-                job_environment, opts.state_dir, opts.services, str(lease.run_id), lease.job_id
+                job_environment, opts.state_dir, services, str(lease.run_id), lease.job_id
             )
             if "ACTIONS_RUNTIME_TOKEN" in service_env:
                 masker.add(service_env["ACTIONS_RUNTIME_TOKEN"])  # as GitHub's runner does

@@ -6,7 +6,15 @@
   older REST) HTTP services on 127.0.0.1, started by `preloop run` for its run
   (`run_services`) and stopped with it;
 - `preloop.services.storage`: where artifacts and caches live, behind the
-  `ServiceStorage` interface.
+  `ServiceStorage` interface: on this host's disk with the lite store, in the
+  store itself on PostgreSQL (`preloop.services.store_storage`), so that the
+  jobs of one run share them whichever machine runs them.
+
+A remote `preloop runner` starts its own service on its loopback over the
+store (`ServiceEndpoint`); the run's cache scope (repository, ref, default
+branch) travels in the run's github context under `SERVICES_CONTEXT_KEY`,
+and each job's token carries its run and job, so a job sees its own run's
+artifacts on whichever runner it lands.
 
 `job_environment(...)` is the one function the runner calls to give a job
 what these services need (`RUNNER_TOOL_CACHE`, `ACTIONS_RUNTIME_TOKEN`,
@@ -18,22 +26,31 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from preloop import config
 from preloop.services.storage import LocalStorage, ServiceStorage
 from preloop.services.tokens import Claims, mint
 from preloop.services.toolcache import default_tool_cache, refresh_tool_cache
 
+if TYPE_CHECKING:
+    from preloop.control.store import Store
+    from preloop.services.server import ServiceServer
+
 __all__ = [
+    "SERVICES_CONTEXT_KEY",
     "ServiceAccess",
+    "ServiceEndpoint",
     "default_branch_ref",
     "job_environment",
     "open_storage",
     "remove_expired_artifacts",
     "run_services",
+    "runner_services",
+    "services_scope",
 ]
 
 
@@ -49,13 +66,50 @@ class ServiceAccess:
     default_ref: str
 
 
+#: The run's cache scope in its github context: {"repo", "ref", "default_ref"}.
+SERVICES_CONTEXT_KEY = "preloop_services"
+
+
+def services_scope(repo: str, ref: str, default_ref: str) -> dict[str, str]:
+    """What `preloop run` stores under `SERVICES_CONTEXT_KEY` for remote runners."""
+    return {"repo": repo, "ref": ref, "default_ref": default_ref}
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceEndpoint:
+    """A service that serves any run (a remote runner's): its URL and secret.
+    The run's scope comes from each job's context (`access`)."""
+
+    url: str
+    secret: bytes
+
+    def access(self, github: Mapping[str, Any]) -> ServiceAccess:
+        """The access of the run whose github context is `github`: the scope
+        `preloop run` stored, else (a run submitted otherwise) the context's
+        repository and ref, with main as the default branch."""
+        scope = github.get(SERVICES_CONTEXT_KEY)
+        if not isinstance(scope, Mapping):
+            scope = {
+                "repo": github.get("repository") or "",
+                "ref": github.get("ref") or "",
+                "default_ref": "refs/heads/main",
+            }
+        return ServiceAccess(
+            self.url,
+            self.secret,
+            str(scope.get("repo") or ""),
+            str(scope.get("ref") or ""),
+            str(scope.get("default_ref") or ""),
+        )
+
+
 def job_environment(
     state_dir: Path, access: ServiceAccess | None, run_id: str, job_id: str
 ) -> dict[str, str]:
     """The environment variables a job of run `run_id` needs for the runner's
     services. Refreshes the tool cache from the host's toolchains first (a few
-    `stat`s when nothing changed). Without `access` (a runner on another
-    machine) only the tool cache is provided."""
+    `stat`s when nothing changed). Without `access` (a runner given no
+    service) only the tool cache is provided."""
     tool_cache = default_tool_cache(state_dir)
     refresh_tool_cache(tool_cache)
     env = {"RUNNER_TOOL_CACHE": str(tool_cache)}
@@ -86,16 +140,23 @@ def default_branch_ref(root: Path) -> str:
     return "refs/heads/main"
 
 
-def open_storage(state_dir: Path) -> ServiceStorage:
-    """The storage of this state directory (local disk; see `ServiceStorage`)."""
-    return LocalStorage(state_dir, int(config.get("PRELOOP_ACTIONS_CACHE_MAX_BYTES")))
+def open_storage(state_dir: Path, store: Store | None = None) -> ServiceStorage:
+    """The storage of the jobs' services: in `store` when it is PostgreSQL
+    (shared by every runner of the fleet), else on this state directory's disk."""
+    cap = int(config.get("PRELOOP_ACTIONS_CACHE_MAX_BYTES"))
+    if store is not None and store.dialect == "pg":
+        from preloop.services.store_storage import StoreStorage
+
+        return StoreStorage(store, state_dir, cap)
+    return LocalStorage(state_dir, cap)
 
 
-def remove_expired_artifacts(state_dir: Path) -> list[str]:
+def remove_expired_artifacts(state_dir: Path, store: Store | None = None) -> list[str]:
     """Removes the artifacts of runs older than PRELOOP_ARTIFACT_RETENTION_DAYS,
-    and what uploads of dead services left a day ago or earlier."""
+    and what uploads of dead services left a day ago or earlier (on this
+    state directory's disk, or in `store` when it is PostgreSQL)."""
     days = int(config.get("PRELOOP_ARTIFACT_RETENTION_DAYS"))
-    storage = LocalStorage(state_dir)
+    storage = open_storage(state_dir, store)
     try:
         storage.sweep_abandoned_uploads()
         return storage.remove_expired_artifacts(days)
@@ -104,18 +165,38 @@ def remove_expired_artifacts(state_dir: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def run_services(state_dir: Path, repo: str, ref: str, default_ref: str) -> Iterator[ServiceAccess]:
-    """Starts the artifact and cache services for one run on 127.0.0.1 and
-    stops them when the block ends."""
+def _serving(storage: ServiceStorage) -> Iterator[ServiceServer]:
     from preloop.services.server import ServiceServer  # aiohttp only when serving
 
-    storage = open_storage(state_dir)
     server = ServiceServer(storage)
-    server.start()
     try:
-        yield ServiceAccess(server.url, server.secret, repo, ref, default_ref)
+        server.start()
+        yield server
     finally:
         server.stop()
-        close = getattr(storage, "close", None)
-        if close is not None:
-            close()
+        storage.close()
+
+
+@contextlib.contextmanager
+def run_services(
+    state_dir: Path, repo: str, ref: str, default_ref: str, store: Store | None = None
+) -> Iterator[ServiceAccess]:
+    """Starts the artifact and cache services for one run on 127.0.0.1 and
+    stops them when the block ends. With a PostgreSQL `store` they keep
+    artifacts and caches in it (so remote runners' jobs of the run share them)."""
+    with _serving(open_storage(state_dir, store)) as server:
+        yield ServiceAccess(server.url, server.secret, repo, ref, default_ref)
+
+
+@contextlib.contextmanager
+def runner_services(state_dir: Path, store: Store) -> Iterator[ServiceEndpoint]:
+    """The services of a remote `preloop runner`: on its own 127.0.0.1, over
+    the store, for any run; stopped when the block ends."""
+    from preloop.services.store_storage import StoreStorage
+
+    cap = int(config.get("PRELOOP_ACTIONS_CACHE_MAX_BYTES"))
+    storage = StoreStorage(store, state_dir, cap)
+    storage.sweep_abandoned_uploads()
+    storage.remove_expired_artifacts(int(config.get("PRELOOP_ARTIFACT_RETENTION_DAYS")))
+    with _serving(storage) as server:
+        yield ServiceEndpoint(server.url, server.secret)

@@ -34,7 +34,7 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 from aiohttp import web
@@ -45,6 +45,7 @@ from preloop.services.tokens import Claims, TokenError, verify
 __all__ = ["ServiceServer"]
 
 _log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ARTIFACT_SERVICE = "github.actions.results.api.v1.ArtifactService"
 CACHE_SERVICE = "github.actions.results.api.v1.CacheService"
@@ -173,6 +174,14 @@ class ServiceServer:
                 401, "unauthenticated", f"ACTIONS_RUNTIME_TOKEN refused: {exc}"
             ) from None
 
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs a storage call: inline for local files, in a worker thread when
+        it is a round trip to the shared store (`ServiceStorage.remote`), so
+        one job's finalize never stalls another job's requests."""
+        if self.storage.remote:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
     # -- twirp -------------------------------------------------------------------
     async def _twirp(self, request: web.Request) -> web.Response:
         service = request.match_info["service"]
@@ -229,8 +238,12 @@ class ServiceServer:
     async def _create_artifact(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
         self._same_run(c, body)
         expires = _field(body, "expiresAt")
-        upload = self.storage.create_artifact(
-            c.run, c.job, self._name(body), str(expires) if expires else None
+        upload = await self._call(
+            self.storage.create_artifact,
+            c.run,
+            c.job,
+            self._name(body),
+            str(expires) if expires else None,
         )
         return {"ok": True, "signedUploadUrl": self.signed(f"upload/{upload}")}
 
@@ -239,8 +252,13 @@ class ServiceServer:
         digest = body.get("hash")
         if isinstance(digest, dict):
             digest = digest.get("value")
-        record = self.storage.finalize_artifact(
-            c.run, c.job, self._name(body), int(body.get("size") or 0), str(digest or "")
+        record = await self._call(
+            self.storage.finalize_artifact,
+            c.run,
+            c.job,
+            self._name(body),
+            int(body.get("size") or 0),
+            str(digest or ""),
         )
         return {"ok": True, "artifactId": str(record.id)}
 
@@ -252,8 +270,11 @@ class ServiceServer:
             name = name.get("value")
         if isinstance(ident, dict):
             ident = ident.get("value")
-        records = self.storage.list_artifacts(
-            c.run, str(name) if name else None, int(ident) if ident else None
+        records = await self._call(
+            self.storage.list_artifacts,
+            c.run,
+            str(name) if name else None,
+            int(ident) if ident else None,
         )
         return {
             "artifacts": [
@@ -272,7 +293,7 @@ class ServiceServer:
 
     async def _signed_artifact_url(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
         self._same_run(c, body)
-        records = self.storage.list_artifacts(c.run, self._name(body))
+        records = await self._call(self.storage.list_artifacts, c.run, self._name(body))
         if not records:
             raise _TwirpError(404, "not_found", f"run {c.run} has no artifact {body['name']!r}")
         return {"signedUrl": self.signed(f"artifact/{quote(c.run, safe='')}/{records[0].id}")}
@@ -280,7 +301,7 @@ class ServiceServer:
     async def _delete_artifact(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
         self._same_run(c, body)
         try:
-            ident = self.storage.delete_artifact(c.run, self._name(body))
+            ident = await self._call(self.storage.delete_artifact, c.run, self._name(body))
         except StorageError as exc:
             raise _TwirpError(404, "not_found", str(exc)) from None
         return {"ok": True, "artifactId": str(ident)}
@@ -290,7 +311,7 @@ class ServiceServer:
         if not key or not version:
             raise _TwirpError(400, "invalid_argument", "key and version are required")
         try:
-            _, upload = self.storage.reserve_cache(c.repo, c.ref, key, version)
+            _, upload = await self._call(self.storage.reserve_cache, c.repo, c.ref, key, version)
         except StorageConflict as exc:
             return {"ok": False, "signedUploadUrl": "", "message": str(exc)}
         return {"ok": True, "signedUploadUrl": self.signed(f"upload/{upload}")}
@@ -298,8 +319,13 @@ class ServiceServer:
     async def _finalize_cache(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
         key, version = str(body.get("key") or ""), str(body.get("version") or "")
         try:
-            ident = self.storage.finalize_cache(
-                c.repo, c.ref, key, version, int(_field(body, "sizeBytes") or 0)
+            ident = await self._call(
+                self.storage.finalize_cache,
+                c.repo,
+                c.ref,
+                key,
+                version,
+                int(_field(body, "sizeBytes") or 0),
             )
         except StorageError as exc:
             return {"ok": False, "entryId": "0", "message": str(exc)}
@@ -308,7 +334,9 @@ class ServiceServer:
     async def _cache_url(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
         key, version = str(body.get("key") or ""), str(body.get("version") or "")
         restore = [str(k) for k in _field(body, "restoreKeys") or []]
-        match = self.storage.match_cache(c.repo, [c.ref, c.default_ref], key, restore, version)
+        match = await self._call(
+            self.storage.match_cache, c.repo, [c.ref, c.default_ref], key, restore, version
+        )
         if match is None:
             return {"ok": False, "signedDownloadUrl": "", "matchedKey": ""}
         return {
@@ -348,7 +376,7 @@ class ServiceServer:
             raise web.HTTPNotFound()
         self._check_sig(request, f"{kind}/{ref}")
         try:
-            path = self.storage.blob_path(kind, ref.replace("%2F", "/"))
+            path = await self._call(self.storage.blob_path, kind, ref.replace("%2F", "/"))
         except ValueError:
             raise web.HTTPNotFound() from None
         if not path.is_file():
@@ -368,7 +396,9 @@ class ServiceServer:
         version = request.query.get("version", "")
         if not keys:
             return web.json_response({"message": "keys are required"}, status=400)
-        match = self.storage.match_cache(c.repo, [c.ref, c.default_ref], keys[0], keys, version)
+        match = await self._call(
+            self.storage.match_cache, c.repo, [c.ref, c.default_ref], keys[0], keys, version
+        )
         if match is None:
             return web.Response(status=204)
         return web.json_response(
@@ -384,7 +414,9 @@ class ServiceServer:
         body = await request.json()
         key, version = str(body.get("key") or ""), str(body.get("version") or "")
         try:
-            ident, upload = self.storage.reserve_cache(c.repo, c.ref, key, version)
+            ident, upload = await self._call(
+                self.storage.reserve_cache, c.repo, c.ref, key, version
+            )
         except StorageConflict as exc:
             return web.json_response({"message": str(exc)}, status=409)
         self._legacy[ident] = (upload, c, key, version)
@@ -418,7 +450,9 @@ class ServiceServer:
         ident, _, c, key, version = self._legacy_entry(request)
         body = await request.json()
         try:
-            self.storage.finalize_cache(c.repo, c.ref, key, version, int(body.get("size") or 0))
+            await self._call(
+                self.storage.finalize_cache, c.repo, c.ref, key, version, int(body.get("size") or 0)
+            )
         except StorageError as exc:
             return web.json_response({"message": str(exc)}, status=400)
         finally:

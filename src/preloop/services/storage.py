@@ -1,8 +1,9 @@
-"""Where artifacts and actions caches live: one small interface, one local implementation.
+"""Where artifacts and actions caches live: one small interface, two implementations.
 
-`ServiceStorage` is everything the HTTP services need from storage; the fleet
-(runners on other machines) can back it with the shared PostgreSQL store
-later. `LocalStorage` keeps them on this host's disk:
+`ServiceStorage` is everything the HTTP services need from storage. On the
+shared PostgreSQL store, `preloop.services.store_storage.StoreStorage` keeps
+them in the store, so runners on other machines share them; `LocalStorage`
+(the lite store) keeps them on this host's disk:
 
 ```
 <state>/artifacts/<run>/<id>.zip          an artifact, zipped as the client uploaded it
@@ -43,6 +44,7 @@ __all__ = [
     "CacheMatch",
     "LocalStorage",
     "ServiceStorage",
+    "StagedUploads",
     "StorageConflict",
     "StorageError",
 ]
@@ -95,6 +97,10 @@ class CacheMatch:
 class ServiceStorage(Protocol):
     """What the artifact and cache services need from storage."""
 
+    # True when calls are network round trips (the shared store): the server
+    # runs them in worker threads so one job's upload never stalls another's.
+    remote: bool
+
     # uploads (blob protocol): blocks, then a commit, under an upload id
     async def write_block(
         self, upload: str, block: str | None, body: AsyncIterator[bytes], limit: int
@@ -123,6 +129,13 @@ class ServiceStorage(Protocol):
     ) -> CacheMatch | None: ...
     def cache_entries(self) -> list[CacheEntry]: ...
 
+    # upkeep
+    def sweep_abandoned_uploads(self, older_than: float = 86400.0) -> int: ...
+    def remove_expired_artifacts(
+        self, retention_days: int, now: float | None = None
+    ) -> list[str]: ...
+    def close(self) -> None: ...
+
 
 def _now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
@@ -150,16 +163,15 @@ class _RunLock:
             os.close(fd)
 
 
-class LocalStorage:
-    """`ServiceStorage` on this host's disk under the state directory."""
+class StagedUploads:
+    """Uploads in progress as files on this host: blocks (or ranges) staged
+    under a directory per upload, joined into the upload's target file on
+    commit. Nothing staged is visible to readers: the storage publishes the
+    target when the upload is finalized. Shared by `LocalStorage` and
+    `preloop.services.store_storage.StoreStorage` (whose target then goes to
+    the store)."""
 
-    def __init__(self, state_dir: Path, cache_max_bytes: int = 0) -> None:
-        self.state_dir = Path(state_dir)
-        self.artifacts = self.state_dir / "artifacts"
-        self.cache_dir = self.state_dir / "actions-cache"
-        self.cache_max_bytes = cache_max_bytes
-        self._db: sqlite3.Connection | None = None
-        self._db_lock = threading.Lock()
+    def __init__(self) -> None:
         # upload id -> (directory of its blocks, the file it commits to, on commit)
         self._uploads: dict[str, tuple[Path, Path]] = {}
 
@@ -243,13 +255,6 @@ class LocalStorage:
                 path.unlink(missing_ok=True)
         return size
 
-    def blob_path(self, kind: str, ref: str) -> Path:
-        """The finished file of an artifact (`ref` = `<run>/<id>`) or a cache entry (its id)."""
-        if kind == "artifact":
-            run, _, ident = ref.partition("/")
-            return self.artifacts / _safe(run) / f"{int(ident)}.zip"
-        return self.cache_dir / "blobs" / f"{int(ref)}.tar"
-
     def _new_upload(self, root: Path, target: Path) -> str:
         upload = uuid.uuid4().hex
         directory = root / upload
@@ -262,6 +267,28 @@ class LocalStorage:
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
             (directory.parent / f"{upload}.meta").unlink(missing_ok=True)
+
+
+class LocalStorage(StagedUploads):
+    """`ServiceStorage` on this host's disk under the state directory."""
+
+    remote = False  # local files: the server calls it on its event loop
+
+    def __init__(self, state_dir: Path, cache_max_bytes: int = 0) -> None:
+        super().__init__()
+        self.state_dir = Path(state_dir)
+        self.artifacts = self.state_dir / "artifacts"
+        self.cache_dir = self.state_dir / "actions-cache"
+        self.cache_max_bytes = cache_max_bytes
+        self._db: sqlite3.Connection | None = None
+        self._db_lock = threading.Lock()
+
+    def blob_path(self, kind: str, ref: str) -> Path:
+        """The finished file of an artifact (`ref` = `<run>/<id>`) or a cache entry (its id)."""
+        if kind == "artifact":
+            run, _, ident = ref.partition("/")
+            return self.artifacts / _safe(run) / f"{int(ident)}.zip"
+        return self.cache_dir / "blobs" / f"{int(ref)}.tar"
 
     # -- artifacts ---------------------------------------------------------------
     def _run_dir(self, run: str) -> Path:

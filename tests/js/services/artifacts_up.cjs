@@ -49,6 +49,10 @@ async function run(mode) {
     fs.writeFileSync('p2/two.txt', 'second version\n');
     await client.deleteArtifact('part-2');
     await upload(client, 'part-2', 'p2');
+  } else if (mode.startsWith('dir:')) {
+    // dir:NAME:DIR uploads DIR as artifact NAME
+    const [, name, dir] = mode.split(':');
+    await upload(client, name, dir);
   } else if (mode === 'forged') {
     // the same token with the run changed: the signature no longer matches
     const [h, p, s] = process.env.ACTIONS_RUNTIME_TOKEN.split('.');

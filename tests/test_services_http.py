@@ -309,7 +309,7 @@ def test_an_artifact_goes_when_its_retention_days_pass(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path)
     for name, expires in (("short", "2026-01-01T00:00:00.000Z"), ("kept", None)):
         upload = storage.create_artifact("4", "j", name, expires)
-        target = storage._uploads[upload][1]
+        target = storage._uploads[upload].target
         target.write_bytes(b"zip")
         storage.finalize_artifact("4", "j", name, 3, "")
     now = time.mktime((2026, 6, 1, 0, 0, 0, 0, 0, 0))

@@ -51,6 +51,7 @@ CACHE_SERVICE = "github.actions.results.api.v1.CacheService"
 _URL_TTL = 6 * 3600
 MAX_BLOCK = 4000 * 1024 * 1024  # Azure's limit for one block
 MAX_BLOB = 50 * 1024**3  # an upload larger than this is refused
+_READ_BUFSIZE = 4 << 20  # 64 KiB by default: a 200 MB body in 4 MiB reads, not 3,200
 
 
 class _TwirpError(Exception):
@@ -119,7 +120,9 @@ class ServiceServer:
         loop = asyncio.new_event_loop()
         self._loop = loop
         try:
-            runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+            runner = web.AppRunner(
+                self.app(), access_log=None, handle_signals=False, read_bufsize=_READ_BUFSIZE
+            )
             loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, "127.0.0.1", 0, backlog=512)
             loop.run_until_complete(site.start())

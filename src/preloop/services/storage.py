@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -33,7 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -48,7 +49,6 @@ __all__ = [
 ]
 
 _BLOCK_ID = re.compile(r"^[A-Za-z0-9+/=_-]{1,100}$")  # Azure: <= 64 bytes, base64
-_COPY_CHUNK = 1 << 20
 
 
 class StorageError(Exception):
@@ -128,8 +128,50 @@ def _now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def _fsync_replace(tmp: Path, dest: Path) -> None:
-    os.replace(tmp, dest)
+@dataclass(slots=True)
+class _Upload:
+    """An upload in progress: the directory of its blocks, the file its commit
+    makes, and where each staged block lies (a file of its own, or `None` for
+    the data file, at an offset) with the data file's end."""
+
+    directory: Path
+    target: Path
+    placed: dict[str, tuple[Path | None, int, int]] = field(default_factory=dict)
+    end: int = 0
+    appending: bool = False
+
+    @property
+    def data(self) -> Path:
+        return self.directory / "data"  # block files are named in hex: never "data"
+
+
+async def _stream_to(path: Path, offset: int, body: AsyncIterator[bytes], limit: int) -> int:
+    """Writes `body` into `path` from `offset` (creating it); more than
+    `limit` bytes raises `StorageError`. Returns the bytes written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    size = 0
+    try:
+        async for chunk in body:
+            if size + len(chunk) > limit:
+                raise StorageError(f"upload is larger than the limit of {limit} bytes")
+            view = memoryview(chunk)
+            while view:
+                n = os.pwrite(fd, view, offset + size)
+                size += n
+                view = view[n:]
+    finally:
+        os.close(fd)
+    return size
+
+
+def _copy_range(src: int, src_at: int, dst: int, dst_at: int, count: int) -> None:
+    """Copies `count` bytes between file descriptors in the kernel."""
+    done = 0
+    while done < count:
+        n = os.copy_file_range(src, dst, count - done, src_at + done, dst_at + done)
+        if n == 0:
+            raise StorageError("a staged block is shorter than when it was written")
+        done += n
 
 
 class _RunLock:
@@ -161,10 +203,10 @@ class LocalStorage:
         self._db: sqlite3.Connection | None = None
         self._db_lock = threading.Lock()
         # upload id -> (directory of its blocks, the file it commits to, on commit)
-        self._uploads: dict[str, tuple[Path, Path]] = {}
+        self._uploads: dict[str, _Upload] = {}
 
     # -- uploads -----------------------------------------------------------------
-    def _upload(self, upload: str) -> tuple[Path, Path]:
+    def _upload(self, upload: str) -> _Upload:
         try:
             return self._uploads[upload]
         except KeyError:
@@ -174,26 +216,37 @@ class LocalStorage:
         self, upload: str, block: str | None, body: AsyncIterator[bytes], limit: int
     ) -> int:
         """Streams one block (or, with `block=None`, the whole blob) to disk.
-        More than `limit` bytes is refused and nothing of it is kept."""
-        directory, target = self._upload(upload)
+        More than `limit` bytes is refused and nothing of it is kept.
+
+        A block that arrives while no other block of the upload is arriving is
+        appended to the upload's data file: clients send their blocks in order
+        (GitHub's artifact client one after the other), so the commit finds
+        them there in list order and only renames the file. Blocks that
+        overlap another's arrival go to files of their own."""
+        up = self._upload(upload)
         if block is not None and not _BLOCK_ID.match(block):
             raise StorageError(f"bad block id {block!r}")
+        if block is not None and not up.appending:
+            up.appending = True
+            try:
+                offset = up.end
+                size = await _stream_to(up.data, offset, body, limit)
+                up.placed[block] = (None, offset, size)
+                up.end = offset + size
+            finally:
+                up.appending = False
+            return size
         name = block.encode().hex() if block is not None else "whole"
-        dest = directory / name if block is not None else Path(f"{target}.part")
-        tmp = directory / f".{name}.{uuid.uuid4().hex[:8]}"
-        size = 0
+        tmp = up.directory / f".{name}.{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as fh:
-                async for chunk in body:
-                    size += len(chunk)
-                    if size > limit:
-                        raise StorageError(f"upload is larger than the limit of {limit} bytes")
-                    fh.write(chunk)
-            os.replace(tmp, dest)
+            size = await _stream_to(tmp, 0, body, limit)
+            if block is None:
+                os.replace(tmp, up.target)
+            else:
+                os.replace(tmp, up.directory / name)
+                up.placed[block] = (up.directory / name, 0, size)
         finally:
             tmp.unlink(missing_ok=True)
-        if block is None:
-            os.replace(dest, target)
         return size
 
     async def write_range(
@@ -201,46 +254,41 @@ class LocalStorage:
     ) -> int:
         """Writes a chunk at `offset` of the upload's file (the legacy cache
         protocol's `Content-Range` PATCHes); the file ends at most at `limit`."""
-        _, target = self._upload(upload)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        size = 0
-        try:
-            async for chunk in body:
-                if offset + size + len(chunk) > limit:
-                    raise StorageError(f"upload is larger than the limit of {limit} bytes")
-                os.pwrite(fd, chunk, offset + size)
-                size += len(chunk)
-        finally:
-            os.close(fd)
-        return size
+        return await _stream_to(self._upload(upload).target, offset, body, limit - offset)
 
     def commit_blocks(self, upload: str, blocks: Sequence[str]) -> int:
-        """Joins the staged blocks, in `blocks` order, into the upload's file."""
-        directory, target = self._upload(upload)
-        part = Path(f"{target}.part")
-        size = 0
-        with open(part, "wb") as out:
-            for block in blocks:
-                path = directory / block.encode().hex()
-                try:
-                    src = open(path, "rb")  # noqa: SIM115
-                except FileNotFoundError:
-                    raise StorageError(f"block {block!r} was never uploaded") from None
-                with src:
-                    n = os.fstat(src.fileno()).st_size
-                    offset = 0
-                    while offset < n:
-                        copied = os.copy_file_range(
-                            src.fileno(), out.fileno(), n - offset, offset, size + offset
-                        )
-                        if copied == 0:
-                            break
-                        offset += copied
-                    size += n
-        os.replace(part, target)
-        for path in directory.iterdir():
+        """Makes the staged blocks, in `blocks` order, the upload's file: a
+        rename when they lie in the data file in that order (the usual case),
+        else a copy of each block in turn (in-kernel, `copy_file_range`)."""
+        up = self._upload(upload)
+        regions: list[tuple[Path | None, int, int]] = []
+        for block in blocks:
+            try:
+                regions.append(up.placed[block])
+            except KeyError:
+                raise StorageError(f"block {block!r} was never uploaded") from None
+        size = sum(n for _, _, n in regions)
+        in_order = all(path is None for path, _, _ in regions) and [
+            off for _, off, _ in regions
+        ] == list(itertools.accumulate((n for _, _, n in regions[:-1]), initial=0))
+        if in_order:
+            with open(up.data, "ab") as fh:  # created when there were no blocks
+                fh.truncate(size)
+            os.replace(up.data, up.target)
+        else:
+            part = Path(f"{up.target}.part")
+            with open(part, "wb") as out:
+                at = 0
+                for path, offset, n in regions:
+                    with open(path or up.data, "rb") as src:
+                        _copy_range(src.fileno(), offset, out.fileno(), at, n)
+                    at += n
+            os.replace(part, up.target)
+        for path in up.directory.iterdir():
             if not path.name.startswith("."):
                 path.unlink(missing_ok=True)
+        up.placed.clear()
+        up.end = 0
         return size
 
     def blob_path(self, kind: str, ref: str) -> Path:
@@ -254,14 +302,14 @@ class LocalStorage:
         upload = uuid.uuid4().hex
         directory = root / upload
         directory.mkdir(parents=True)
-        self._uploads[upload] = (directory, target)
+        self._uploads[upload] = _Upload(directory, target)
         return upload
 
     def _end_upload(self, upload: str) -> None:
-        directory, _target = self._uploads.pop(upload, (None, None))
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
-            (directory.parent / f"{upload}.meta").unlink(missing_ok=True)
+        up = self._uploads.pop(upload, None)
+        if up is not None:
+            shutil.rmtree(up.directory, ignore_errors=True)
+            (up.directory.parent / f"{upload}.meta").unlink(missing_ok=True)
 
     # -- artifacts ---------------------------------------------------------------
     def _run_dir(self, run: str) -> Path:
@@ -284,9 +332,9 @@ class LocalStorage:
 
     def _pending(self, run: str) -> dict[str, str]:
         return {
-            up: str(target)
-            for up, (_, target) in self._uploads.items()
-            if target.parent == self._run_dir(run) / ".uploads"
+            ident: str(up.target)
+            for ident, up in self._uploads.items()
+            if up.target.parent == self._run_dir(run) / ".uploads"
         }
 
     def create_artifact(self, run: str, job: str, name: str, expires_at: str | None) -> str:
@@ -323,7 +371,7 @@ class LocalStorage:
             if not match:
                 raise StorageError(f"no upload of artifact {name!r} is in progress in run {run}")
             upload = match[0]
-            _, target = self._uploads[upload]
+            target = self._uploads[upload].target
             try:
                 meta = json.loads((uploads / f"{upload}.meta").read_text(encoding="utf-8"))
                 actual = target.stat().st_size
@@ -612,11 +660,11 @@ class LocalStorage:
     def close(self) -> None:
         """Abandons the uploads still in progress (their blocks and partial
         files go; a pending cache entry is dropped) and closes the index."""
-        for upload, (directory, target) in list(self._uploads.items()):
-            shutil.rmtree(directory, ignore_errors=True)
-            (directory.parent / f"{upload}.meta").unlink(missing_ok=True)
-            target.unlink(missing_ok=True)
-            Path(f"{target}.part").unlink(missing_ok=True)
+        for upload, up in list(self._uploads.items()):
+            shutil.rmtree(up.directory, ignore_errors=True)
+            (up.directory.parent / f"{upload}.meta").unlink(missing_ok=True)
+            up.target.unlink(missing_ok=True)
+            Path(f"{up.target}.part").unlink(missing_ok=True)
             if self._db is not None:
                 with self._tx() as db:
                     db.execute("DELETE FROM entries WHERE upload=? AND state='pending'", (upload,))

@@ -3,6 +3,7 @@ the legacy cache protocol (GitHub's client), retention, and tool-cache refresh."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -315,3 +316,64 @@ def test_an_artifact_goes_when_its_retention_days_pass(tmp_path: Path) -> None:
     now = time.mktime((2026, 6, 1, 0, 0, 0, 0, 0, 0))
     assert storage.remove_expired_artifacts(0, now=now) == []
     assert [r.name for r in storage.list_artifacts("4")] == ["kept"]
+
+
+def _cache_client(tmp_path: Path, acc: ServiceAccess, ref: str, *ops: str, v2: bool = True) -> str:
+    """GitHub's @actions/cache in a job on `ref` (tests/js/services/cache.cjs):
+    the lines it prints, one per operation (its debug lines left out)."""
+    work = tmp_path / "w"
+    work.mkdir(exist_ok=True)
+    # only a pull request's run has a base branch
+    base = acc.base_ref if ref.startswith("refs/pull/") else ""
+    scoped = dataclasses.replace(acc, ref=ref, base_ref=base)
+    env = {
+        **os.environ,
+        **job_environment(tmp_path / "state", scoped, "1", "job"),
+        "NODE_PATH": str(ROOT / "node_modules"),
+        "RUNNER_TEMP": str(tmp_path),
+        "GITHUB_WORKSPACE": str(work),
+    }
+    if not v2:
+        del env["ACTIONS_CACHE_SERVICE_V2"]
+    script = ROOT / "tests" / "js" / "services" / "cache.cjs"
+    out = subprocess.run(
+        ["node", str(script), *ops], cwd=work, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return "\n".join(ln for ln in out.stdout.splitlines() if ln.startswith(("save ", "restore ")))
+
+
+def test_a_pull_request_reads_its_base_branchs_caches(tmp_path: Path) -> None:
+    """GitHub's order: the run's own ref, the pull request's base branch, the
+    default branch; in each, the exact key, the key as a prefix, then each
+    restore key (newest first). Both protocols, with GitHub's client."""
+    pr, base, main = "refs/pull/1/merge", "refs/heads/feat", "refs/heads/main"
+    (tmp_path / "w" / "deps").mkdir(parents=True)
+    (tmp_path / "w" / "deps" / "f").write_text("x")
+    with run_services(tmp_path / "state", "/repo/a", pr, main, base) as acc:
+        _cache_client(tmp_path, acc, base, "save:pfx-feat:deps", "save:only-feat:deps")
+        # saved after the base branch's: the newest under the prefix, but read last
+        _cache_client(tmp_path, acc, main, "save:pfx-main:deps", "save:only-main:deps")
+        _cache_client(tmp_path, acc, pr, "save:deps-linux-1:deps", "save:other-1:deps")
+        for v2 in (True, False):
+            out = _cache_client(
+                tmp_path,
+                acc,
+                pr,
+                "restore:only-feat:deps",
+                "restore:only-main:deps",
+                "restore:pfx-:deps",
+                "restore:deps-linux,other-:deps",
+                "restore:nothing,only-:deps",
+                v2=v2,
+            )
+            assert out.splitlines() == [
+                "restore only-feat -> only-feat",
+                "restore only-main -> only-main",
+                "restore pfx- -> pfx-feat",  # the key as a prefix, base branch first
+                "restore deps-linux,other- -> deps-linux-1",  # the key before restore-keys
+                "restore nothing,only- -> only-feat",
+            ], (v2, out)
+        # a push to another branch reads only its own caches and the default branch's
+        out = _cache_client(tmp_path, acc, "refs/heads/x", "restore:pfx-:deps")
+        assert out == "restore pfx- -> pfx-main"

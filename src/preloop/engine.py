@@ -556,8 +556,12 @@ class Engine:
             if not self._interrupted:
                 default_ref = await anyio.to_thread.run_sync(default_branch_ref, root)
                 ref = str(selection.github.get("ref") or "")
+                base = str(selection.github.get("base_ref") or "")
+                base_ref = f"refs/heads/{base}" if base else ""  # pull requests only
                 # One service for every run of this invocation: its tokens are run-scoped.
-                with run_services(self.state_dir, str(root), ref, default_ref) as services:
+                with run_services(
+                    self.state_dir, str(root), ref, default_ref, base_ref
+                ) as services:
                     await self._drive(store, list(self.run_ids), sorted(labels), services)
             outcomes: list[RunOutcome] = []
             for run_id, planned in zip(self.run_ids, selection.plans, strict=False):

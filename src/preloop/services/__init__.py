@@ -47,6 +47,7 @@ class ServiceAccess:
     repo: str
     ref: str
     default_ref: str
+    base_ref: str = ""  # a pull request's base branch (refs/heads/...), else ""
 
 
 def job_environment(
@@ -60,7 +61,9 @@ def job_environment(
     refresh_tool_cache(tool_cache)
     env = {"RUNNER_TOOL_CACHE": str(tool_cache)}
     if access is not None:
-        claims = Claims(str(run_id), job_id, access.repo, access.ref, access.default_ref)
+        claims = Claims(
+            str(run_id), job_id, access.repo, access.ref, access.default_ref, access.base_ref
+        )
         env.update(
             ACTIONS_RUNTIME_TOKEN=mint(access.secret, claims),
             ACTIONS_RESULTS_URL=access.url,
@@ -104,16 +107,19 @@ def remove_expired_artifacts(state_dir: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def run_services(state_dir: Path, repo: str, ref: str, default_ref: str) -> Iterator[ServiceAccess]:
+def run_services(
+    state_dir: Path, repo: str, ref: str, default_ref: str, base_ref: str = ""
+) -> Iterator[ServiceAccess]:
     """Starts the artifact and cache services for one run on 127.0.0.1 and
-    stops them when the block ends."""
+    stops them when the block ends. Jobs read the caches of `ref`, then of
+    `base_ref` (a pull request's base branch), then of `default_ref`."""
     from preloop.services.server import ServiceServer  # aiohttp only when serving
 
     storage = open_storage(state_dir)
     server = ServiceServer(storage)
     server.start()
     try:
-        yield ServiceAccess(server.url, server.secret, repo, ref, default_ref)
+        yield ServiceAccess(server.url, server.secret, repo, ref, default_ref, base_ref)
     finally:
         server.stop()
         close = getattr(storage, "close", None)

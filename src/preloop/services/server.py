@@ -311,7 +311,9 @@ class ServiceServer:
     async def _cache_url(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
         key, version = str(body.get("key") or ""), str(body.get("version") or "")
         restore = [str(k) for k in _field(body, "restoreKeys") or []]
-        match = self.storage.match_cache(c.repo, [c.ref, c.default_ref], key, restore, version)
+        # as GitHub (and the REST lookup): the exact key, then the key itself
+        # as a prefix, then each restore key
+        match = self.storage.match_cache(c.repo, c.cache_refs(), key, [key, *restore], version)
         if match is None:
             return {"ok": False, "signedDownloadUrl": "", "matchedKey": ""}
         return {
@@ -371,7 +373,7 @@ class ServiceServer:
         version = request.query.get("version", "")
         if not keys:
             return web.json_response({"message": "keys are required"}, status=400)
-        match = self.storage.match_cache(c.repo, [c.ref, c.default_ref], keys[0], keys, version)
+        match = self.storage.match_cache(c.repo, c.cache_refs(), keys[0], keys, version)
         if match is None:
             return web.Response(status=204)
         return web.json_response(

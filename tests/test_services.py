@@ -101,18 +101,19 @@ def test_artifacts_upload_then_download_in_a_dependent_job(tmp_path: Path, store
     assert "listed data,other,part-1,part-2" in text
     assert "downloaded data digestMismatch=false" in text
 
-    listed = _preloop(state, "artifacts", str(outcome.run_id), "--json")
+    listed = _preloop(state, "artifacts", str(outcome.run_id), "--store", store_url, "--json")
     assert listed.returncode == 0, listed.stderr
     names = {a["name"]: a for a in json.loads(listed.stdout)["artifacts"]}
     assert sorted(names) == ["data", "other", "part-1", "part-2"]
     assert names["data"]["job"] == "up" and names["data"]["digest"].startswith("sha256:")
     # the zip as GitHub stores it, extracted with file modes kept
     out = tmp_path / "downloaded"
-    got = _preloop(state, "artifacts", str(outcome.run_id), "--download", "data", str(out))
+    run = str(outcome.run_id)
+    got = _preloop(state, "artifacts", run, "--store", store_url, "--download", "data", str(out))
     assert got.returncode == 0, got.stderr
     assert _tree(out) == _tree(repo / "data")
     assert _tree(out)["run.sh"][1] == 0o755
-    missing = _preloop(state, "artifacts", str(outcome.run_id), "--download", "nope")
+    missing = _preloop(state, "artifacts", run, "--store", store_url, "--download", "nope")
     assert missing.returncode == 2 and "no artifact named 'nope'" in missing.stderr
     # nothing half-written is left in the run's directory
     run_dir = state / "artifacts" / str(outcome.run_id)
@@ -120,6 +121,44 @@ def test_artifacts_upload_then_download_in_a_dependent_job(tmp_path: Path, store
         f"{names[n]['id']}.zip" for n in sorted(names, key=lambda n: names[n]["id"])
     ]
     assert not any((run_dir / ".uploads").iterdir())
+
+
+def test_run_ids_repeating_across_stores_keep_their_own_artifacts(tmp_path: Path) -> None:
+    """Two stores sharing one state directory (another --store, a lite store
+    reset) both have a run 1: each run's artifacts are its own, the second
+    run's upload of the same name is no duplicate, and `preloop artifacts 1`
+    shows the run of the store it is given."""
+    jobs = """
+  up:
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          mkdir -p a && cp who.txt a/
+          node $JS/artifacts_up.cjs one:a:a
+"""
+    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    state = tmp_path / "state"
+    stores = {tag: f"sqlite:///{tmp_path / f'{tag}.db'}" for tag in ("first", "second")}
+    for tag, url in stores.items():
+        (repo / "who.txt").write_text(f"{tag}\n")
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", tag)
+        outcome, h = run_engine(repo, url, state)
+        assert outcome.run_id == 1
+        assert results(outcome) == {"up": "success"}, h.all_text()
+    for tag, url in stores.items():
+        listed = _preloop(state, "artifacts", "1", "--store", url, "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert [a["name"] for a in json.loads(listed.stdout)["artifacts"]] == ["a"]
+        out = tmp_path / f"got-{tag}"
+        got = _preloop(state, "artifacts", "1", "--store", url, "--download", "a", str(out))
+        assert got.returncode == 0, got.stderr
+        assert (out / "who.txt").read_text() == f"{tag}\n"
+    # the first store's run was moved aside, not removed or mixed in
+    runs = sorted(p.name for p in (state / "artifacts").iterdir() if p.name[0] != ".")
+    assert len(runs) == 2 and runs[0] == "1" and runs[1].startswith("1.run-"), runs
+    unknown = _preloop(state, "artifacts", "7", "--store", stores["first"])
+    assert unknown.returncode != 0 and "no run 7" in unknown.stderr
 
 
 def test_artifacts_of_1000_files_and_one_200_mb_file(tmp_path: Path) -> None:

@@ -560,7 +560,7 @@ class Engine:
                 base_ref = f"refs/heads/{base}" if base else ""  # pull requests only
                 # One service for every run of this invocation: its tokens are run-scoped.
                 with run_services(
-                    self.state_dir, str(root), ref, default_ref, base_ref
+                    self.state_dir, str(root), ref, default_ref, base_ref, run_key
                 ) as services:
                     await self._drive(store, list(self.run_ids), sorted(labels), services)
             outcomes: list[RunOutcome] = []

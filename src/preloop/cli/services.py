@@ -18,8 +18,10 @@ from rich.table import Table
 
 from preloop import config
 from preloop.cli.app import cli, emit_json, state_dir_option
-from preloop.errors import UsageError
-from preloop.services.storage import LocalStorage
+from preloop.control import UnknownRun
+from preloop.engine import default_store_url, open_user_store
+from preloop.errors import PreloopError, UsageError
+from preloop.services.storage import LocalStorage, artifact_run_name
 from preloop.services.toolcache import default_tool_cache, list_tool_cache, refresh_tool_cache
 
 __all__ = ["actions_cache_document", "print_actions_cache"]
@@ -90,23 +92,26 @@ def toolcache_command(state_dir: Path | None, as_json: bool, no_refresh: bool) -
     help="Extract artifact NAME into DIR (default: ./NAME), file modes kept.",
 )
 @click.argument("directory", required=False, type=click.Path(path_type=Path, file_okay=False))
+@click.option("--store", help="Store URL (default: $PRELOOP_STORE_URL, else the lite store).")
 @state_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document for scripts.")
 def artifacts_command(
     run_id: int,
     download: str | None,
     directory: Path | None,
+    store: str | None,
     state_dir: Path | None,
     as_json: bool,
 ) -> None:
-    """List the artifacts run RUN_ID uploaded, or download one.
+    """List the artifacts run RUN_ID (of the store) uploaded, or download one.
 
     Artifacts are kept under <state>/artifacts/<run> as the zips the
     upload-artifact action made, for PRELOOP_ARTIFACT_RETENTION_DAYS.
     """
     state = state_dir if state_dir is not None else config.state_dir()
+    name = _artifacts_of(state, store, run_id)
     storage = LocalStorage(state)
-    records = storage.list_artifacts(str(run_id))
+    records = storage.list_artifacts(name) if name is not None else []
     if download is None:
         if directory is not None:
             raise UsageError("DIR is only taken with --download NAME")
@@ -128,12 +133,28 @@ def artifacts_command(
         raise UsageError(f"run {run_id} has no artifact named {download!r} (it has: {names})")
     record = match[0]
     dest = (directory if directory is not None else Path(download)).absolute()
-    archive = storage.blob_path("artifact", f"{run_id}/{record.id}")
+    archive = storage.blob_path("artifact", f"{name}/{record.id}")
     extracted = _extract(archive, dest)
     if as_json:
         emit_json({"run_id": run_id, "name": download, "directory": str(dest), "files": extracted})
     else:
         click.echo(f"extracted {extracted} files of {download!r} into {dest}")
+
+
+def _artifacts_of(state: Path, store: str | None, run_id: int) -> str | None:
+    """The name under <state>/artifacts of the store's run RUN_ID's artifacts
+    (run ids repeat across stores sharing a state directory: the run's unique
+    key tells them apart), or None when it has none there."""
+    url = default_store_url(state, store)
+    db = open_user_store(url, store)
+    with db:
+        try:
+            context = db.run_context(run_id)
+        except UnknownRun:
+            raise PreloopError(f"no run {run_id} in {db.url}: see `preloop status`") from None
+    engine = (context.get("github") or {}).get("preloop_engine") or {}
+    key = engine.get("run_key") if isinstance(engine, dict) else None
+    return artifact_run_name(state, str(run_id), str(key) if key else None)
 
 
 def _extract(archive: Path, dest: Path) -> int:

@@ -89,9 +89,11 @@ def default_branch_ref(root: Path) -> str:
     return "refs/heads/main"
 
 
-def open_storage(state_dir: Path) -> ServiceStorage:
-    """The storage of this state directory (local disk; see `ServiceStorage`)."""
-    return LocalStorage(state_dir, int(config.get("PRELOOP_ACTIONS_CACHE_MAX_BYTES")))
+def open_storage(state_dir: Path, run_key: str | None = None) -> ServiceStorage:
+    """The storage of this state directory (local disk; see `ServiceStorage`)
+    for the runs with the unique key `run_key` (one `preloop run`)."""
+    cap = int(config.get("PRELOOP_ACTIONS_CACHE_MAX_BYTES"))
+    return LocalStorage(state_dir, cap, run_key=run_key)
 
 
 def remove_expired_artifacts(state_dir: Path) -> list[str]:
@@ -108,14 +110,21 @@ def remove_expired_artifacts(state_dir: Path) -> list[str]:
 
 @contextlib.contextmanager
 def run_services(
-    state_dir: Path, repo: str, ref: str, default_ref: str, base_ref: str = ""
+    state_dir: Path,
+    repo: str,
+    ref: str,
+    default_ref: str,
+    base_ref: str = "",
+    run_key: str | None = None,
 ) -> Iterator[ServiceAccess]:
     """Starts the artifact and cache services for one run on 127.0.0.1 and
     stops them when the block ends. Jobs read the caches of `ref`, then of
-    `base_ref` (a pull request's base branch), then of `default_ref`."""
+    `base_ref` (a pull request's base branch), then of `default_ref`;
+    `run_key` (`github.preloop_engine.run_key`) tells the runs' artifacts
+    from those of another store's runs with the same ids."""
     from preloop.services.server import ServiceServer  # aiohttp only when serving
 
-    storage = open_storage(state_dir)
+    storage = open_storage(state_dir, run_key)
     server = ServiceServer(storage)
     server.start()
     try:

@@ -7,6 +7,8 @@ later. `LocalStorage` keeps them on this host's disk:
 ```
 <state>/artifacts/<run>/<id>.zip          an artifact, zipped as the client uploaded it
 <state>/artifacts/<run>/<id>.json         its record (name, size, digest, job, dates)
+<state>/artifacts/<run>/run-key           the unique key of the run whose artifacts these are
+<state>/artifacts/<run>.<key>/            another store's run <run>, moved aside
 <state>/artifacts/<run>/.uploads/<u>/     blocks of an upload in progress
 <state>/actions-cache/index.db            cache entries (SQLite): scope, key, version, use
 <state>/actions-cache/blobs/<id>.tar      a cache archive
@@ -17,6 +19,12 @@ An upload is written under a temporary name and becomes visible only when
 its record is renamed into place after the size check (artifacts) or the
 index row turns `ready` (caches), so a killed upload never leaves half an
 artifact or cache visible; leftovers are swept.
+
+Run ids repeat across the stores that share a state directory (another
+`--store`, a lite store reset), so a run's directory carries the run's unique
+key (`github.preloop_engine.run_key`) as the logs directory does: the first
+upload of a run whose key differs moves the other run's artifacts aside to
+`<run>.<its key>`, and `artifact_run_name` finds the directory of a given run.
 """
 
 from __future__ import annotations
@@ -46,8 +54,11 @@ __all__ = [
     "ServiceStorage",
     "StorageConflict",
     "StorageError",
+    "artifact_run_name",
 ]
 
+#: `<state>/artifacts/<run>/run-key` (the name the logs' marker has too)
+RUN_KEY_MARKER = "run-key"
 _BLOCK_ID = re.compile(r"^[A-Za-z0-9+/=_-]{1,100}$")  # Azure: <= 64 bytes, base64
 
 
@@ -195,8 +206,13 @@ class _RunLock:
 class LocalStorage:
     """`ServiceStorage` on this host's disk under the state directory."""
 
-    def __init__(self, state_dir: Path, cache_max_bytes: int = 0) -> None:
+    def __init__(
+        self, state_dir: Path, cache_max_bytes: int = 0, run_key: str | None = None
+    ) -> None:
+        """`run_key`: the unique key of the runs this storage serves (one
+        `preloop run`); their artifact directories are claimed with it."""
         self.state_dir = Path(state_dir)
+        self.run_key = run_key
         self.artifacts = self.state_dir / "artifacts"
         self.cache_dir = self.state_dir / "actions-cache"
         self.cache_max_bytes = cache_max_bytes
@@ -337,7 +353,30 @@ class LocalStorage:
             if up.target.parent == self._run_dir(run) / ".uploads"
         }
 
+    def _claim_run_dir(self, run: str) -> None:
+        """Makes `artifacts/<run>` the directory of this storage's run: what
+        another run with the same id (another store's) left there is moved
+        aside to `<run>.<its key>` first, never mixed in or refused as a
+        duplicate name."""
+        if not self.run_key:
+            return
+        directory = self._run_dir(run)
+        with _RunLock(self.artifacts).hold():
+            current = _read_marker(directory)
+            if current == self.run_key:
+                return
+            if directory.exists():
+                aside = self.artifacts / f"{_safe(run)}.{_safe(current or 'unknown')}"
+                if aside.exists():
+                    shutil.rmtree(aside, ignore_errors=True)
+                directory.rename(aside)
+            directory.mkdir(parents=True)
+            tmp = directory / f".{RUN_KEY_MARKER}.tmp"
+            tmp.write_text(self.run_key, encoding="utf-8")
+            os.replace(tmp, directory / RUN_KEY_MARKER)
+
     def create_artifact(self, run: str, job: str, name: str, expires_at: str | None) -> str:
+        self._claim_run_dir(run)
         directory = self._run_dir(run)
         with _RunLock(directory).hold():
             if any(r.name == name for r in self._records(run)):
@@ -457,6 +496,8 @@ class LocalStorage:
         """Artifacts uploaded with `retention-days` (their `expires_at`) go when it passes."""
         with contextlib.suppress(FileNotFoundError):
             for run in os.listdir(self.artifacts):
+                if run.startswith("."):
+                    continue
                 for record in self._records(run):
                     if not record.expires_at:
                         continue
@@ -480,6 +521,8 @@ class LocalStorage:
         with contextlib.suppress(FileNotFoundError):
             for run in os.listdir(self.artifacts):
                 directory = self.artifacts / run
+                if run.startswith(".") or not directory.is_dir():
+                    continue
                 try:
                     newest = max(
                         (p.stat().st_mtime for p in directory.iterdir()),
@@ -672,6 +715,26 @@ class LocalStorage:
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+def _read_marker(directory: Path) -> str | None:
+    try:
+        return (directory / RUN_KEY_MARKER).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def artifact_run_name(state_dir: Path, run: str, run_key: str | None) -> str | None:
+    """The name under `<state>/artifacts/` of the artifacts of run `run` with
+    `run_key` (pass it as the run to `LocalStorage`'s reads), or None when
+    the artifacts there are another store's run's and this one's are not
+    kept aside either."""
+    artifacts = Path(state_dir) / "artifacts"
+    current = _read_marker(artifacts / _safe(run))
+    if run_key is None or current is None or current == run_key:
+        return run
+    aside = f"{run}.{run_key}"
+    return aside if (artifacts / _safe(aside)).is_dir() else None
 
 
 def _entry(row: Sequence[object]) -> CacheEntry:

@@ -242,6 +242,40 @@ def test_cache_miss_then_hit_across_runs_with_restore_keys(tmp_path: Path, store
     assert sorted(keys) == sorted([k1, k2])
 
 
+def test_a_pull_request_run_restores_its_base_branchs_cache(tmp_path: Path) -> None:
+    """`preloop run --event pull_request --base feat` reads the caches of feat
+    (the base branch) before those of main (the default branch), as GitHub does,
+    even when main's entry under the prefix is newer."""
+    jobs = """
+  build:
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          if [ "${{ github.event_name }}" = push ]; then
+            mkdir deps && echo "${{ github.ref_name }}" > deps/v
+            node $JS/cache.cjs "save:k-${{ github.ref_name }}:deps"
+          else
+            node $JS/cache.cjs "restore:k-:deps"
+            echo "restored $(cat deps/v)"
+          fi
+"""
+    head = f"on: [push, pull_request]\nenv:\n  NODE_PATH: {NODE_MODULES}\n  JS: {JS}\njobs:\n"
+    repo = make_repo(tmp_path / "repo", {".github/workflows/ci.yml": head + jobs})
+    state = tmp_path / "state"
+    store = f"sqlite:///{tmp_path / 'p.db'}"
+    git(repo, "checkout", "-q", "-b", "feat")
+    for branch in ("feat", "main"):  # main's entry is the newer one
+        git(repo, "checkout", "-q", branch)
+        outcome, h = run_engine(repo, store, state)
+        assert results(outcome) == {"build": "success"}, h.all_text()
+        assert f"save k-{branch} -> " in h.all_text()
+    git(repo, "checkout", "-q", "-b", "topic", "feat")
+    outcome, h = run_engine(repo, store, state, event="pull_request", base="feat")
+    text = h.all_text()
+    assert results(outcome) == {"build": "success"}, text
+    assert "restore k- -> k-feat" in text and "restored feat" in text, text
+
+
 def test_cache_evicts_least_recently_used_at_the_cap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,6 +3,7 @@ the legacy cache protocol (GitHub's client), retention, and tool-cache refresh."
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -12,14 +13,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from preloop.services import ServiceAccess, job_environment, run_services
-from preloop.services.storage import LocalStorage, StorageConflict
+from preloop.services.storage import LocalStorage, StorageConflict, StorageError
 from preloop.services.tokens import Claims, mint
 from preloop.services.toolcache import list_tool_cache, refresh_tool_cache, setup_action_hint
 
@@ -377,3 +378,66 @@ def test_a_pull_request_reads_its_base_branchs_caches(tmp_path: Path) -> None:
         # a push to another branch reads only its own caches and the default branch's
         out = _cache_client(tmp_path, acc, "refs/heads/x", "restore:pfx-:deps")
         assert out == "restore pfx- -> pfx-main"
+
+
+def test_blocks_commit_in_list_order_whatever_order_they_arrived(tmp_path: Path) -> None:
+    """Blocks sent in order become the file by a rename (the same inode as the
+    data file they were written into); out of order, at the same time, retried
+    or cut short, the commit still joins exactly the listed blocks' last bytes."""
+    storage = LocalStorage(tmp_path)
+    unknown = 1 << 40  # a block without Content-Length: no region reserved
+
+    async def body(data: bytes, *gates: asyncio.Event) -> AsyncIterator[bytes]:
+        half = len(data) // 2
+        yield data[:half]
+        if gates:
+            gates[0].set()  # the first half is written: let the other block run
+            await gates[1].wait()
+        yield data[half:]
+
+    async def broken(data: bytes) -> AsyncIterator[bytes]:
+        yield data
+        raise ConnectionResetError
+
+    def new_upload(name: str) -> tuple[str, Path]:
+        upload = storage.create_artifact("9", "j", name, None)
+        return upload, storage._uploads[upload].target
+
+    async def scenario() -> None:
+        a, b, c = (bytes([n]) * (300_000 + n) for n in (1, 2, 3))
+        # in order, with lengths known: renamed into place
+        upload, target = new_upload("in-order")
+        data = storage._uploads[upload].data
+        for block, chunk in (("QQ==", a), ("Qg==", b), ("Qw==", c)):
+            await storage.write_block(upload, block, body(chunk), len(chunk))
+        inode = data.stat().st_ino
+        assert storage.commit_blocks(upload, ["QQ==", "Qg==", "Qw=="]) == len(a + b + c)
+        assert target.read_bytes() == a + b + c and target.stat().st_ino == inode
+        # out of order: joined by copying
+        upload, target = new_upload("out-of-order")
+        for block, chunk in (("Qw==", c), ("QQ==", a), ("Qg==", b)):
+            await storage.write_block(upload, block, body(chunk), len(chunk))
+        storage.commit_blocks(upload, ["QQ==", "Qg==", "Qw=="])
+        assert target.read_bytes() == a + b + c
+        # two of unknown length at once, one cut short and sent again, one retried
+        upload, target = new_upload("concurrent")
+        first_half, go_on = asyncio.Event(), asyncio.Event()
+
+        async def second() -> None:
+            await first_half.wait()
+            await storage.write_block(upload, "Qg==", body(b), unknown)
+            go_on.set()
+
+        await asyncio.gather(
+            storage.write_block(upload, "QQ==", body(a, first_half, go_on), unknown), second()
+        )
+        with pytest.raises(ConnectionResetError):
+            await storage.write_block(upload, "Qw==", broken(c[:1000]), len(c))
+        await storage.write_block(upload, "Qw==", body(c), len(c))
+        await storage.write_block(upload, "QQ==", body(b"again"), 5)
+        assert storage.commit_blocks(upload, ["QQ==", "Qg==", "Qw=="]) == 5 + len(b + c)
+        assert target.read_bytes() == b"again" + b + c
+        with pytest.raises(StorageError, match="never uploaded"):
+            storage.commit_blocks(upload, ["QQ==", "RA=="])
+
+    asyncio.run(scenario())

@@ -331,7 +331,9 @@ class ServiceServer:
         try:
             if comp == "block":
                 block = request.query.get("blockid", "")
-                await self.storage.write_block(upload, block, _chunks(request), MAX_BLOCK)
+                # aiohttp ends the body at Content-Length: the block is at most that
+                limit = min(MAX_BLOCK, request.content_length or MAX_BLOCK)
+                await self.storage.write_block(upload, block, _chunks(request), limit)
             elif comp == "blocklist":
                 blocks = _block_list(await request.read())
                 # joining 200 MB of blocks must not stall the other jobs' requests

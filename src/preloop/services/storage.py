@@ -57,6 +57,9 @@ __all__ = [
     "artifact_run_name",
 ]
 
+#: the largest block given a region of the data file before it arrives (see
+#: `LocalStorage.write_block`); GitHub's clients send 8 MiB and 32-64 MiB blocks
+_RESERVE_MAX = 256 << 20
 #: `<state>/artifacts/<run>/run-key` (the name the logs' marker has too)
 RUN_KEY_MARKER = "run-key"
 _BLOCK_ID = re.compile(r"^[A-Za-z0-9+/=_-]{1,100}$")  # Azure: <= 64 bytes, base64
@@ -234,14 +237,23 @@ class LocalStorage:
         """Streams one block (or, with `block=None`, the whole blob) to disk.
         More than `limit` bytes is refused and nothing of it is kept.
 
-        A block that arrives while no other block of the upload is arriving is
-        appended to the upload's data file: clients send their blocks in order
-        (GitHub's artifact client one after the other), so the commit finds
-        them there in list order and only renames the file. Blocks that
-        overlap another's arrival go to files of their own."""
+        Blocks go into the upload's data file in the order they arrive, so
+        that the commit of blocks sent in order (what clients do: GitHub's
+        artifact client one after the other, its cache client a few at a
+        time in index order) only renames the file. A block of a known
+        length (`limit` is its Content-Length, at most `_RESERVE_MAX`) gets
+        a region of that length at the end, however many arrive at once; one
+        of unknown length is appended when no other is arriving, else it goes
+        to a file of its own."""
         up = self._upload(upload)
         if block is not None and not _BLOCK_ID.match(block):
             raise StorageError(f"bad block id {block!r}")
+        if block is not None and limit <= _RESERVE_MAX and not up.appending:
+            offset = up.end
+            up.end += limit  # a block that ends short leaves a gap: its commit copies
+            size = await _stream_to(up.data, offset, body, limit)
+            up.placed[block] = (None, offset, size)
+            return size
         if block is not None and not up.appending:
             up.appending = True
             try:

@@ -119,7 +119,8 @@ def artifacts_command(
             emit_json({"run_id": run_id, "artifacts": [r.to_dict() for r in records]})
             return
         if not records:
-            click.echo(f"run {run_id} has no artifacts in {state / 'artifacts'}")
+            other = "" if name is not None else " (those of its id there are another store's run's)"
+            click.echo(f"run {run_id} has no artifacts in {state / 'artifacts'}{other}")
             return
         console = Console(file=sys.stdout, soft_wrap=True)
         table = Table("id", "name", "size", "job", "created (UTC)", box=None)

@@ -51,7 +51,9 @@ CACHE_SERVICE = "github.actions.results.api.v1.CacheService"
 _URL_TTL = 6 * 3600
 MAX_BLOCK = 4000 * 1024 * 1024  # Azure's limit for one block
 MAX_BLOB = 50 * 1024**3  # an upload larger than this is refused
-_READ_BUFSIZE = 4 << 20  # 64 KiB by default: a 200 MB body in 4 MiB reads, not 3,200
+# how much of a body aiohttp buffers before it stops reading the socket (64 KiB
+# by default: a 200 MB upload paused and resumed thousands of times)
+_READ_BUFSIZE = 4 << 20
 
 
 class _TwirpError(Exception):

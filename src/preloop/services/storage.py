@@ -221,7 +221,7 @@ class LocalStorage:
         self.cache_max_bytes = cache_max_bytes
         self._db: sqlite3.Connection | None = None
         self._db_lock = threading.Lock()
-        # upload id -> (directory of its blocks, the file it commits to, on commit)
+        # upload id -> where its blocks are and the file its commit makes
         self._uploads: dict[str, _Upload] = {}
 
     # -- uploads -----------------------------------------------------------------

@@ -7,12 +7,17 @@
   (`compressionLevel: 0`, as workflows upload large binaries). Target <= 2x.
 - **cache**: `@actions/cache` saves a 200 MB directory (tar + zstd, create,
   upload, finalize) and restores it after the directory is removed, against
-  `tar -cf` + `cp` of the archive + `tar -xf`. Target <= 1.5x.
+  `tar -cf` + `cp` of the archive + `tar -xf`. Target <= 1.5x. A **client
+  only** line runs what the client does besides the service (loading
+  `@actions/cache`, its `tar` through `zstdmt --long=30`, and back).
 
-A third line, **service only**, sends the 200 MB file through the same HTTP
-calls from Python (8 MiB blocks, block list, finalize, signed GET to a file), so
-the service's share of the client's time is visible: the rest is the client's
-own zip and unzip in JavaScript.
+Two more lines split the artifact time. **service only** sends the 200 MB
+file through the same HTTP calls from Python (8 MiB blocks, block list,
+finalize, signed GET to a file): the service's share. **client only** runs
+what GitHub's client does on its own with no service at all (loading
+`@actions/artifact`, its zip of the tree into a file with a sha256 alongside,
+then `unzip-stream` with a sha256 alongside, as its download does): the floor
+any service leaves the client at, whatever it does.
 
 Every round is one `node` process (its start-up is counted: a step pays it too)
 against one service started for the module. Trees are built once under
@@ -137,7 +142,41 @@ def test_artifact_round_trip(
     )
 
 
-@pytest.mark.parametrize("impl", ["preloop", "tar + cp"])
+@pytest.mark.parametrize(("tree", "level"), [("small", 6), ("big", 0)])
+def test_artifact_client_only(
+    benchmark: Any, trees: Path, tmp_path: Path, tree: str, level: int
+) -> None:
+    benchmark.group = (
+        f"artifact upload+download: {tree} ({'1,000 files' if tree == 'small' else '200 MB'})"
+    )
+    benchmark.extra_info["impl"] = "client only (GitHub's zip + unzip, no service)"
+    work = tmp_path / "w"
+
+    def setup() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        _fresh(work)
+        return (), {}
+
+    def run() -> None:
+        env = {
+            **os.environ,
+            "NODE_PATH": str(ROOT / "node_modules"),
+            "RUNNER_TEMP": str(work / "tmp"),
+        }
+        subprocess.run(
+            ["node", str(SCRIPT), "client", str(trees / tree), str(work / "out"), str(level)],
+            env=env,
+            cwd=work,
+            check=True,
+            capture_output=True,
+        )
+
+    benchmark.pedantic(run, setup=setup, rounds=3, iterations=1)
+    assert sum(1 for p in (work / "out").rglob("*") if p.is_file()) == (
+        1000 if tree == "small" else 1
+    )
+
+
+@pytest.mark.parametrize("impl", ["preloop", "tar + cp", "client only"])
 def test_cache_save_restore(
     benchmark: Any, trees: Path, services: tuple[ServiceAccess, Path], tmp_path: Path, impl: str
 ) -> None:
@@ -163,6 +202,20 @@ def test_cache_save_restore(
                 check=True,
                 capture_output=True,
             )
+
+    elif impl == "client only":
+
+        def run() -> None:
+            # what @actions/cache does besides the service: load, then its tar
+            # with zstd (zstdmt --long=30) to save and unzstd to restore
+            env = {**os.environ, "NODE_PATH": str(ROOT / "node_modules")}
+            subprocess.run(["node", "-e", "require('@actions/cache')"], env=env, check=True)
+            tar = ["tar", "--posix", "-P", "-C", str(work)]
+            zstd = ["--use-compress-program", "zstdmt --long=30"]
+            subprocess.run([*tar, "-cf", "tmp/a.tzst", *zstd, "deps"], cwd=work, check=True)
+            shutil.rmtree(work / "deps")
+            unzstd = ["--use-compress-program", "unzstd --long=30"]
+            subprocess.run([*tar, "-xf", "tmp/a.tzst", *unzstd], cwd=work, check=True)
 
     else:
 

@@ -134,6 +134,44 @@ def test_artifacts_upload_then_download_in_a_dependent_job(tmp_path: Path, store
     assert not any((run_dir / ".uploads").iterdir())
 
 
+def test_run_ids_repeating_across_stores_keep_their_own_artifacts(tmp_path: Path) -> None:
+    """Two stores sharing one state directory (another --store, a lite store
+    reset) both have a run 1: each run's artifacts are its own, the second
+    run's upload of the same name is no duplicate, and `preloop artifacts 1`
+    shows the run of the store it is given."""
+    jobs = """
+  up:
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          mkdir -p a && cp who.txt a/
+          node $JS/artifacts_up.cjs one:a:a
+"""
+    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    state = tmp_path / "state"
+    stores = {tag: f"sqlite:///{tmp_path / f'{tag}.db'}" for tag in ("first", "second")}
+    for tag, url in stores.items():
+        (repo / "who.txt").write_text(f"{tag}\n")
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", tag)
+        outcome, h = run_engine(repo, url, state)
+        assert outcome.run_id == 1
+        assert results(outcome) == {"up": "success"}, h.all_text()
+    for tag, url in stores.items():
+        listed = _preloop(state, "artifacts", "1", "--store", url, "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert [a["name"] for a in json.loads(listed.stdout)["artifacts"]] == ["a"]
+        out = tmp_path / f"got-{tag}"
+        got = _preloop(state, "artifacts", "1", "--store", url, "--download", "a", str(out))
+        assert got.returncode == 0, got.stderr
+        assert (out / "who.txt").read_text() == f"{tag}\n"
+    # the first store's run was moved aside, not removed or mixed in
+    runs = sorted(p.name for p in (state / "artifacts").iterdir() if p.name[0] != ".")
+    assert len(runs) == 2 and runs[0] == "1" and runs[1].startswith("1.run-"), runs
+    unknown = _preloop(state, "artifacts", "7", "--store", stores["first"])
+    assert unknown.returncode != 0 and "no run 7" in unknown.stderr
+
+
 def test_artifacts_of_1000_files_and_one_200_mb_file(tmp_path: Path) -> None:
     digest = "find . -type f | sort | xargs sha256sum | sha256sum | cut -c1-64"
     jobs = f"""
@@ -215,6 +253,40 @@ def test_cache_miss_then_hit_across_runs_with_restore_keys(tmp_path: Path, store
     assert sorted(keys) == sorted([k1, k2])
 
 
+def test_a_pull_request_run_restores_its_base_branchs_cache(tmp_path: Path) -> None:
+    """`preloop run --event pull_request --base feat` reads the caches of feat
+    (the base branch) before those of main (the default branch), as GitHub does,
+    even when main's entry under the prefix is newer."""
+    jobs = """
+  build:
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          if [ "${{ github.event_name }}" = push ]; then
+            mkdir deps && echo "${{ github.ref_name }}" > deps/v
+            node $JS/cache.cjs "save:k-${{ github.ref_name }}:deps"
+          else
+            node $JS/cache.cjs "restore:k-:deps"
+            echo "restored $(cat deps/v)"
+          fi
+"""
+    head = f"on: [push, pull_request]\nenv:\n  NODE_PATH: {NODE_MODULES}\n  JS: {JS}\njobs:\n"
+    repo = make_repo(tmp_path / "repo", {".github/workflows/ci.yml": head + jobs})
+    state = tmp_path / "state"
+    store = f"sqlite:///{tmp_path / 'p.db'}"
+    git(repo, "checkout", "-q", "-b", "feat")
+    for branch in ("feat", "main"):  # main's entry is the newer one
+        git(repo, "checkout", "-q", branch)
+        outcome, h = run_engine(repo, store, state)
+        assert results(outcome) == {"build": "success"}, h.all_text()
+        assert f"save k-{branch} -> " in h.all_text()
+    git(repo, "checkout", "-q", "-b", "topic", "feat")
+    outcome, h = run_engine(repo, store, state, event="pull_request", base="feat")
+    text = h.all_text()
+    assert results(outcome) == {"build": "success"}, text
+    assert "restore k- -> k-feat" in text and "restored feat" in text, text
+
+
 def test_cache_evicts_least_recently_used_at_the_cap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -245,9 +317,29 @@ def test_cache_evicts_least_recently_used_at_the_cap(
     ]
 
 
+def _host_pythons(state: Path) -> list[str]:
+    return [e.version for e in list_tool_cache(state / "toolcache") if e.tool == "Python"]
+
+
+def _newest(versions: list[str]) -> str:
+    return max(versions, key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+def _find_python_action() -> dict[str, str]:
+    src = JS / "find-python"
+    return {
+        f".github/actions/find-python/{n}": (src / n).read_text()
+        for n in ("action.yml", "index.cjs")
+    }
+
+
 def test_tool_cache_find_python_returns_the_hosts_interpreter(
     tmp_path: Path, store_url: str
 ) -> None:
+    """@actions/tool-cache's `find('Python', '3.x')` as setup-python calls it,
+    from a `run:` step and from a JavaScript action doing what setup-python
+    does with the tool cache (tests/js/services/find-python): its `3.x` step
+    succeeds with the host's newest 3.x on PATH; a version the host lacks fails."""
     jobs = """
   setup:
     runs-on: ubuntu-latest
@@ -256,16 +348,24 @@ def test_tool_cache_find_python_returns_the_hosts_interpreter(
           node $JS/toolcache.cjs 3.x
           node $JS/toolcache.cjs 2.0.1
           echo "tool cache at $RUNNER_TOOL_CACHE"
-      - uses: actions/setup-python@v5
+      - id: old
+        uses: ./.github/actions/find-python
         continue-on-error: true
         with:
           python-version: "2.0"
-      - uses: actions/setup-python@v5
-        continue-on-error: true
+      - id: py
+        uses: ./.github/actions/find-python
         with:
           python-version: "3.x"
+      - run: |
+          echo "old outcome=${{ steps.old.outcome }}"
+          echo "py outcome=${{ steps.py.outcome }} version=${{ steps.py.outputs.python-version }}"
+          echo "python is $(command -v python) at $pythonLocation"
+          test "$(python -c 'import platform; print(platform.python_version())')" = \
+            "${{ steps.py.outputs.python-version }}"
 """
-    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    files = {**_workflow(jobs), **_find_python_action()}
+    repo = make_repo(tmp_path / "repo", files)
     state = tmp_path / "state"
     outcome, h = run_engine(repo, store_url, state)
     text = h.all_text()
@@ -284,17 +384,78 @@ def test_tool_cache_find_python_returns_the_hosts_interpreter(
         check=True,
     ).stdout.strip()
     assert real == version
-    host = [e.version for e in list_tool_cache(state / "toolcache") if e.tool == "Python"]
+    host = _host_pythons(state)
     listed = next(ln for ln in lines if ln.startswith("versions ")).removeprefix("versions ")
     assert sorted(listed.split(",")) == sorted(host)
     # the newest 3.x the host has, as setup-python would pick
-    assert version == max(host, key=lambda v: tuple(int(x) for x in v.split(".")))
+    assert version == _newest(host)
     assert f"tool cache at {state / 'toolcache'}" in text
-    # a setup step asking for a version the host lacks names the versions it has
-    hint = next(ln for ln in lines if "has no Python matching '2.0'" in ln)
-    assert all(v in hint for v in host) and str(state / "toolcache") in hint
-    assert "matching '3.x'" not in text
+    # the action: 2.0 failed, 3.x succeeded and put the tool cache's 3.x on PATH
+    assert "old outcome=failure" in text
+    assert "The version '2.0' with architecture" in text
+    assert f"py outcome=success version={version}" in lines
+    assert f"python is {path}/bin/python at {path}" in lines
     shown = _preloop(state, "toolcache", "--json")
     assert shown.returncode == 0, shown.stderr
     entries = json.loads(shown.stdout)["entries"]
     assert any(e["tool"] == "Python" and e["version"] == version for e in entries)
+
+
+#: Where an offline copy of actions/setup-python may be: a bare repository at
+#: `<dir>/actions+setup-python/repo` (the layout of this machine's mirrors).
+SETUP_PYTHON_MIRROR = Path(os.environ.get("PRELOOP_TEST_ACTION_MIRRORS", "/work/.mirror"))
+
+
+@pytest.mark.skipif(
+    not (SETUP_PYTHON_MIRROR / "actions+setup-python" / "repo").is_dir(),
+    reason="no offline copy of actions/setup-python (set PRELOOP_TEST_ACTION_MIRRORS)",
+)
+def test_the_real_setup_python_finds_the_hosts_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """actions/setup-python@v5 itself, fetched by `preloop run` from a local
+    mirror (PRELOOP_ACTIONS_URL=file://...): `3.x` succeeds without a download
+    and puts the host's newest 3.x on PATH; `2.0` fails and the log names the
+    versions the host has."""
+    mirrors = tmp_path / "mirrors" / "actions"
+    mirrors.mkdir(parents=True)
+    (mirrors / "setup-python").symlink_to(SETUP_PYTHON_MIRROR / "actions+setup-python" / "repo")
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path / 'mirrors'}")
+    jobs = """
+  setup:
+    runs-on: ubuntu-latest
+    steps:
+      - id: old
+        uses: actions/setup-python@v5
+        continue-on-error: true
+        with:
+          python-version: "2.0"
+      - id: py
+        uses: actions/setup-python@v5
+        with:
+          python-version: "3.x"
+      - run: |
+          echo "old outcome=${{ steps.old.outcome }}"
+          echo "py outcome=${{ steps.py.outcome }} version=${{ steps.py.outputs.python-version }}"
+          echo "python is $(command -v python)"
+"""
+    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    state = tmp_path / "state"
+    outcome, h = run_engine(repo, f"sqlite:///{tmp_path / 'p.db'}", state)
+    text = h.all_text()
+    assert results(outcome) == {"setup": "success"}, text
+    host = _host_pythons(state)
+    version = _newest(host)
+    lines = [ln.strip() for ln in text.splitlines()]
+    assert "old outcome=failure" in lines, text
+    assert f"py outcome=success version={version}" in lines, text
+    laid = next(
+        e.path
+        for e in list_tool_cache(state / "toolcache")
+        if e.tool == "Python" and e.version == version
+    )
+    assert f"python is {laid}/bin/python" in lines, text
+    # a setup step asking for a version the host lacks names the versions it has
+    hint = next(ln for ln in lines if "has no Python matching '2.0'" in ln)
+    assert all(v in hint for v in host) and str(state / "toolcache") in hint
+    assert "matching '3.x'" not in text

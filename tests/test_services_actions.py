@@ -92,3 +92,62 @@ jobs:
     repo = make_repo(tmp_path / "repo", files)
     outcome, h = run_engine(repo, store_url, tmp_path / "state")
     assert results(outcome) == {"up": "success", "down": "success"}, h.all_text()
+
+
+CACHE = """\
+const core = require('@actions/core');
+const cache = require('@actions/cache');
+(async () => {
+  const [op, key, ...restoreKeys] = core.getInput('what').split(' ');
+  if (op === 'save') {
+    core.setOutput('result', String(await cache.saveCache(['deps'], key)));
+  } else {
+    core.setOutput('result', (await cache.restoreCache(['deps'], key, restoreKeys)) || 'miss');
+  }
+})().catch(e => core.setFailed(e.message));
+"""
+
+
+def test_javascript_action_saves_then_restores_a_cache(tmp_path: Path, store_url: str) -> None:
+    """actions/cache's calls from a JavaScript action (`runs.using: node20`):
+    a miss, a save in one job, a restore by a restore key in a dependent job."""
+    files = {
+        ".github/actions/cache/action.yml": ACTION.format(name="cache"),
+        ".github/actions/cache/index.cjs": CACHE,
+        ".github/workflows/ci.yml": f"""
+on: push
+env:
+  NODE_PATH: {ROOT / "node_modules"}
+jobs:
+  save:
+    runs-on: ubuntu-latest
+    steps:
+      - id: miss
+        uses: ./.github/actions/cache
+        with: {{what: restore deps-1 deps-}}
+      - id: sum
+        run: |
+          test "${{{{ steps.miss.outputs.result }}}}" = miss
+          mkdir deps && head -c 100000 /dev/urandom > deps/blob
+          echo "sum=$(sha256sum deps/blob | cut -c1-64)" >> "$GITHUB_OUTPUT"
+      - id: save
+        uses: ./.github/actions/cache
+        with: {{what: save deps-1}}
+      - run: test "${{{{ steps.save.outputs.result }}}}" -gt 0
+    outputs:
+      sum: ${{{{ steps.sum.outputs.sum }}}}
+  restore:
+    needs: save
+    runs-on: ubuntu-latest
+    steps:
+      - id: hit
+        uses: ./.github/actions/cache
+        with: {{what: restore deps-2 deps-}}
+      - run: |
+          test "${{{{ steps.hit.outputs.result }}}}" = deps-1
+          test "$(sha256sum deps/blob | cut -c1-64)" = "${{{{ needs.save.outputs.sum }}}}"
+""",
+    }
+    repo = make_repo(tmp_path / "repo", files)
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert results(outcome) == {"save": "success", "restore": "success"}, h.all_text()

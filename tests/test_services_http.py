@@ -3,6 +3,8 @@ the legacy cache protocol (GitHub's client), retention, and tool-cache refresh."
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -11,7 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ import pytest
 
 from preloop.control import open_store
 from preloop.services import ServiceAccess, job_environment, run_services
-from preloop.services.storage import LocalStorage, StorageConflict
+from preloop.services.storage import LocalStorage, StorageConflict, StorageError
 from preloop.services.tokens import Claims, mint
 from preloop.services.toolcache import list_tool_cache, refresh_tool_cache, setup_action_hint
 
@@ -320,9 +322,133 @@ def test_an_artifact_goes_when_its_retention_days_pass(tmp_path: Path) -> None:
     storage = LocalStorage(tmp_path)
     for name, expires in (("short", "2026-01-01T00:00:00.000Z"), ("kept", None)):
         upload = storage.create_artifact("4", "j", name, expires)
-        target = storage._uploads[upload][1]
+        target = storage._uploads[upload].target
         target.write_bytes(b"zip")
         storage.finalize_artifact("4", "j", name, 3, "")
     now = time.mktime((2026, 6, 1, 0, 0, 0, 0, 0, 0))
     assert storage.remove_expired_artifacts(0, now=now) == []
     assert [r.name for r in storage.list_artifacts("4")] == ["kept"]
+
+
+def _cache_client(tmp_path: Path, acc: ServiceAccess, ref: str, *ops: str, v2: bool = True) -> str:
+    """GitHub's @actions/cache in a job on `ref` (tests/js/services/cache.cjs):
+    the lines it prints, one per operation (its debug lines left out)."""
+    work = tmp_path / "w"
+    work.mkdir(exist_ok=True)
+    # only a pull request's run has a base branch
+    base = acc.base_ref if ref.startswith("refs/pull/") else ""
+    scoped = dataclasses.replace(acc, ref=ref, base_ref=base)
+    env = {
+        **os.environ,
+        **job_environment(tmp_path / "state", scoped, "1", "job"),
+        "NODE_PATH": str(ROOT / "node_modules"),
+        "RUNNER_TEMP": str(tmp_path),
+        "GITHUB_WORKSPACE": str(work),
+    }
+    if not v2:
+        del env["ACTIONS_CACHE_SERVICE_V2"]
+    script = ROOT / "tests" / "js" / "services" / "cache.cjs"
+    out = subprocess.run(
+        ["node", str(script), *ops], cwd=work, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return "\n".join(ln for ln in out.stdout.splitlines() if ln.startswith(("save ", "restore ")))
+
+
+def test_a_pull_request_reads_its_base_branchs_caches(tmp_path: Path) -> None:
+    """GitHub's order: the run's own ref, the pull request's base branch, the
+    default branch; in each, the exact key, the key as a prefix, then each
+    restore key (newest first). Both protocols, with GitHub's client."""
+    pr, base, main = "refs/pull/1/merge", "refs/heads/feat", "refs/heads/main"
+    (tmp_path / "w" / "deps").mkdir(parents=True)
+    (tmp_path / "w" / "deps" / "f").write_text("x")
+    with run_services(tmp_path / "state", "/repo/a", pr, main, base) as acc:
+        _cache_client(tmp_path, acc, base, "save:pfx-feat:deps", "save:only-feat:deps")
+        # saved after the base branch's: the newest under the prefix, but read last
+        _cache_client(tmp_path, acc, main, "save:pfx-main:deps", "save:only-main:deps")
+        _cache_client(tmp_path, acc, pr, "save:deps-linux-1:deps", "save:other-1:deps")
+        for v2 in (True, False):
+            out = _cache_client(
+                tmp_path,
+                acc,
+                pr,
+                "restore:only-feat:deps",
+                "restore:only-main:deps",
+                "restore:pfx-:deps",
+                "restore:deps-linux,other-:deps",
+                "restore:nothing,only-:deps",
+                v2=v2,
+            )
+            assert out.splitlines() == [
+                "restore only-feat -> only-feat",
+                "restore only-main -> only-main",
+                "restore pfx- -> pfx-feat",  # the key as a prefix, base branch first
+                "restore deps-linux,other- -> deps-linux-1",  # the key before restore-keys
+                "restore nothing,only- -> only-feat",
+            ], (v2, out)
+        # a push to another branch reads only its own caches and the default branch's
+        out = _cache_client(tmp_path, acc, "refs/heads/x", "restore:pfx-:deps")
+        assert out == "restore pfx- -> pfx-main"
+
+
+def test_blocks_commit_in_list_order_whatever_order_they_arrived(tmp_path: Path) -> None:
+    """Blocks sent in order become the file by a rename (the same inode as the
+    data file they were written into); out of order, at the same time, retried
+    or cut short, the commit still joins exactly the listed blocks' last bytes."""
+    storage = LocalStorage(tmp_path)
+    unknown = 1 << 40  # a block without Content-Length: no region reserved
+
+    async def body(data: bytes, *gates: asyncio.Event) -> AsyncIterator[bytes]:
+        half = len(data) // 2
+        yield data[:half]
+        if gates:
+            gates[0].set()  # the first half is written: let the other block run
+            await gates[1].wait()
+        yield data[half:]
+
+    async def broken(data: bytes) -> AsyncIterator[bytes]:
+        yield data
+        raise ConnectionResetError
+
+    def new_upload(name: str) -> tuple[str, Path]:
+        upload = storage.create_artifact("9", "j", name, None)
+        return upload, storage._uploads[upload].target
+
+    async def scenario() -> None:
+        a, b, c = (bytes([n]) * (300_000 + n) for n in (1, 2, 3))
+        # in order, with lengths known: renamed into place
+        upload, target = new_upload("in-order")
+        data = storage._uploads[upload].data
+        for block, chunk in (("QQ==", a), ("Qg==", b), ("Qw==", c)):
+            await storage.write_block(upload, block, body(chunk), len(chunk))
+        inode = data.stat().st_ino
+        assert storage.commit_blocks(upload, ["QQ==", "Qg==", "Qw=="]) == len(a + b + c)
+        assert target.read_bytes() == a + b + c and target.stat().st_ino == inode
+        # out of order: joined by copying
+        upload, target = new_upload("out-of-order")
+        for block, chunk in (("Qw==", c), ("QQ==", a), ("Qg==", b)):
+            await storage.write_block(upload, block, body(chunk), len(chunk))
+        storage.commit_blocks(upload, ["QQ==", "Qg==", "Qw=="])
+        assert target.read_bytes() == a + b + c
+        # two of unknown length at once, one cut short and sent again, one retried
+        upload, target = new_upload("concurrent")
+        first_half, go_on = asyncio.Event(), asyncio.Event()
+
+        async def second() -> None:
+            await first_half.wait()
+            await storage.write_block(upload, "Qg==", body(b), unknown)
+            go_on.set()
+
+        await asyncio.gather(
+            storage.write_block(upload, "QQ==", body(a, first_half, go_on), unknown), second()
+        )
+        with pytest.raises(ConnectionResetError):
+            await storage.write_block(upload, "Qw==", broken(c[:1000]), len(c))
+        await storage.write_block(upload, "Qw==", body(c), len(c))
+        await storage.write_block(upload, "QQ==", body(b"again"), 5)
+        assert storage.commit_blocks(upload, ["QQ==", "Qg==", "Qw=="]) == 5 + len(b + c)
+        assert target.read_bytes() == b"again" + b + c
+        with pytest.raises(StorageError, match="never uploaded"):
+            storage.commit_blocks(upload, ["QQ==", "RA=="])
+
+    asyncio.run(scenario())

@@ -1,8 +1,13 @@
 // bench/test_services.py: one round trip through preloop's services with GitHub's clients.
 // artifact SRC DEST LEVEL: upload SRC as an artifact, download it into DEST.
 // cache SRC KEY: save SRC under KEY, remove SRC, restore it.
+// client SRC DEST LEVEL: what the artifact client does on its own, with no
+//   service: its zip of SRC (createZipUploadStream, sha256 alongside) into a
+//   file, then the unzip download does (unzip-stream, sha256 alongside) into DEST.
 const fs = require('fs');
 const path = require('path');
+const stream = require('stream');
+const crypto = require('crypto');
 
 function walk(dir) {
   const out = [];
@@ -22,6 +27,24 @@ async function main() {
     const client = new DefaultArtifactClient();
     const {id} = await client.uploadArtifact('bench', walk(src), src, {compressionLevel: +level});
     await client.downloadArtifact(id, {path: dest});
+  } else if (mode === 'client') {
+    require('@actions/artifact'); // its load is part of every step using it
+    const {createZipUploadStream} = require('@actions/artifact/lib/internal/upload/zip');
+    const spec = require('@actions/artifact/lib/internal/upload/upload-zip-specification');
+    const unzip = require('unzip-stream');
+    const [src, dest, level] = args;
+    const zipped = path.join(process.env.RUNNER_TEMP, 'client.zip');
+    const files = spec.getUploadZipSpecification(walk(src), src);
+    const zip = await createZipUploadStream(files, +level);
+    zip.pipe(crypto.createHash('sha256'));
+    await stream.promises.pipeline(zip, fs.createWriteStream(zipped));
+    // as download does: a PassThrough into a sha256 and unzip-stream, done at 'close'
+    const through = new stream.PassThrough();
+    fs.createReadStream(zipped).pipe(through);
+    through.pipe(crypto.createHash('sha256'));
+    await new Promise((resolve, reject) => {
+      through.pipe(unzip.Extract({path: dest})).on('close', resolve).on('error', reject);
+    });
   } else {
     const cache = require('@actions/cache');
     const [src, key] = args;

@@ -562,6 +562,8 @@ class Engine:
             # The cache scope of the run's jobs, for remote runners' services too.
             default_ref = await anyio.to_thread.run_sync(default_branch_ref, root)
             ref = str(selection.github.get("ref") or "")
+            base = str(selection.github.get("base_ref") or "")
+            base_ref = f"refs/heads/{base}" if base else ""  # pull requests only
             if store.dialect == "pg":
                 await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir, store)
             labels: set[str] = set()
@@ -572,7 +574,7 @@ class Engine:
                     **selection.github,
                     "sha": snap.commit,
                     SNAPSHOT_CONTEXT_KEY: location.to_dict(),
-                    SERVICES_CONTEXT_KEY: services_scope(str(root), ref, default_ref),
+                    SERVICES_CONTEXT_KEY: services_scope(str(root), ref, default_ref, base_ref),
                     ENGINE_CONTEXT_KEY: {
                         "host": socket.gethostname(),
                         "pid": os.getpid(),
@@ -595,7 +597,9 @@ class Engine:
                 # One service for every run of this invocation: its tokens are
                 # run-scoped. On PostgreSQL it keeps artifacts and caches in
                 # the store, shared with remote runners' jobs of the same run.
-                with run_services(self.state_dir, str(root), ref, default_ref, store) as services:
+                with run_services(
+                    self.state_dir, str(root), ref, default_ref, base_ref, run_key, store
+                ) as services:
                     await self._drive(store, list(self.run_ids), sorted(labels), services)
             outcomes: list[RunOutcome] = []
             for run_id, planned in zip(self.run_ids, selection.plans, strict=False):

@@ -19,8 +19,9 @@ from rich.table import Table
 
 from preloop import config
 from preloop.cli.app import cli, emit_json, make_console, state_dir_option
-from preloop.errors import UsageError
-from preloop.services.storage import LocalStorage, ServiceStorage
+from preloop.control import UnknownRun
+from preloop.errors import PreloopError, UsageError
+from preloop.services.storage import LocalStorage, ServiceStorage, artifact_run_name
 from preloop.services.toolcache import default_tool_cache, list_tool_cache, refresh_tool_cache
 
 __all__ = ["actions_cache_document", "print_actions_cache", "service_storage", "store_option"]
@@ -132,26 +133,30 @@ def artifacts_command(
     store: str | None,
     as_json: bool,
 ) -> None:
-    """List the artifacts run RUN_ID uploaded, or download one.
+    """List the artifacts run RUN_ID (of the store) uploaded, or download one.
 
     Artifacts are kept as the zips the upload-artifact action made, for
     PRELOOP_ARTIFACT_RETENTION_DAYS: under <state>/artifacts/<run> with the
     lite store, in the store itself on PostgreSQL (whichever runner ran the job).
     """
     state = state_dir if state_dir is not None else config.state_dir()
+    name = _artifacts_of(state, store, run_id)
     with service_storage(state, store) as (storage, where):
-        _artifacts(storage, where, run_id, download, directory, as_json)
+        if storage.remote:  # run ids are the store's own there
+            name = str(run_id)
+        _artifacts(storage, where, run_id, name, download, directory, as_json)
 
 
 def _artifacts(
     storage: ServiceStorage,
     where: str,
     run_id: int,
+    name: str | None,
     download: str | None,
     directory: Path | None,
     as_json: bool,
 ) -> None:
-    records = storage.list_artifacts(str(run_id))
+    records = storage.list_artifacts(name) if name is not None else []
     if download is None:
         if directory is not None:
             raise UsageError("DIR is only taken with --download NAME")
@@ -159,7 +164,8 @@ def _artifacts(
             emit_json({"run_id": run_id, "artifacts": [r.to_dict() for r in records]})
             return
         if not records:
-            click.echo(f"run {run_id} has no artifacts in {where}")
+            other = "" if name is not None else " (those of its id there are another store's run's)"
+            click.echo(f"run {run_id} has no artifacts in {where}{other}")
             return
         console = make_console()
         table = Table("id", "name", "size", "job", "created (UTC)", box=None)
@@ -173,7 +179,7 @@ def _artifacts(
         raise UsageError(f"run {run_id} has no artifact named {download!r} (it has: {names})")
     record = match[0]
     dest = (directory if directory is not None else Path(download)).absolute()
-    archive = storage.blob_path("artifact", f"{run_id}/{record.id}")
+    archive = storage.blob_path("artifact", f"{name}/{record.id}")
     if not archive.is_file():  # removed (retention, a delete) since it was listed
         raise UsageError(f"run {run_id}'s artifact {download!r} is no longer in {where}")
     extracted = _extract(archive, dest)
@@ -181,6 +187,24 @@ def _artifacts(
         emit_json({"run_id": run_id, "name": download, "directory": str(dest), "files": extracted})
     else:
         click.echo(f"extracted {extracted} files of {download!r} into {dest}")
+
+
+def _artifacts_of(state: Path, store: str | None, run_id: int) -> str | None:
+    """The name under <state>/artifacts of the store's run RUN_ID's artifacts
+    (run ids repeat across stores sharing a state directory: the run's unique
+    key tells them apart), or None when it has none there."""
+    from preloop.engine import default_store_url, open_user_store
+
+    url = default_store_url(state, store)
+    db = open_user_store(url, store)
+    with db:
+        try:
+            context = db.run_context(run_id)
+        except UnknownRun:
+            raise PreloopError(f"no run {run_id} in {db.url}: see `preloop status`") from None
+    engine = (context.get("github") or {}).get("preloop_engine") or {}
+    key = engine.get("run_key") if isinstance(engine, dict) else None
+    return artifact_run_name(state, str(run_id), str(key) if key else None)
 
 
 def _extract(archive: Path, dest: Path) -> int:

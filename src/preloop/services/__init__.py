@@ -64,15 +64,16 @@ class ServiceAccess:
     repo: str
     ref: str
     default_ref: str
+    base_ref: str = ""  # a pull request's base branch (refs/heads/...), else ""
 
 
-#: The run's cache scope in its github context: {"repo", "ref", "default_ref"}.
+#: The run's cache scope in its github context: {"repo", "ref", "default_ref", "base_ref"}.
 SERVICES_CONTEXT_KEY = "preloop_services"
 
 
-def services_scope(repo: str, ref: str, default_ref: str) -> dict[str, str]:
+def services_scope(repo: str, ref: str, default_ref: str, base_ref: str = "") -> dict[str, str]:
     """What `preloop run` stores under `SERVICES_CONTEXT_KEY` for remote runners."""
-    return {"repo": repo, "ref": ref, "default_ref": default_ref}
+    return {"repo": repo, "ref": ref, "default_ref": default_ref, "base_ref": base_ref}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,7 @@ class ServiceEndpoint:
             str(scope.get("repo") or ""),
             str(scope.get("ref") or ""),
             str(scope.get("default_ref") or ""),
+            str(scope.get("base_ref") or ""),
         )
 
 
@@ -114,7 +116,9 @@ def job_environment(
     refresh_tool_cache(tool_cache)
     env = {"RUNNER_TOOL_CACHE": str(tool_cache)}
     if access is not None:
-        claims = Claims(str(run_id), job_id, access.repo, access.ref, access.default_ref)
+        claims = Claims(
+            str(run_id), job_id, access.repo, access.ref, access.default_ref, access.base_ref
+        )
         env.update(
             ACTIONS_RUNTIME_TOKEN=mint(access.secret, claims),
             ACTIONS_RESULTS_URL=access.url,
@@ -140,15 +144,18 @@ def default_branch_ref(root: Path) -> str:
     return "refs/heads/main"
 
 
-def open_storage(state_dir: Path, store: Store | None = None) -> ServiceStorage:
+def open_storage(
+    state_dir: Path, store: Store | None = None, run_key: str | None = None
+) -> ServiceStorage:
     """The storage of the jobs' services: in `store` when it is PostgreSQL
-    (shared by every runner of the fleet), else on this state directory's disk."""
+    (shared by every runner of the fleet), else on this state directory's
+    disk for the runs with the unique key `run_key` (one `preloop run`)."""
     cap = int(config.get("PRELOOP_ACTIONS_CACHE_MAX_BYTES"))
     if store is not None and store.dialect == "pg":
         from preloop.services.store_storage import StoreStorage
 
         return StoreStorage(store, state_dir, cap)
-    return LocalStorage(state_dir, cap)
+    return LocalStorage(state_dir, cap, run_key=run_key)
 
 
 def remove_expired_artifacts(state_dir: Path, store: Store | None = None) -> list[str]:
@@ -179,13 +186,23 @@ def _serving(storage: ServiceStorage) -> Iterator[ServiceServer]:
 
 @contextlib.contextmanager
 def run_services(
-    state_dir: Path, repo: str, ref: str, default_ref: str, store: Store | None = None
+    state_dir: Path,
+    repo: str,
+    ref: str,
+    default_ref: str,
+    base_ref: str = "",
+    run_key: str | None = None,
+    store: Store | None = None,
 ) -> Iterator[ServiceAccess]:
     """Starts the artifact and cache services for one run on 127.0.0.1 and
-    stops them when the block ends. With a PostgreSQL `store` they keep
-    artifacts and caches in it (so remote runners' jobs of the run share them)."""
-    with _serving(open_storage(state_dir, store)) as server:
-        yield ServiceAccess(server.url, server.secret, repo, ref, default_ref)
+    stops them when the block ends. Jobs read the caches of `ref`, then of
+    `base_ref` (a pull request's base branch), then of `default_ref`. With a
+    PostgreSQL `store` they keep artifacts and caches in it (so remote
+    runners' jobs of the run share them); else on this host's disk, where
+    `run_key` (`github.preloop_engine.run_key`) tells the runs' artifacts
+    from those of another store's runs with the same ids."""
+    with _serving(open_storage(state_dir, store, run_key)) as server:
+        yield ServiceAccess(server.url, server.secret, repo, ref, default_ref, base_ref)
 
 
 @contextlib.contextmanager

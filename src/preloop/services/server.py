@@ -52,6 +52,9 @@ CACHE_SERVICE = "github.actions.results.api.v1.CacheService"
 _URL_TTL = 6 * 3600
 MAX_BLOCK = 4000 * 1024 * 1024  # Azure's limit for one block
 MAX_BLOB = 50 * 1024**3  # an upload larger than this is refused
+# how much of a body aiohttp buffers before it stops reading the socket (64 KiB
+# by default: a 200 MB upload paused and resumed thousands of times)
+_READ_BUFSIZE = 4 << 20
 
 
 class _TwirpError(Exception):
@@ -120,7 +123,9 @@ class ServiceServer:
         loop = asyncio.new_event_loop()
         self._loop = loop
         try:
-            runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+            runner = web.AppRunner(
+                self.app(), access_log=None, handle_signals=False, read_bufsize=_READ_BUFSIZE
+            )
             loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, "127.0.0.1", 0, backlog=512)
             loop.run_until_complete(site.start())
@@ -334,8 +339,10 @@ class ServiceServer:
     async def _cache_url(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
         key, version = str(body.get("key") or ""), str(body.get("version") or "")
         restore = [str(k) for k in _field(body, "restoreKeys") or []]
+        # as GitHub (and the REST lookup): the exact key, then the key itself
+        # as a prefix, then each restore key
         match = await self._call(
-            self.storage.match_cache, c.repo, [c.ref, c.default_ref], key, restore, version
+            self.storage.match_cache, c.repo, c.cache_refs(), key, [key, *restore], version
         )
         if match is None:
             return {"ok": False, "signedDownloadUrl": "", "matchedKey": ""}
@@ -354,7 +361,9 @@ class ServiceServer:
         try:
             if comp == "block":
                 block = request.query.get("blockid", "")
-                await self.storage.write_block(upload, block, _chunks(request), MAX_BLOCK)
+                # aiohttp ends the body at Content-Length: the block is at most that
+                limit = min(MAX_BLOCK, request.content_length or MAX_BLOCK)
+                await self.storage.write_block(upload, block, _chunks(request), limit)
             elif comp == "blocklist":
                 blocks = _block_list(await request.read())
                 # joining 200 MB of blocks must not stall the other jobs' requests
@@ -397,7 +406,7 @@ class ServiceServer:
         if not keys:
             return web.json_response({"message": "keys are required"}, status=400)
         match = await self._call(
-            self.storage.match_cache, c.repo, [c.ref, c.default_ref], keys[0], keys, version
+            self.storage.match_cache, c.repo, c.cache_refs(), keys[0], keys, version
         )
         if match is None:
             return web.Response(status=204)

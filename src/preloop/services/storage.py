@@ -8,6 +8,8 @@ them in the store, so runners on other machines share them; `LocalStorage`
 ```
 <state>/artifacts/<run>/<id>.zip          an artifact, zipped as the client uploaded it
 <state>/artifacts/<run>/<id>.json         its record (name, size, digest, job, dates)
+<state>/artifacts/<run>/run-key           the unique key of the run whose artifacts these are
+<state>/artifacts/<run>.<key>/            another store's run <run>, moved aside
 <state>/artifacts/<run>/.uploads/<u>/     blocks of an upload in progress
 <state>/actions-cache/index.db            cache entries (SQLite): scope, key, version, use
 <state>/actions-cache/blobs/<id>.tar      a cache archive
@@ -18,6 +20,12 @@ An upload is written under a temporary name and becomes visible only when
 its record is renamed into place after the size check (artifacts) or the
 index row turns `ready` (caches), so a killed upload never leaves half an
 artifact or cache visible; leftovers are swept.
+
+Run ids repeat across the stores that share a state directory (another
+`--store`, a lite store reset), so a run's directory carries the run's unique
+key (`github.preloop_engine.run_key`) as the logs directory does: the first
+upload of a run whose key differs moves the other run's artifacts aside to
+`<run>.<its key>`, and `artifact_run_name` finds the directory of a given run.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -34,7 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -47,10 +56,15 @@ __all__ = [
     "StagedUploads",
     "StorageConflict",
     "StorageError",
+    "artifact_run_name",
 ]
 
+#: the largest block given a region of the data file before it arrives (see
+#: `LocalStorage.write_block`); GitHub's clients send 8 MiB and 32-64 MiB blocks
+_RESERVE_MAX = 256 << 20
+#: `<state>/artifacts/<run>/run-key` (the name the logs' marker has too)
+RUN_KEY_MARKER = "run-key"
 _BLOCK_ID = re.compile(r"^[A-Za-z0-9+/=_-]{1,100}$")  # Azure: <= 64 bytes, base64
-_COPY_CHUNK = 1 << 20
 
 
 class StorageError(Exception):
@@ -141,8 +155,50 @@ def _now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def _fsync_replace(tmp: Path, dest: Path) -> None:
-    os.replace(tmp, dest)
+@dataclass(slots=True)
+class _Upload:
+    """An upload in progress: the directory of its blocks, the file its commit
+    makes, and where each staged block lies (a file of its own, or `None` for
+    the data file, at an offset) with the data file's end."""
+
+    directory: Path
+    target: Path
+    placed: dict[str, tuple[Path | None, int, int]] = field(default_factory=dict)
+    end: int = 0
+    appending: bool = False
+
+    @property
+    def data(self) -> Path:
+        return self.directory / "data"  # block files are named in hex: never "data"
+
+
+async def _stream_to(path: Path, offset: int, body: AsyncIterator[bytes], limit: int) -> int:
+    """Writes `body` into `path` from `offset` (creating it); more than
+    `limit` bytes raises `StorageError`. Returns the bytes written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    size = 0
+    try:
+        async for chunk in body:
+            if size + len(chunk) > limit:
+                raise StorageError(f"upload is larger than the limit of {limit} bytes")
+            view = memoryview(chunk)
+            while view:
+                n = os.pwrite(fd, view, offset + size)
+                size += n
+                view = view[n:]
+    finally:
+        os.close(fd)
+    return size
+
+
+def _copy_range(src: int, src_at: int, dst: int, dst_at: int, count: int) -> None:
+    """Copies `count` bytes between file descriptors in the kernel."""
+    done = 0
+    while done < count:
+        n = os.copy_file_range(src, dst, count - done, src_at + done, dst_at + done)
+        if n == 0:
+            raise StorageError("a staged block is shorter than when it was written")
+        done += n
 
 
 class _RunLock:
@@ -172,11 +228,11 @@ class StagedUploads:
     the store)."""
 
     def __init__(self) -> None:
-        # upload id -> (directory of its blocks, the file it commits to, on commit)
-        self._uploads: dict[str, tuple[Path, Path]] = {}
+        # upload id -> where its blocks are and the file its commit makes
+        self._uploads: dict[str, _Upload] = {}
 
     # -- uploads -----------------------------------------------------------------
-    def _upload(self, upload: str) -> tuple[Path, Path]:
+    def _upload(self, upload: str) -> _Upload:
         try:
             return self._uploads[upload]
         except KeyError:
@@ -186,26 +242,46 @@ class StagedUploads:
         self, upload: str, block: str | None, body: AsyncIterator[bytes], limit: int
     ) -> int:
         """Streams one block (or, with `block=None`, the whole blob) to disk.
-        More than `limit` bytes is refused and nothing of it is kept."""
-        directory, target = self._upload(upload)
+        More than `limit` bytes is refused and nothing of it is kept.
+
+        Blocks go into the upload's data file in the order they arrive, so
+        that the commit of blocks sent in order (what clients do: GitHub's
+        artifact client one after the other, its cache client a few at a
+        time in index order) only renames the file. A block of a known
+        length (`limit` is its Content-Length, at most `_RESERVE_MAX`) gets
+        a region of that length at the end, however many arrive at once; one
+        of unknown length is appended when no other is arriving, else it goes
+        to a file of its own."""
+        up = self._upload(upload)
         if block is not None and not _BLOCK_ID.match(block):
             raise StorageError(f"bad block id {block!r}")
+        if block is not None and limit <= _RESERVE_MAX and not up.appending:
+            offset = up.end
+            up.end += limit  # a block that ends short leaves a gap: its commit copies
+            size = await _stream_to(up.data, offset, body, limit)
+            up.placed[block] = (None, offset, size)
+            return size
+        if block is not None and not up.appending:
+            up.appending = True
+            try:
+                offset = up.end
+                size = await _stream_to(up.data, offset, body, limit)
+                up.placed[block] = (None, offset, size)
+                up.end = offset + size
+            finally:
+                up.appending = False
+            return size
         name = block.encode().hex() if block is not None else "whole"
-        dest = directory / name if block is not None else Path(f"{target}.part")
-        tmp = directory / f".{name}.{uuid.uuid4().hex[:8]}"
-        size = 0
+        tmp = up.directory / f".{name}.{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as fh:
-                async for chunk in body:
-                    size += len(chunk)
-                    if size > limit:
-                        raise StorageError(f"upload is larger than the limit of {limit} bytes")
-                    fh.write(chunk)
-            os.replace(tmp, dest)
+            size = await _stream_to(tmp, 0, body, limit)
+            if block is None:
+                os.replace(tmp, up.target)
+            else:
+                os.replace(tmp, up.directory / name)
+                up.placed[block] = (up.directory / name, 0, size)
         finally:
             tmp.unlink(missing_ok=True)
-        if block is None:
-            os.replace(dest, target)
         return size
 
     async def write_range(
@@ -213,60 +289,55 @@ class StagedUploads:
     ) -> int:
         """Writes a chunk at `offset` of the upload's file (the legacy cache
         protocol's `Content-Range` PATCHes); the file ends at most at `limit`."""
-        _, target = self._upload(upload)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        size = 0
-        try:
-            async for chunk in body:
-                if offset + size + len(chunk) > limit:
-                    raise StorageError(f"upload is larger than the limit of {limit} bytes")
-                os.pwrite(fd, chunk, offset + size)
-                size += len(chunk)
-        finally:
-            os.close(fd)
-        return size
+        return await _stream_to(self._upload(upload).target, offset, body, limit - offset)
 
     def commit_blocks(self, upload: str, blocks: Sequence[str]) -> int:
-        """Joins the staged blocks, in `blocks` order, into the upload's file."""
-        directory, target = self._upload(upload)
-        part = Path(f"{target}.part")
-        size = 0
-        with open(part, "wb") as out:
-            for block in blocks:
-                path = directory / block.encode().hex()
-                try:
-                    src = open(path, "rb")  # noqa: SIM115
-                except FileNotFoundError:
-                    raise StorageError(f"block {block!r} was never uploaded") from None
-                with src:
-                    n = os.fstat(src.fileno()).st_size
-                    offset = 0
-                    while offset < n:
-                        copied = os.copy_file_range(
-                            src.fileno(), out.fileno(), n - offset, offset, size + offset
-                        )
-                        if copied == 0:
-                            break
-                        offset += copied
-                    size += n
-        os.replace(part, target)
-        for path in directory.iterdir():
+        """Makes the staged blocks, in `blocks` order, the upload's file: a
+        rename when they lie in the data file in that order (the usual case),
+        else a copy of each block in turn (in-kernel, `copy_file_range`)."""
+        up = self._upload(upload)
+        regions: list[tuple[Path | None, int, int]] = []
+        for block in blocks:
+            try:
+                regions.append(up.placed[block])
+            except KeyError:
+                raise StorageError(f"block {block!r} was never uploaded") from None
+        size = sum(n for _, _, n in regions)
+        in_order = all(path is None for path, _, _ in regions) and [
+            off for _, off, _ in regions
+        ] == list(itertools.accumulate((n for _, _, n in regions[:-1]), initial=0))
+        if in_order:
+            with open(up.data, "ab") as fh:  # created when there were no blocks
+                fh.truncate(size)
+            os.replace(up.data, up.target)
+        else:
+            part = Path(f"{up.target}.part")
+            with open(part, "wb") as out:
+                at = 0
+                for path, offset, n in regions:
+                    with open(path or up.data, "rb") as src:
+                        _copy_range(src.fileno(), offset, out.fileno(), at, n)
+                    at += n
+            os.replace(part, up.target)
+        for path in up.directory.iterdir():
             if not path.name.startswith("."):
                 path.unlink(missing_ok=True)
+        up.placed.clear()
+        up.end = 0
         return size
 
     def _new_upload(self, root: Path, target: Path) -> str:
         upload = uuid.uuid4().hex
         directory = root / upload
         directory.mkdir(parents=True)
-        self._uploads[upload] = (directory, target)
+        self._uploads[upload] = _Upload(directory, target)
         return upload
 
     def _end_upload(self, upload: str) -> None:
-        directory, _target = self._uploads.pop(upload, (None, None))
-        if directory is not None:
-            shutil.rmtree(directory, ignore_errors=True)
-            (directory.parent / f"{upload}.meta").unlink(missing_ok=True)
+        up = self._uploads.pop(upload, None)
+        if up is not None:
+            shutil.rmtree(up.directory, ignore_errors=True)
+            (up.directory.parent / f"{upload}.meta").unlink(missing_ok=True)
 
 
 class LocalStorage(StagedUploads):
@@ -274,9 +345,14 @@ class LocalStorage(StagedUploads):
 
     remote = False  # local files: the server calls it on its event loop
 
-    def __init__(self, state_dir: Path, cache_max_bytes: int = 0) -> None:
+    def __init__(
+        self, state_dir: Path, cache_max_bytes: int = 0, run_key: str | None = None
+    ) -> None:
+        """`run_key`: the unique key of the runs this storage serves (one
+        `preloop run`); their artifact directories are claimed with it."""
         super().__init__()
         self.state_dir = Path(state_dir)
+        self.run_key = run_key
         self.artifacts = self.state_dir / "artifacts"
         self.cache_dir = self.state_dir / "actions-cache"
         self.cache_max_bytes = cache_max_bytes
@@ -311,12 +387,35 @@ class LocalStorage(StagedUploads):
 
     def _pending(self, run: str) -> dict[str, str]:
         return {
-            up: str(target)
-            for up, (_, target) in self._uploads.items()
-            if target.parent == self._run_dir(run) / ".uploads"
+            ident: str(up.target)
+            for ident, up in self._uploads.items()
+            if up.target.parent == self._run_dir(run) / ".uploads"
         }
 
+    def _claim_run_dir(self, run: str) -> None:
+        """Makes `artifacts/<run>` the directory of this storage's run: what
+        another run with the same id (another store's) left there is moved
+        aside to `<run>.<its key>` first, never mixed in or refused as a
+        duplicate name."""
+        if not self.run_key:
+            return
+        directory = self._run_dir(run)
+        with _RunLock(self.artifacts).hold():
+            current = _read_marker(directory)
+            if current == self.run_key:
+                return
+            if directory.exists():
+                aside = self.artifacts / f"{_safe(run)}.{_safe(current or 'unknown')}"
+                if aside.exists():
+                    shutil.rmtree(aside, ignore_errors=True)
+                directory.rename(aside)
+            directory.mkdir(parents=True)
+            tmp = directory / f".{RUN_KEY_MARKER}.tmp"
+            tmp.write_text(self.run_key, encoding="utf-8")
+            os.replace(tmp, directory / RUN_KEY_MARKER)
+
     def create_artifact(self, run: str, job: str, name: str, expires_at: str | None) -> str:
+        self._claim_run_dir(run)
         directory = self._run_dir(run)
         with _RunLock(directory).hold():
             if any(r.name == name for r in self._records(run)):
@@ -350,7 +449,7 @@ class LocalStorage(StagedUploads):
             if not match:
                 raise StorageError(f"no upload of artifact {name!r} is in progress in run {run}")
             upload = match[0]
-            _, target = self._uploads[upload]
+            target = self._uploads[upload].target
             try:
                 meta = json.loads((uploads / f"{upload}.meta").read_text(encoding="utf-8"))
                 actual = target.stat().st_size
@@ -436,6 +535,8 @@ class LocalStorage(StagedUploads):
         """Artifacts uploaded with `retention-days` (their `expires_at`) go when it passes."""
         with contextlib.suppress(FileNotFoundError):
             for run in os.listdir(self.artifacts):
+                if run.startswith("."):
+                    continue
                 for record in self._records(run):
                     if not record.expires_at:
                         continue
@@ -459,6 +560,8 @@ class LocalStorage(StagedUploads):
         with contextlib.suppress(FileNotFoundError):
             for run in os.listdir(self.artifacts):
                 directory = self.artifacts / run
+                if run.startswith(".") or not directory.is_dir():
+                    continue
                 try:
                     newest = max(
                         (p.stat().st_mtime for p in directory.iterdir()),
@@ -639,11 +742,11 @@ class LocalStorage(StagedUploads):
     def close(self) -> None:
         """Abandons the uploads still in progress (their blocks and partial
         files go; a pending cache entry is dropped) and closes the index."""
-        for upload, (directory, target) in list(self._uploads.items()):
-            shutil.rmtree(directory, ignore_errors=True)
-            (directory.parent / f"{upload}.meta").unlink(missing_ok=True)
-            target.unlink(missing_ok=True)
-            Path(f"{target}.part").unlink(missing_ok=True)
+        for upload, up in list(self._uploads.items()):
+            shutil.rmtree(up.directory, ignore_errors=True)
+            (up.directory.parent / f"{upload}.meta").unlink(missing_ok=True)
+            up.target.unlink(missing_ok=True)
+            Path(f"{up.target}.part").unlink(missing_ok=True)
             if self._db is not None:
                 with self._tx() as db:
                     db.execute("DELETE FROM entries WHERE upload=? AND state='pending'", (upload,))
@@ -651,6 +754,26 @@ class LocalStorage(StagedUploads):
         if self._db is not None:
             self._db.close()
             self._db = None
+
+
+def _read_marker(directory: Path) -> str | None:
+    try:
+        return (directory / RUN_KEY_MARKER).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def artifact_run_name(state_dir: Path, run: str, run_key: str | None) -> str | None:
+    """The name under `<state>/artifacts/` of the artifacts of run `run` with
+    `run_key` (pass it as the run to `LocalStorage`'s reads), or None when
+    the artifacts there are another store's run's and this one's are not
+    kept aside either."""
+    artifacts = Path(state_dir) / "artifacts"
+    current = _read_marker(artifacts / _safe(run))
+    if run_key is None or current is None or current == run_key:
+        return run
+    aside = f"{run}.{run_key}"
+    return aside if (artifacts / _safe(aside)).is_dir() else None
 
 
 def _entry(row: Sequence[object]) -> CacheEntry:

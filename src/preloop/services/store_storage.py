@@ -140,13 +140,13 @@ class StoreStorage(StagedUploads):
         staged = self._uploads.get(upload)
         self._end_upload(upload)
         if staged is not None:
-            staged[1].unlink(missing_ok=True)
-            Path(f"{staged[1]}.part").unlink(missing_ok=True)
+            staged.target.unlink(missing_ok=True)
+            Path(f"{staged.target}.part").unlink(missing_ok=True)
         with self._lock:
             self._artifact_uploads.pop(upload, None)
 
     def _staged_size(self, upload: str) -> int:
-        target = self._uploads[upload][1]
+        target = self._uploads[upload].target
         try:
             return target.stat().st_size
         except OSError:
@@ -156,7 +156,7 @@ class StoreStorage(StagedUploads):
         """Stores the upload's file as a blob and runs `fn(tx, digest)` in the
         transaction that locks the complete blob row (so a concurrent eviction
         either comes after `fn`'s pin or before, and the blob is put again)."""
-        target = self._uploads[upload][1]
+        target = self._uploads[upload].target
         for _ in range(3):
             info = self.blobs.put_file(target, kind)
 

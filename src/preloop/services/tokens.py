@@ -32,6 +32,13 @@ class Claims:
     repo: str  # cache scope: the repository
     ref: str  # cache scope: the ref the run is on
     default_ref: str  # caches of the default branch are readable from every ref
+    # a pull request's base branch: its caches are read after the run's own ref's
+    base_ref: str = ""
+
+    def cache_refs(self) -> list[str]:
+        """The refs whose caches this token reads, in GitHub's order: the
+        run's own ref, a pull request's base branch, the default branch."""
+        return [r for r in dict.fromkeys((self.ref, self.base_ref, self.default_ref)) if r]
 
 
 def _b64(data: bytes) -> str:
@@ -54,6 +61,7 @@ def mint(secret: bytes, claims: Claims, ttl: float = 24 * 3600.0) -> str:
             "repo": claims.repo,
             "ref": claims.ref,
             "default_ref": claims.default_ref,
+            "base_ref": claims.base_ref,
         },
     }
     head = _b64(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
@@ -85,4 +93,5 @@ def verify(secret: bytes, token: str) -> Claims:
         str(p.get("repo", "")),
         str(p.get("ref", "")),
         str(p.get("default_ref", "")),
+        str(p.get("base_ref", "")),
     )

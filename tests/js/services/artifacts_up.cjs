@@ -84,6 +84,10 @@ async function run(mode) {
     fs.closeSync(fd);
     await upload(client, 'many', 'many');
     await upload(client, 'big', 'big', {compressionLevel: 0});
+  } else if (mode.startsWith('one:')) {
+    // one:NAME:DIR uploads DIR as artifact NAME
+    const [, name, dir] = mode.split(':');
+    await upload(client, name, dir);
   } else {
     throw new Error(`unknown mode ${mode}`);
   }

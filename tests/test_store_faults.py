@@ -15,6 +15,7 @@ import pytest
 from tests.run_support import make_repo, workflow
 from tests.test_run_cli import PRELOOP, _env, read_fifo
 
+from preloop.control import open_store
 from preloop.control.db import PgBackend, Tx
 
 
@@ -471,3 +472,24 @@ def test_a_job_is_never_executed_twice_at_the_same_moment(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_threads_that_end_give_their_connection_back(pg_url: str) -> None:
+    """Each thread keeps its own connection; a long-lived process whose
+    worker threads come and go (anyio retires idle ones) must not run the
+    pool (16) dry: the connections of ended threads are given back."""
+    import threading
+
+    with open_store(pg_url) as store:
+        for _ in range(40):
+            t = threading.Thread(target=store.list_runs)
+            t.start()
+            t.join()
+        done = threading.Event()
+
+        def last() -> None:
+            store.list_runs()
+            done.set()
+
+        threading.Thread(target=last, daemon=True).start()
+        assert done.wait(60), "a new thread found no free connection in the pool"

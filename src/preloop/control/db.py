@@ -307,7 +307,9 @@ class PgBackend(Backend):
         self._local = threading.local()
         self._listener: Listener | None = None
         self._listener_lock = threading.Lock()
-        self._held: list[Any] = []
+        # Connections checked out by threads, with their thread: one that
+        # ended (an anyio worker thread retires after idling) gives its back.
+        self._held: list[tuple[threading.Thread, Any]] = []
         self._held_lock = threading.Lock()
         self._pool = ConnectionPool(
             url,
@@ -339,16 +341,27 @@ class PgBackend(Backend):
         a transaction costs only its own round trips."""
         conn = getattr(self._local, "conn", None)
         if conn is None or conn.closed:
+            self._reclaim_ended()
             conn = self._local.conn = self._pool.getconn()
             with self._held_lock:
-                self._held.append(conn)
+                self._held.append((threading.current_thread(), conn))
         return conn
+
+    def _reclaim_ended(self) -> None:
+        """Gives back the connections of threads that ended: a long-lived
+        process whose worker threads come and go would otherwise run the
+        pool dry."""
+        with self._held_lock:
+            ended = [conn for thread, conn in self._held if not thread.is_alive()]
+            self._held = [(t, c) for t, c in self._held if t.is_alive()]
+        for conn in ended:
+            with contextlib.suppress(Exception):
+                self._pool.putconn(conn)
 
     def _drop_connection(self, conn: Any) -> None:
         self._local.conn = None
         with self._held_lock:
-            if conn in self._held:
-                self._held.remove(conn)
+            self._held = [(t, c) for t, c in self._held if c is not conn]
         with contextlib.suppress(Exception):  # a broken one is discarded by the pool
             self._pool.putconn(conn)
 
@@ -473,7 +486,7 @@ class PgBackend(Backend):
             listener.close()
         with self._held_lock:
             held, self._held = self._held, []
-        for conn in held:
+        for _, conn in held:
             self._pool.putconn(conn)
         self._pool.close()
 

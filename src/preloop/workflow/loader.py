@@ -21,6 +21,7 @@ from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
 from preloop.workflow.availability import EVENTS as SCHEMA_EVENTS
 from preloop.workflow.availability import allowed_at, child
+from preloop.workflow.cron import is_valid_cron
 from preloop.workflow.matrix import MatrixError, expand_matrix
 from preloop.workflow.model import (
     Concurrency,
@@ -540,7 +541,8 @@ class _Reader:
                     self.dispatch_inputs(inputs)
                     dispatch = frozen_map({str(ik.value): plain(iv) for ik, iv in inputs.items})
             if event == "schedule" and value is not None:
-                self.schedule(value)
+                with self.at("on.schedule[].cron"):
+                    self.schedule(value)
                 events[event] = plain(value)
                 continue
             if value is not None and not isinstance(value, YMap | YSeq):
@@ -597,10 +599,22 @@ class _Reader:
             if em is None:
                 continue
             self.keys(em, frozenset(["cron"]), "a `schedule` entry")
-            if em.get("cron") is None:
+            cron = em.get("cron")
+            if cron is None:
                 self.err(em, "a `schedule` entry needs `cron`")
             else:
-                self.string(em.get("cron"), "`cron`", allow_empty=False)
+                before = len(self.errors)
+                text = self.string(cron, "`cron`", allow_empty=False)
+                if text and "${{" in text and len(self.errors) == before:
+                    # Only a lone literal is allowed here: GitHub folds it into the value.
+                    text = ex.coerce_string(ex.evaluate_template(text, {}))
+                if len(self.errors) == before and not is_valid_cron(text or ""):
+                    # GitHub checks the syntax once the file has parsed (phase 1).
+                    self.err2(
+                        cron,
+                        f"invalid cron expression '{text}': expected five fields"
+                        " '* * * * *' (minute hour day month weekday)",
+                    )
 
     def permissions(self, node: YNode | None) -> Any:
         if node is None:

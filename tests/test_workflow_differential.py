@@ -396,6 +396,22 @@ def enrich(doc: Doc) -> Doc:
             )
         elif k == 6:
             job.set("defaults", "\n  run:\n    working-directory: ${{ github.workspace }}", r)
+        elif k == 7:
+            # `${{ insert }}` wherever the schema gives the mapping a context.
+            insert = "${{ insert }}: ${{ fromJSON('{}') }}"
+            key, block = r.choice(
+                [
+                    ("defaults", f"\n  run:\n    {insert}"),
+                    ("container", f"\n  image: i\n  {insert}"),
+                    ("container", f"\n  image: i\n  env:\n    {insert}"),
+                    ("container", f"\n  image: i\n  credentials:\n    {insert}"),
+                    ("services", f"\n  db:\n    image: i\n    {insert}"),
+                    ("services", f"\n  db:\n    image: i\n    env:\n      {insert}"),
+                    ("strategy", f"\n  matrix:\n    a: [1]\n    {insert}"),
+                ]
+            )
+            job.drop(key)
+            job.set(key, block, r)
     return doc
 
 
@@ -439,3 +455,17 @@ def test_cron_expressions_match_github_parser(repo: Path) -> None:
     mine = sorted((line, col) for line, col, _ in ours(repo, text))
     assert mine == their
     assert 50 < len(their) < len(crons) - 50  # both valid and invalid ones were tried
+
+
+def test_insert_placements_match_github_parser(repo: Path) -> None:
+    """tests/test_workflow_templates.py's `${{ insert }}` placements are
+    GitHub's: accepted where it accepts, refused at its first line:col."""
+    from tests.test_workflow_templates import INSERT_PLACEMENTS
+
+    # A second job: one GitHub fails to convert leaves it the workflow's root.
+    steps = "    steps: [{run: echo}]\n  b:\n    runs-on: x\n    steps: [{run: echo}]\n"
+    texts = [
+        f"on: push\njobs:\n  a:\n    runs-on: x\n{keys}\n{steps}" for keys, _ in INSERT_PLACEMENTS
+    ]
+    for (_, error_at), errs in zip(INSERT_PLACEMENTS, theirs(texts), strict=True):
+        assert (min((e["line"], e["column"]) for e in errs) if errs else None) == error_at, errs

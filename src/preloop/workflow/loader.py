@@ -20,7 +20,7 @@ from preloop.actions.workflows import fetch_remote_workflow, planning
 from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
 from preloop.workflow.availability import EVENTS as SCHEMA_EVENTS
-from preloop.workflow.availability import allowed_at, child
+from preloop.workflow.availability import allowed_at, child, expression_keys_allowed
 from preloop.workflow.cron import is_valid_cron
 from preloop.workflow.matrix import MatrixError, expand_matrix
 from preloop.workflow.model import (
@@ -108,6 +108,15 @@ STEP_KEYS = frozenset(
         "background",
     ]
 )
+# Mappings whose keys GitHub reads one by one as names once the file has
+# parsed (its converters, not its schema): an `${{ insert }}` the schema lets
+# through is refused there ("Unexpected type 'InsertExpressionToken'").
+_KEYS_READ_AS_NAMES = {
+    "concurrency": "`concurrency`",
+    "jobs.*.concurrency": "`concurrency`",
+    "jobs.*.environment": "`environment`",
+    "jobs.*.services": "`services`",
+}
 _CONTAINER_KEYS = frozenset(["image", "options", "env", "ports", "volumes", "credentials"])
 _SERVICE_KEYS = _CONTAINER_KEYS | {"entrypoint", "command"}
 _STEP_PATHS = {k: f"jobs.*.steps[].{k}" for k in STEP_KEYS}
@@ -270,14 +279,34 @@ class _Reader:
                     self.check_tree(n, path + "[]")
             else:
                 for k, v in node.items:
-                    if isinstance(k.value, str) and "${{" in k.value:
-                        if not is_insert(k.value):
-                            self.check_template(k, k.value)
-                        # An inserted mapping (or an expression key) stands
-                        # for the mapping's own entries.
-                        self.check_tree(v, child(path, "*"))
+                    if _is_expression_key(k):
+                        self.expression_key(k, v, path)
                     else:
                         self.check_tree(v, child(path, str(k.value)))
+
+    def expression_key(self, key: YScalar, value: YNode, path: str) -> bool:
+        """Checks `${{ insert }}` or an expression key `key` (with its value)
+        in the mapping at schema path `path`; whether it may stand there.
+        Where it may is derived from the schema (`expression_keys_allowed`);
+        a few mappings GitHub then reads key by key as names refuse it."""
+        if not expression_keys_allowed(path):
+            self.err(key, "a template expression (${{ }}) is not allowed as a key here")
+            return False
+        what = _KEYS_READ_AS_NAMES.get(path)
+        if what is not None:
+            self.err2(
+                key,
+                f"the keys of {what} are names: `${{{{ insert }}}}` or an expression key"
+                " is not allowed there",
+            )
+            return False
+        with self.at(path):
+            if not is_insert(key.value):
+                self.check_template(key, str(key.value))
+            # An inserted mapping (or an expression key) stands for the
+            # mapping's own entries.
+            self.check_tree(value, child(path, "*"))
+        return True
 
     # -- helpers ------------------------------------------------------------
     def err(self, node: YNode | YScalar, message: str) -> None:
@@ -293,9 +322,13 @@ class _Reader:
         self.err(node, f"{what} must be a mapping, not {_kind(node)}")
         return None
 
-    def keys(self, m: YMap, allowed: frozenset[str], what: str) -> None:
-        for k, _ in m.items:
-            if k.value not in allowed:
+    def keys(self, m: YMap, allowed: frozenset[str], what: str, path: str | None = None) -> None:
+        """Every key of `m` is one of `allowed`; with the mapping's schema
+        `path`, `${{ insert }}` and expression keys are checked there instead."""
+        for k, v in m.items:
+            if path is not None and _is_expression_key(k):
+                self.expression_key(k, v, path)
+            elif k.value not in allowed:
                 self.err(k, f"unknown key '{k.value}' in {what}")
 
     def string(self, node: YNode | None, what: str, *, allow_empty: bool = True) -> str | None:
@@ -682,28 +715,33 @@ class _Reader:
             secrets=frozen_map(sections["secrets"]),
         )
 
-    def defaults(self, node: YNode | None) -> Mapping[str, Any]:
+    def defaults(self, node: YNode | None, path: str = "defaults") -> Mapping[str, Any]:
+        """`defaults.run` at schema path `path` (`defaults`, `jobs.*.defaults`);
+        an `${{ insert }}` kept in it is expanded when the job starts."""
         if node is None:
             return frozen_map(None)
         m = self.mapping(node, "`defaults`")
         if m is None:
             return frozen_map(None)
-        self.keys(m, frozenset({"run"}), "`defaults`")
+        self.keys(m, frozenset({"run"}), "`defaults`", path)
         run = m.get("run")
         if run is None:
             return frozen_map(None)
         rm = self.mapping(run, "`defaults.run`")
         if rm is None:
             return frozen_map(None)
-        self.keys(rm, frozenset({"shell", "working-directory"}), "`defaults.run`")
-        out = {}
+        self.keys(rm, frozenset({"shell", "working-directory"}), "`defaults.run`", f"{path}.run")
+        out: dict[str, Any] = {}
+        for k, v in rm.items:
+            if _is_expression_key(k):
+                out[str(k.value)] = plain(v)
         for key in ("shell", "working-directory"):
             value = self.string(rm.get(key), f"`defaults.run.{key}`")
             if value is not None:
                 out[key] = value
         return frozen_map(out)
 
-    def concurrency(self, node: YNode | None) -> Concurrency | None:
+    def concurrency(self, node: YNode | None, path: str = "concurrency") -> Concurrency | None:
         if node is None:
             return None
         if isinstance(node, YScalar):
@@ -712,7 +750,7 @@ class _Reader:
         m = self.mapping(node, "`concurrency`")
         if m is None:
             return None
-        self.keys(m, frozenset({"group", "cancel-in-progress", "queue"}), "`concurrency`")
+        self.keys(m, frozenset({"group", "cancel-in-progress", "queue"}), "`concurrency`", path)
         g = m.get("group")
         if g is None:
             self.err(m, "`concurrency` needs a `group`")
@@ -866,7 +904,7 @@ class _Reader:
                 name = self.string(got, "`name`")
         if (got := m.get("concurrency")) is not None:
             with self.at("jobs.*.concurrency"):
-                conc = self.concurrency(got)
+                conc = self.concurrency(got, "jobs.*.concurrency")
         if (got := m.get("strategy")) is not None:
             with self.at("jobs.*.strategy"):
                 strategy = self.strategy(got, job_id)
@@ -906,7 +944,7 @@ class _Reader:
                 env = self.env(got, "`env`")
         if (got := m.get("defaults")) is not None:
             with self.at("jobs.*.defaults.run"):
-                defaults = self.defaults(got)
+                defaults = self.defaults(got, "jobs.*.defaults")
         steps_node = m.get("steps")
         steps: tuple[Step, ...] = ()
         if steps_node is None:
@@ -917,6 +955,9 @@ class _Reader:
         out_node = m.get("outputs")
         if out_node is not None and (om := self.mapping(out_node, "`outputs`")) is not None:
             for k, v in om.items:
+                if _is_expression_key(k):
+                    self.expression_key(k, v, "jobs.*.outputs")
+                    continue
                 with self.at("jobs.*.outputs.*"):
                     s = self.string(v, f"output '{k.value}'")
                 if s is not None:
@@ -943,7 +984,8 @@ class _Reader:
             return None
         service = what != "`container`"
         if isinstance(node, YMap):
-            self.keys(node, _SERVICE_KEYS if service else _CONTAINER_KEYS, what)
+            path = "jobs.*.services.*" if service else "jobs.*.container"
+            self.keys(node, _SERVICE_KEYS if service else _CONTAINER_KEYS, what, path)
             if _has_expression(node):
                 return plain(node)  # GitHub checks the shape once it is evaluated
             image = node.get("image")
@@ -975,7 +1017,8 @@ class _Reader:
         if m is None:
             return frozen_map(None)
         for k, v in m.items:
-            self.container(v, f"service '{k.value}'")
+            if not _is_expression_key(k):  # refused by `check_tree`
+                self.container(v, f"service '{k.value}'")
         return frozen_map(plain(m))
 
     def condition(self, node: YNode | None) -> str | None:
@@ -1233,6 +1276,9 @@ class _Reader:
         with_keys: dict[str, YScalar] = {}
         if with_node is not None and (wm := self.mapping(with_node, "`with`")) is not None:
             for k, v in wm.items:
+                if _is_expression_key(k):
+                    self.expression_key(k, v, "jobs.*.with")  # the schema refuses it
+                    continue
                 if isinstance(v, YScalar):
                     if isinstance(v.value, str):
                         with self.at("jobs.*.with.*"):
@@ -1377,6 +1423,11 @@ def _runner_group_error(group: str) -> str | None:
         f"invalid runs-on group name '{group}': use an 'organization/' or 'enterprise/' "
         "prefix to target one runner group"
     )
+
+
+def _is_expression_key(key: YScalar) -> bool:
+    """`${{ insert }}` or a key that is an expression."""
+    return isinstance(key.value, str) and "${{" in key.value
 
 
 def _has_expression(node: YNode) -> bool:

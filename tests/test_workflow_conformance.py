@@ -819,3 +819,43 @@ def test_null_dispatch_input_plans(repo: Path) -> None:
     wf = load_workflow(path)
     assert plan(wf, "workflow_dispatch", inputs={"x": "v"}).inputs == {"x": "v"}
     assert plan(wf, "workflow_dispatch").inputs == {}
+
+
+def _nested_matrix(collections: int) -> str:
+    """A workflow whose deepest value sits in `collections` nested mappings
+    and sequences (root, jobs, a, strategy, matrix, the axis: six, then
+    alternately an item mapping and a sequence), as in GitHub's reader test
+    data errors-matrix-max-depth.yml."""
+    lines = ["on: push", "jobs:", "  a:", "    runs-on: x", "    steps: [{run: echo}]"]
+    lines += ["    strategy:", "      matrix:", "        deep:"]
+    indent = "          "
+    for level in range(7, collections + 1):
+        if level % 2:  # a mapping as a sequence item
+            lines.append(f"{indent}- k{level}:")
+            indent += "    "
+        else:  # a sequence as that mapping's value
+            indent = indent[:-2]
+    if collections % 2:
+        lines[-1] += " leaf"  # the innermost mapping's value
+    else:
+        lines.append(f"{indent}- leaf")  # the innermost sequence's item
+    return "\n".join(lines) + "\n"
+
+
+def test_objects_nest_at_most_50_deep(repo: Path) -> None:
+    from preloop.workflow.yamltree import MAX_OBJECT_DEPTH, compose
+
+    for n in (49, 50, 51, 52):
+        root, errors = compose(_nested_matrix(n), "w.yml")
+        depth, node = 0, root
+        while node is not None and not hasattr(node, "value"):
+            depth += 1
+            node = node.items[-1][1] if hasattr(node, "index") else node.items[-1]
+        assert depth == min(n, MAX_OBJECT_DEPTH), (n, depth)
+        assert len(errors) == (n > MAX_OBJECT_DEPTH), errors  # reported once
+    assert first_error(repo, _nested_matrix(50)) is None
+    got = first_error(repo, _nested_matrix(51))
+    assert got is not None and "Maximum object depth exceeded" in got[2], got
+    # At the 51st collection: the innermost mapping (its key), on the last line.
+    last = _nested_matrix(51).splitlines()[-1]
+    assert got[:2] == (_nested_matrix(51).count("\n"), last.index("k51") + 1), got

@@ -859,3 +859,17 @@ def test_objects_nest_at_most_50_deep(repo: Path) -> None:
     # At the 51st collection: the innermost mapping (its key), on the last line.
     last = _nested_matrix(51).splitlines()[-1]
     assert got[:2] == (_nested_matrix(51).count("\n"), last.index("k51") + 1), got
+
+
+def test_at_most_25_workflow_dispatch_inputs(repo: Path) -> None:
+    """GitHub refuses a 26th `workflow_dispatch` input (its service's limit;
+    `@actions/workflow-parser` does not check it), at that input's name."""
+
+    def text(n: int) -> str:
+        inputs = "".join(f"      in{i}: {{type: string}}\n" for i in range(n))
+        return "on:\n  workflow_dispatch:\n    inputs:\n" + inputs + "jobs:\n  a:\n" + JOB
+
+    assert first_error(repo, text(25)) is None
+    got = first_error(repo, text(26))
+    assert got is not None and got[:2] == (4 + 25, 7), got
+    assert "up to 25 `inputs`" in got[2]

@@ -108,6 +108,10 @@ STEP_KEYS = frozenset(
         "background",
     ]
 )
+#: `on.workflow_dispatch.inputs` may declare at most this many inputs (GitHub
+#: raised it from 10 to 25 in December 2025).
+MAX_DISPATCH_INPUTS = 25
+
 # Mappings whose keys GitHub reads one by one as names once the file has
 # parsed (its converters, not its schema): an `${{ insert }}` the schema lets
 # through is refused there ("Unexpected type 'InsertExpressionToken'").
@@ -612,6 +616,14 @@ class _Reader:
 
     def dispatch_inputs(self, inputs: YMap) -> None:
         allowed = frozenset(["description", "type", "required", "default", "options"])
+        if len(inputs.items) > MAX_DISPATCH_INPUTS:
+            # GitHub's service limit (its npm parser and schema do not check it).
+            extra = inputs.items[MAX_DISPATCH_INPUTS][0]
+            self.err2(
+                extra,
+                f"you may only define up to {MAX_DISPATCH_INPUTS} `inputs` for a"
+                f" `workflow_dispatch` event (this is input {MAX_DISPATCH_INPUTS + 1})",
+            )
         for k, v in inputs.items:
             if isinstance(v, YScalar) and v.value is None:
                 continue  # `x:` declares a string input (GitHub's reader test data)

@@ -873,3 +873,71 @@ def test_at_most_25_workflow_dispatch_inputs(repo: Path) -> None:
     got = first_error(repo, text(26))
     assert got is not None and got[:2] == (4 + 25, 7), got
     assert "up to 25 `inputs`" in got[2]
+
+
+def test_max_parallel_expression_error_names_infinity_at_the_value(repo: Path) -> None:
+    from preloop.workflow import PlanError, plan
+
+    path = repo / ".github" / "workflows" / "w.yml"
+    path.write_text(
+        "on: push\njobs:\n  a:\n    runs-on: x\n    strategy:\n"
+        "      matrix: {os: [a, b]}\n      max-parallel: ${{ 1e400 }}\n    steps: [{run: echo}]\n"
+    )
+    with pytest.raises(PlanError) as info:
+        plan(load_workflow(path), "push")
+    assert str(info.value) == (
+        ".github/workflows/w.yml:7:21: job 'a': `max-parallel` is Infinity, not a positive integer"
+    )
+
+
+# GitHub's reader test data round-to-infinity.yml: numbers beyond a double
+# round to +-Infinity and are kept (a timeout that is not positive is no limit
+# for a step and the default 360 minutes for a job).
+ROUND_TO_INFINITY = """\
+on: push
+jobs:
+  pos:
+    runs-on: ubuntu-latest
+    timeout-minutes: +{big}
+    steps: [{{run: echo pos}}]
+  neg:
+    runs-on: ubuntu-latest
+    timeout-minutes: -{big}
+    steps: [{{run: echo neg}}]
+  dec:
+    runs-on: ubuntu-latest
+    timeout-minutes: +{big}.12
+    steps: [{{run: echo dec}}]
+  nan:
+    runs-on: ubuntu-latest
+    timeout-minutes: ${{{{ NaN }}}}
+    steps: [{{run: echo nan}}]
+  steps:
+    runs-on: [ubuntu-latest]
+    steps:
+      - run: echo step-pos
+        timeout-minutes: {big}
+      - run: echo step-neg
+        timeout-minutes: -{big}
+      - run: echo step-zero
+        timeout-minutes: 0
+""".format(big="9" * 400)
+
+
+def test_round_to_infinity_timeouts_plan_and_run(tmp_path: Path, store_url: str) -> None:
+    from preloop.workflow import plan
+
+    repo = make_repo(tmp_path / "repo", workflow(ROUND_TO_INFINITY))
+    p = plan(load_workflow(repo / ".github" / "workflows" / "ci.yml"), "push")
+    timeouts = {j.id: j.timeout_minutes for j in p.jobs}
+    assert timeouts == {
+        "pos": float("inf"),
+        "neg": 360.0,
+        "dec": float("inf"),
+        "nan": 360.0,
+        "steps": 360.0,
+    }
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert set(results(outcome).values()) == {"success"}, h.all_text()
+    for word in ("step-pos", "step-neg", "step-zero"):
+        assert word in h.lines["steps"], h.all_text()

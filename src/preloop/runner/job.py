@@ -448,6 +448,8 @@ class _Execution:
             timeout = (
                 ex.to_number(self.value(minutes, step_ctx)) * 60.0 if minutes is not None else None
             )
+            if timeout is not None and not timeout > 0:
+                timeout = None  # as GitHub's runner: only a positive timeout applies
             if step.get("uses"):
                 outputs, outcome = await self.run_uses(step, name, env, step_ctx, scope, timeout)
             else:

@@ -452,8 +452,9 @@ class _Reader:
         if node is None:
             return None
         if isinstance(node, YScalar) and _is_number(node.value):
-            if node.value <= 0:
-                self.err(node, f"{what} must be a positive number")
+            # Any number, as GitHub's parser takes it (its reader test data
+            # keeps -1e400 as -Infinity); one that is not positive sets no
+            # limit at run time (`planner.job_timeout`, a step's is ignored).
             return float(node.value)
         if isinstance(node, YScalar) and isinstance(node.value, str) and "${{" in node.value:
             self.check_template(node, node.value)
@@ -1109,7 +1110,12 @@ class _Reader:
                 shown = mp.value if isinstance(mp, YScalar) else _kind(mp)
                 self.err(mp, f"`max-parallel` must be a positive integer, not {shown!r}")
         matrix = self.matrix(m.get("matrix"), job_id)
-        return Strategy(matrix=matrix, fail_fast=fail_fast, max_parallel=max_parallel)
+        return Strategy(
+            matrix=matrix,
+            fail_fast=fail_fast,
+            max_parallel=max_parallel,
+            max_parallel_at=(mp.line, mp.column) if mp is not None else (0, 0),
+        )
 
     def matrix(self, node: YNode | None, job_id: str) -> Matrix | None:
         if node is None:

@@ -241,3 +241,19 @@ def test_insert_refused_in_a_reusable_callers_with_and_secrets(tmp_path: Path) -
         load_workflow(wf)
     assert [(d.line, d.column) for d in info.value.diagnostics] == [(6, 7), (8, 7)]
     assert "not allowed as a key" in str(info.value)
+
+
+def test_an_insert_is_checked_once(tmp_path: Path) -> None:
+    """An insert's expression is checked where it stands, once (container and
+    services values are read twice: their shape, and their templates)."""
+    wf = tmp_path / ".github" / "workflows" / "w.yml"
+    wf.parent.mkdir(parents=True)
+    bad = "${{ insert }}: ${{ fromJSON(foo.x) }}"
+    wf.write_text(
+        f"on: push\njobs:\n  a:\n    runs-on: x\n    container:\n      image: i\n      {bad}\n"
+        f"    services:\n      db:\n        image: i\n        {bad}\n"
+        f"    defaults:\n      run:\n        {bad}\n    steps: [{{run: echo}}]\n"
+    )
+    with pytest.raises(WorkflowError) as info:
+        load_workflow(wf)
+    assert [(d.line, d.column) for d in info.value.diagnostics] == [(7, 22), (11, 24), (14, 24)]

@@ -326,12 +326,22 @@ class _Reader:
         self.err(node, f"{what} must be a mapping, not {_kind(node)}")
         return None
 
-    def keys(self, m: YMap, allowed: frozenset[str], what: str, path: str | None = None) -> None:
+    def keys(
+        self,
+        m: YMap,
+        allowed: frozenset[str],
+        what: str,
+        path: str | None = None,
+        *,
+        checked: bool = False,
+    ) -> None:
         """Every key of `m` is one of `allowed`; with the mapping's schema
-        `path`, `${{ insert }}` and expression keys are checked there instead."""
+        `path`, `${{ insert }}` and expression keys are checked there instead
+        (or skipped when `checked`: `check_tree` already did)."""
         for k, v in m.items:
             if path is not None and _is_expression_key(k):
-                self.expression_key(k, v, path)
+                if not checked:
+                    self.expression_key(k, v, path)
             elif k.value not in allowed:
                 self.err(k, f"unknown key '{k.value}' in {what}")
 
@@ -998,7 +1008,8 @@ class _Reader:
         service = what != "`container`"
         if isinstance(node, YMap):
             path = "jobs.*.services.*" if service else "jobs.*.container"
-            self.keys(node, _SERVICE_KEYS if service else _CONTAINER_KEYS, what, path)
+            keys = _SERVICE_KEYS if service else _CONTAINER_KEYS
+            self.keys(node, keys, what, path, checked=True)  # see `job`'s check_tree
             if _has_expression(node):
                 return plain(node)  # GitHub checks the shape once it is evaluated
             image = node.get("image")

@@ -816,7 +816,8 @@ class _Reader:
                     "contain only letters, digits, '-' and '_'",
                 )
             elif job_id.startswith("__"):
-                self.err(k, f"invalid job id '{job_id}': ids starting with '__' are reserved")
+                # GitHub checks this once the file has parsed, as for step ids.
+                self.err2(k, f"invalid job id '{job_id}': ids starting with '__' are reserved")
             job = self.job(k, v, need_nodes)
             if job is not None:
                 jobs.append(job)

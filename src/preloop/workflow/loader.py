@@ -1406,7 +1406,9 @@ class _Reader:
             self.err2(node, f"'{uses}' is not a reusable workflow: it has no `on: workflow_call`")
             return None
         decl = callee.workflow_call
-        # `${{ insert }}` (or an expression key) is checked when it is evaluated.
+        # An `${{ insert }}` (or expression key) in `with:`/`secrets:` is refused
+        # where it stands (the schema gives them no context); what it might
+        # have provided is not reported missing on top of that.
         with_inserts = any("${{" in name for name in with_keys)
         for name, key in with_keys.items():
             if "${{" in name:

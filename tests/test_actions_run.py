@@ -426,3 +426,40 @@ def test_action_overrides_by_environment_and_by_ref(tmp_path: Path) -> None:
     ]
     assert said == ["plain-greet", "pinned-greet-v2", "env-tool", "env-tool-sub"], r.stdout
     assert not (state / "actions" / "repos").exists()
+
+
+def test_a_local_action_symlinked_out_of_the_workspace_fails_its_step(
+    tmp_path: Path, store_url: str
+) -> None:
+    """The loader sees `./link` inside the repository; a step then makes it a
+    symlink to a directory outside the workspace. The `uses: ./link` step
+    fails with one line and the outside action never runs."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "action.yml").write_text(
+        "name: escape\nruns:\n  using: composite\n  steps:\n"
+        "    - run: echo escaped-the-workspace\n      shell: bash\n"
+    )
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            f"""\
+            on: push
+            jobs:
+              j:
+                runs-on: ubuntu-latest
+                steps:
+                  - run: ln -s {outside} link
+                  - uses: ./link
+                  - if: always()
+                    run: echo after
+            """
+        ),
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert results(outcome) == {"j": "failure"}, h.all_text()
+    text = h.all_text()
+    assert "escaped-the-workspace" not in text
+    failed = [line for line in h.lines["j"] if "'./link' points outside the repository" in line]
+    assert len(failed) == 1 and "\n" not in failed[0], text
+    assert "after" in h.lines["j"], text

@@ -60,3 +60,28 @@ def test_config_json_lists_knobs() -> None:
     assert r.returncode == 0, r.stderr
     names = {row["name"] for row in json.loads(r.stdout)}
     assert {"PRELOOP_HOME", "PRELOOP_STATE_DIR"} <= names
+
+
+def test_a_run_id_beyond_64_bits_is_a_one_line_usage_error(tmp_path: Path) -> None:
+    """`status`, `logs` and `cancel` with a 30-digit run id: a usage error
+    (exit 2) whose error is one line naming the id, never a traceback or a
+    database overflow; the store is never opened."""
+    import os
+
+    huge = "123456789012345678901234567890"
+    store = tmp_path / "store.db"
+    env = {**os.environ, "PRELOOP_STATE_DIR": str(tmp_path / "state")}
+    for command in ("status", "logs", "cancel"):
+        r = run(command, "--store", f"sqlite:///{store}", huge, env=env)
+        assert r.returncode == 2, (command, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr and r.stdout == ""
+        errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+        assert len(errors) == 1, r.stderr
+        assert f"no run {huge}: run ids are positive 64-bit integers" in errors[0]
+        # Besides that line, only click's usage hint.
+        rest = [x for x in r.stderr.splitlines() if x and not x.startswith("Error:")]
+        assert rest == [
+            rest[0],
+            f"Try 'preloop {command} --help' for help.",
+        ] and rest[0].startswith(f"Usage: preloop {command} "), r.stderr
+    assert not store.exists()

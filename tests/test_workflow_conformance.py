@@ -819,3 +819,125 @@ def test_null_dispatch_input_plans(repo: Path) -> None:
     wf = load_workflow(path)
     assert plan(wf, "workflow_dispatch", inputs={"x": "v"}).inputs == {"x": "v"}
     assert plan(wf, "workflow_dispatch").inputs == {}
+
+
+def _nested_matrix(collections: int) -> str:
+    """A workflow whose deepest value sits in `collections` nested mappings
+    and sequences (root, jobs, a, strategy, matrix, the axis: six, then
+    alternately an item mapping and a sequence), as in GitHub's reader test
+    data errors-matrix-max-depth.yml."""
+    lines = ["on: push", "jobs:", "  a:", "    runs-on: x", "    steps: [{run: echo}]"]
+    lines += ["    strategy:", "      matrix:", "        deep:"]
+    indent = "          "
+    for level in range(7, collections + 1):
+        if level % 2:  # a mapping as a sequence item
+            lines.append(f"{indent}- k{level}:")
+            indent += "    "
+        else:  # a sequence as that mapping's value
+            indent = indent[:-2]
+    if collections % 2:
+        lines[-1] += " leaf"  # the innermost mapping's value
+    else:
+        lines.append(f"{indent}- leaf")  # the innermost sequence's item
+    return "\n".join(lines) + "\n"
+
+
+def test_objects_nest_at_most_50_deep(repo: Path) -> None:
+    from preloop.workflow.yamltree import MAX_OBJECT_DEPTH, compose
+
+    for n in (49, 50, 51, 52):
+        root, errors = compose(_nested_matrix(n), "w.yml")
+        depth, node = 0, root
+        while node is not None and not hasattr(node, "value"):
+            depth += 1
+            node = node.items[-1][1] if hasattr(node, "index") else node.items[-1]
+        assert depth == min(n, MAX_OBJECT_DEPTH), (n, depth)
+        assert len(errors) == (n > MAX_OBJECT_DEPTH), errors  # reported once
+    assert first_error(repo, _nested_matrix(50)) is None
+    got = first_error(repo, _nested_matrix(51))
+    assert got is not None and "Maximum object depth exceeded" in got[2], got
+    # At the 51st collection: the innermost mapping (its key), on the last line.
+    last = _nested_matrix(51).splitlines()[-1]
+    assert got[:2] == (_nested_matrix(51).count("\n"), last.index("k51") + 1), got
+
+
+def test_at_most_25_workflow_dispatch_inputs(repo: Path) -> None:
+    """GitHub refuses a 26th `workflow_dispatch` input (its service's limit;
+    `@actions/workflow-parser` does not check it), at that input's name."""
+
+    def text(n: int) -> str:
+        inputs = "".join(f"      in{i}: {{type: string}}\n" for i in range(n))
+        return "on:\n  workflow_dispatch:\n    inputs:\n" + inputs + "jobs:\n  a:\n" + JOB
+
+    assert first_error(repo, text(25)) is None
+    got = first_error(repo, text(26))
+    assert got is not None and got[:2] == (4 + 25, 7), got
+    assert "up to 25 `inputs`" in got[2]
+
+
+def test_max_parallel_expression_error_names_infinity_at_the_value(repo: Path) -> None:
+    from preloop.workflow import PlanError, plan
+
+    path = repo / ".github" / "workflows" / "w.yml"
+    path.write_text(
+        "on: push\njobs:\n  a:\n    runs-on: x\n    strategy:\n"
+        "      matrix: {os: [a, b]}\n      max-parallel: ${{ 1e400 }}\n    steps: [{run: echo}]\n"
+    )
+    with pytest.raises(PlanError) as info:
+        plan(load_workflow(path), "push")
+    assert str(info.value) == (
+        ".github/workflows/w.yml:7:21: job 'a': `max-parallel` is Infinity, not a positive integer"
+    )
+
+
+# GitHub's reader test data round-to-infinity.yml: numbers beyond a double
+# round to +-Infinity and are kept (a timeout that is not positive is no limit
+# for a step and the default 360 minutes for a job).
+ROUND_TO_INFINITY = """\
+on: push
+jobs:
+  pos:
+    runs-on: ubuntu-latest
+    timeout-minutes: +{big}
+    steps: [{{run: echo pos}}]
+  neg:
+    runs-on: ubuntu-latest
+    timeout-minutes: -{big}
+    steps: [{{run: echo neg}}]
+  dec:
+    runs-on: ubuntu-latest
+    timeout-minutes: +{big}.12
+    steps: [{{run: echo dec}}]
+  nan:
+    runs-on: ubuntu-latest
+    timeout-minutes: ${{{{ NaN }}}}
+    steps: [{{run: echo nan}}]
+  steps:
+    runs-on: [ubuntu-latest]
+    steps:
+      - run: echo step-pos
+        timeout-minutes: {big}
+      - run: echo step-neg
+        timeout-minutes: -{big}
+      - run: echo step-zero
+        timeout-minutes: 0
+""".format(big="9" * 400)
+
+
+def test_round_to_infinity_timeouts_plan_and_run(tmp_path: Path, store_url: str) -> None:
+    from preloop.workflow import plan
+
+    repo = make_repo(tmp_path / "repo", workflow(ROUND_TO_INFINITY))
+    p = plan(load_workflow(repo / ".github" / "workflows" / "ci.yml"), "push")
+    timeouts = {j.id: j.timeout_minutes for j in p.jobs}
+    assert timeouts == {
+        "pos": float("inf"),
+        "neg": 360.0,
+        "dec": float("inf"),
+        "nan": 360.0,
+        "steps": 360.0,
+    }
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert set(results(outcome).values()) == {"success"}, h.all_text()
+    for word in ("step-pos", "step-neg", "step-zero"):
+        assert word in h.lines["steps"], h.all_text()

@@ -246,6 +246,11 @@ EXTRA_MUTATIONS = [
     lambda doc, job: doc.add_step(job, ["uses: ${{ matrix.a }}"]),
     lambda doc, job: doc.root.insert(1, "defaults:\n  run:\n    shell: ${{ github.sha }}"),
     lambda doc, job: job.set("environment", "\n  name: e\n  url: ${{ secrets.URL }}", doc.r),
+    lambda doc, job: doc.root.__setitem__(
+        0,
+        "on:\n  schedule:\n    - cron: '0 3 * * 1'\n    - cron: "
+        + q(doc.r, doc.r.choice(["61 * * * *", "not a cron", "0 0 * * 7", "5-1 0 1 1 1"])),
+    ),
 ]
 
 
@@ -391,6 +396,22 @@ def enrich(doc: Doc) -> Doc:
             )
         elif k == 6:
             job.set("defaults", "\n  run:\n    working-directory: ${{ github.workspace }}", r)
+        elif k == 7:
+            # `${{ insert }}` wherever the schema gives the mapping a context.
+            insert = "${{ insert }}: ${{ fromJSON('{}') }}"
+            key, block = r.choice(
+                [
+                    ("defaults", f"\n  run:\n    {insert}"),
+                    ("container", f"\n  image: i\n  {insert}"),
+                    ("container", f"\n  image: i\n  env:\n    {insert}"),
+                    ("container", f"\n  image: i\n  credentials:\n    {insert}"),
+                    ("services", f"\n  db:\n    image: i\n    {insert}"),
+                    ("services", f"\n  db:\n    image: i\n    env:\n      {insert}"),
+                    ("strategy", f"\n  matrix:\n    a: [1]\n    {insert}"),
+                ]
+            )
+            job.drop(key)
+            job.set(key, block, r)
     return doc
 
 
@@ -401,3 +422,50 @@ def test_valid_workflows_are_valid_for_both(repo: Path) -> None:
     for text, errs in zip(texts, theirs(texts), strict=True):
         assert errs == [], text
         assert ours(repo, text) == [], text
+
+
+# Cron fields: forms valid in every field, forms valid in some, and invalid ones.
+_CRON_ANY = ["*", "1", "5", "*/5", "1-5", "1-5/2", "1,3", "+3", "0x3", "1.5", "06", "3-3"]
+_CRON_SOME = ["0", "7", "12", "23", "24", "31", "59", "jan", "MAR-dec", "mon", "Sun-sat", "jan/2"]
+_CRON_BAD = [
+    "60", "5-1", "*/0", "*/60", "1/2/3", "1,,2", "-1", "a", "1e1", "*-5", "5-*", "sat-sun", "",
+]  # fmt: skip
+
+
+def _cron(r: random.Random) -> str:
+    if r.random() < 0.1:
+        fields = [r.choice(_CRON_ANY) for _ in range(r.choice([4, 6]))]
+    else:
+        pools = [_CRON_ANY] * 8 + [_CRON_SOME] * 3 + [_CRON_BAD]
+        fields = [r.choice(r.choice(pools)) for _ in range(5)]
+    text = r.choice([" ", " ", " ", "  "]).join(fields)
+    return text if r.random() < 0.9 else r.choice([" ", ""]) + text + r.choice([" ", "\t", ""])
+
+
+def test_cron_expressions_match_github_parser(repo: Path) -> None:
+    """Every `cron` GitHub's parser refuses we refuse, at the same line:col,
+    and no other (its JavaScript object lookup also takes `constructor` and
+    the like as month and weekday names: that quirk alone is not copied)."""
+    r = random.Random(61)
+    crons = ["61 * * * *", "not a cron", "0 0 * * 7", "0 0 1 jan mon", "*/15 0-23/2 * * 1-5"]
+    crons += [_cron(r) for _ in range(400)]
+    body = "".join(f"    - cron: {json.dumps(c)}\n" for c in crons)
+    text = f"on:\n  schedule:\n{body}jobs:\n  a:\n    runs-on: x\n    steps: [{{run: echo}}]\n"
+    their = sorted((e["line"], e["column"]) for e in theirs([text])[0])
+    mine = sorted((line, col) for line, col, _ in ours(repo, text))
+    assert mine == their
+    assert 50 < len(their) < len(crons) - 50  # both valid and invalid ones were tried
+
+
+def test_insert_placements_match_github_parser(repo: Path) -> None:
+    """tests/test_workflow_templates.py's `${{ insert }}` placements are
+    GitHub's: accepted where it accepts, refused at its first line:col."""
+    from tests.test_workflow_templates import INSERT_PLACEMENTS
+
+    # A second job: one GitHub fails to convert leaves it the workflow's root.
+    steps = "    steps: [{run: echo}]\n  b:\n    runs-on: x\n    steps: [{run: echo}]\n"
+    texts = [
+        f"on: push\njobs:\n  a:\n    runs-on: x\n{keys}\n{steps}" for keys, _ in INSERT_PLACEMENTS
+    ]
+    for (_, error_at), errs in zip(INSERT_PLACEMENTS, theirs(texts), strict=True):
+        assert (min((e["line"], e["column"]) for e in errs) if errs else None) == error_at, errs

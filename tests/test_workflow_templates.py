@@ -10,7 +10,7 @@ import pytest
 from tests.actions_support import JS_ACTION, publish_action
 from tests.run_support import make_repo, results, run_engine, workflow
 
-from preloop.workflow import load_workflow, plan
+from preloop.workflow import WorkflowError, load_workflow, plan
 from preloop.workflow.templates import WHOLE, evaluate_data, is_insert, mapping_items, overlay
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
@@ -65,10 +65,15 @@ jobs:
     runs-on: ubuntu-latest
     outputs:
       plain: p
-      ${{ insert }}: ${{ fromJSON(steps.s.outputs.more) }}
+      extra: ${{ fromJSON(steps.s.outputs.more).extra }}
+      other: ${{ fromJSON(steps.s.outputs.more).other }}
+    defaults:
+      run:
+        ${{ insert }}: ${{ fromJSON('{"working-directory":"sub","shell":"bash"}') }}
     steps:
       - id: s
         run: echo 'more={"extra":"e1","other":"o2"}' >> "$GITHUB_OUTPUT"
+      - run: echo "marker=$(cat marker.txt) shell=${BASH_VERSION:+bash}"
       - id: g
         uses: acme/greet@v1
         with:
@@ -104,22 +109,28 @@ runs:
 """
 
 
-def test_insert_in_step_with_and_job_outputs_runs(
+def test_insert_in_step_with_and_defaults_run_runs(
     tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`${{ insert }}` in a `uses` step's `with:` (a JavaScript action's
-    INPUT_*, a composite action's inputs), in job `outputs`, and in both
-    workflow and job `env` (each keeps its insertion; the job's names win)."""
+    INPUT_*, a composite action's inputs), in a job's `defaults.run`, and in
+    both workflow and job `env` (each keeps its insertion; the job's names
+    win). Job `outputs` refuse it, as GitHub does (test_insert_placement)."""
     remotes = tmp_path / "remotes"
     publish_action(remotes, "acme/greet", JS_ACTION)
     monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{remotes}")
     monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
-    files = {**workflow(INSERT_ELSEWHERE), ".github/actions/comp/action.yml": COMPOSITE}
+    files = {
+        **workflow(INSERT_ELSEWHERE),
+        ".github/actions/comp/action.yml": COMPOSITE,
+        "sub/marker.txt": "in-sub",
+    }
     repo = make_repo(tmp_path / "repo", files)
     outcome, h = run_engine(repo, store_url, tmp_path / "state")
     assert results(outcome) == {"make": "success", "use": "success"}, h.all_text()
     assert any("main: Hi inserted" in line for line in h.lines["make"]), h.lines["make"]
     assert "comp word=Hi inserted" in h.lines["make"], h.lines["make"]
+    assert "marker=in-sub shell=bash" in h.lines["make"], h.lines["make"]
     assert "outs=p-e1-o2" in h.lines["use"], h.lines["use"]
     assert "envs=wf-wi-from-job-ji" in h.lines["use"], h.lines["use"]
 
@@ -173,82 +184,76 @@ def test_helpers() -> None:
     ]
 
 
-CALLEE = """\
-on:
-  workflow_call:
-    inputs:
-      flag: {type: boolean, required: true}
-      who: {type: string, default: nobody}
-    secrets:
-      token: {required: true}
-jobs:
-  speak:
-    runs-on: ubuntu-latest
-    steps:
-      - run: echo "who=${{ inputs.who }} flag=${{ inputs.flag == true }} token-len=${#T}"
-        env:
-          T: ${{ secrets.token }}
-"""
-
-CALLERS = """\
-on: push
-jobs:
-  setup:
-    runs-on: ubuntu-latest
-    outputs:
-      inputs: ${{ steps.o.outputs.inputs }}
-      bad: ${{ steps.o.outputs.bad }}
-      partial: ${{ steps.o.outputs.partial }}
-    steps:
-      - id: o
-        run: |
-          echo 'inputs={"flag":true,"who":"from-needs"}' >> "$GITHUB_OUTPUT"
-          echo 'bad={"nope":1}' >> "$GITHUB_OUTPUT"
-          echo 'partial={"who":"w"}' >> "$GITHUB_OUTPUT"
-  static:
-    uses: ./.github/workflows/callee.yml
-    with:
-      ${{ insert }}: ${{ fromJSON('{"flag":true,"who":"static"}') }}
-    secrets:
-      ${{ insert }}: ${{ fromJSON(format('{{"token":"t-{0}"}}', secrets.MINE)) }}
-  late:
-    needs: setup
-    uses: ./.github/workflows/callee.yml
-    with:
-      ${{ insert }}: ${{ fromJSON(needs.setup.outputs.inputs) }}
-    secrets: inherit
-  undeclared:
-    needs: setup
-    uses: ./.github/workflows/callee.yml
-    with:
-      flag: true
-      ${{ insert }}: ${{ fromJSON(needs.setup.outputs.bad) }}
-    secrets: inherit
-  missing:
-    needs: setup
-    uses: ./.github/workflows/callee.yml
-    with:
-      ${{ insert }}: ${{ fromJSON(needs.setup.outputs.partial) }}
-    secrets: inherit
-"""
+# Where `${{ insert }}` may stand, as GitHub's parser says (each case was
+# checked against @actions/workflow-parser; tests/test_workflow_differential.py
+# compares the placements again with node): (job keys, the error's line:col
+# or None when accepted). The insert sits on line 6, column 7 (9 or 11 deeper).
+INSERT = "${{ insert }}: ${{ fromJSON('{}') }}"
+INSERT_PLACEMENTS = [
+    (f"    defaults:\n      run:\n        {INSERT}", None),
+    (f"    container:\n      image: i\n      {INSERT}", None),
+    (f"    container:\n      image: i\n      credentials:\n        {INSERT}", None),
+    (f"    services:\n      db:\n        image: i\n        {INSERT}", None),
+    (f"    services:\n      db:\n        image: i\n        env:\n          {INSERT}", None),
+    (f"    strategy:\n      matrix:\n        a: [1]\n        {INSERT}", None),
+    (f"    env:\n      {INSERT}", None),
+    (f"    outputs:\n      {INSERT}", (6, 7)),
+    (f"    defaults:\n      {INSERT}", (6, 7)),
+    (f"    services:\n      {INSERT}", (6, 7)),
+    (f"    environment:\n      name: e\n      {INSERT}", (7, 7)),
+    (f"    concurrency:\n      group: g\n      {INSERT}", (7, 7)),
+    (f"    {INSERT}", (5, 5)),
+]
 
 
-def test_insert_in_a_reusable_callers_with_and_secrets(tmp_path: Path, store_url: str) -> None:
-    files = {
-        ".github/workflows/ci.yml": CALLERS,
-        ".github/workflows/callee.yml": CALLEE,
-    }
-    repo = make_repo(tmp_path / "repo", files)
-    outcome, h = run_engine(
-        repo, store_url, tmp_path / "state", secrets={"MINE": "m1", "token": "inherited"}
+@pytest.mark.parametrize(("job_keys", "error_at"), INSERT_PLACEMENTS)
+def test_insert_placement_follows_the_schema(
+    tmp_path: Path, job_keys: str, error_at: tuple[int, int] | None
+) -> None:
+    wf = tmp_path / ".github" / "workflows" / "w.yml"
+    wf.parent.mkdir(parents=True)
+    wf.write_text(
+        f"on: push\njobs:\n  a:\n    runs-on: x\n{job_keys}\n    steps: [{{run: echo}}]\n"
     )
-    r = results(outcome)
-    assert r["static/speak"] == "success" and r["late/speak"] == "success", h.all_text()
-    assert "who=static flag=true token-len=4" in h.lines["static/speak"]
-    assert "who=from-needs flag=true token-len=9" in h.lines["late/speak"]
-    assert r["undeclared"] == "failure", r
-    undeclared = next(j for j in outcome.jobs if j.id == "undeclared")
-    assert "input 'nope' is not declared" in str(undeclared.reason), undeclared.reason
-    assert r["missing"] == "failure", r
-    missing = next(j for j in outcome.jobs if j.id == "missing")
-    assert "requires input 'flag'" in str(missing.reason), missing.reason
+    if error_at is None:
+        load_workflow(wf)
+        return
+    with pytest.raises(WorkflowError) as info:
+        load_workflow(wf)
+    first = info.value.diagnostics[0]
+    assert (first.line, first.column) == error_at, info.value
+
+
+def test_insert_refused_in_a_reusable_callers_with_and_secrets(tmp_path: Path) -> None:
+    """GitHub's schema gives a caller's `with:` and `secrets:` mappings no
+    context, so neither takes `${{ insert }}` (nor an expression key)."""
+    wf = tmp_path / ".github" / "workflows" / "w.yml"
+    wf.parent.mkdir(parents=True)
+    (wf.parent / "callee.yml").write_text(
+        "on:\n  workflow_call:\n    inputs:\n      who: {type: string}\n"
+        "jobs:\n  a:\n    runs-on: x\n    steps: [{run: echo}]\n"
+    )
+    wf.write_text(
+        "on: push\njobs:\n  call:\n    uses: ./.github/workflows/callee.yml\n"
+        f"    with:\n      {INSERT}\n    secrets:\n      {INSERT}\n"
+    )
+    with pytest.raises(WorkflowError) as info:
+        load_workflow(wf)
+    assert [(d.line, d.column) for d in info.value.diagnostics] == [(6, 7), (8, 7)]
+    assert "not allowed as a key" in str(info.value)
+
+
+def test_an_insert_is_checked_once(tmp_path: Path) -> None:
+    """An insert's expression is checked where it stands, once (container and
+    services values are read twice: their shape, and their templates)."""
+    wf = tmp_path / ".github" / "workflows" / "w.yml"
+    wf.parent.mkdir(parents=True)
+    bad = "${{ insert }}: ${{ fromJSON(foo.x) }}"
+    wf.write_text(
+        f"on: push\njobs:\n  a:\n    runs-on: x\n    container:\n      image: i\n      {bad}\n"
+        f"    services:\n      db:\n        image: i\n        {bad}\n"
+        f"    defaults:\n      run:\n        {bad}\n    steps: [{{run: echo}}]\n"
+    )
+    with pytest.raises(WorkflowError) as info:
+        load_workflow(wf)
+    assert [(d.line, d.column) for d in info.value.diagnostics] == [(7, 22), (11, 24), (14, 24)]

@@ -44,6 +44,7 @@ from preloop.actions.reference import (
 from preloop.errors import PreloopError
 from preloop.process import CommandFailed, CommandTimeout, run_command
 from preloop.workflow import expressions as ex
+from preloop.workflow.uses import local_path_error
 
 if TYPE_CHECKING:
     from preloop.runner.commands import Annotation
@@ -190,6 +191,11 @@ class ActionSteps:
         earlier failure is repeated, not retried); local ones are read each time."""
         target = parse_uses(uses)
         if isinstance(target, LocalRef):
+            # The loader checked the path, but an earlier step may have made
+            # it a symlink out of the workspace since.
+            outside = local_path_error(uses, self.run.host.workspace)
+            if outside is not None:
+                raise ActionStepError(f"{outside}: a local action must stay in the workspace")
             directory = (self.run.host.workspace / target.path).resolve()
             return _Resolved(uses, "local", load_action(directory, uses))
         if isinstance(target, DockerRef):

@@ -300,7 +300,19 @@ class _Execution:
             ctx = {**self.base, "env": env_ctx}
             env_ctx[name] = _str(value) if evaluated else self.template(value, ctx)
         self.job_env = env_ctx
-        self.defaults = dict(spec.get("defaults") or {})
+        # `defaults.run` values are templates evaluated for each step; an
+        # `${{ insert }}` among them is expanded once, here, into final values.
+        self.defaults: dict[str, Any] = {}
+        self.final_defaults: set[str] = set()
+        defaults_items = mapping_items(
+            dict(spec.get("defaults") or {}), lambda v: self.value(v, {**self.base, "env": env_ctx})
+        )
+        for name, value, evaluated in defaults_items:
+            self.defaults[name] = _str(value) if evaluated else value
+            if evaluated:
+                self.final_defaults.add(name)
+            else:
+                self.final_defaults.discard(name)
         self.actions = ActionSteps(self)
 
     # -- helpers ---------------------------------------------------------------
@@ -316,6 +328,15 @@ class _Execution:
         if isinstance(value, bool):
             return "true" if value else "false"
         return _str(value)
+
+    def step_default(self, step: Mapping[str, Any], key: str, ctx: Mapping[str, Any]) -> str | None:
+        """A run step's `shell` or `working-directory`, else the `defaults.run`
+        one, evaluated; None when neither is given."""
+        raw = step.get(key)
+        if not raw and key in self.final_defaults:
+            return str(self.defaults[key]) or None
+        raw = raw or self.defaults.get(key)
+        return self.template(raw, ctx) if raw else None
 
     def value(self, value: Any, ctx: Mapping[str, Any]) -> Any:
         if isinstance(value, str):
@@ -427,6 +448,8 @@ class _Execution:
             timeout = (
                 ex.to_number(self.value(minutes, step_ctx)) * 60.0 if minutes is not None else None
             )
+            if timeout is not None and not timeout > 0:
+                timeout = None  # as GitHub's runner: only a positive timeout applies
             if step.get("uses"):
                 outputs, outcome = await self.run_uses(step, name, env, step_ctx, scope, timeout)
             else:
@@ -558,13 +581,12 @@ class _Execution:
         timeout: float | None,
     ) -> tuple[dict[str, str], str]:
         script = self.template(step.get("run") or "", ctx)
-        shell_raw = step.get("shell") or self.defaults.get("shell")
-        shell = self.template(shell_raw, ctx) if shell_raw else None
+        shell = self.step_default(step, "shell", ctx)
         argv_t, suffix = self.shell_argv(shell, script)
-        wd_raw = step.get("working-directory") or self.defaults.get("working-directory")
+        wd = self.step_default(step, "working-directory", ctx)
         cwd = self.host.workspace
-        if wd_raw:
-            cwd = self.host.workspace / self.template(wd_raw, ctx)
+        if wd:
+            cwd = self.host.workspace / wd
             if not cwd.is_dir():
                 raise _StepFailure(
                     f"working-directory {str(cwd)!r} does not exist in the checkout (step {name!r})"

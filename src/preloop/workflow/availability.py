@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 from preloop.workflow.schema_tables import CONTEXTS, EVENTS
 
-__all__ = ["EVENTS", "allowed_at"]
+__all__ = ["EVENTS", "allowed_at", "expression_keys_allowed"]
 
 _FUNCTION = re.compile(r"([A-Za-z]+)\(\d+,(\d+|MAX)\)")
 
@@ -43,6 +43,14 @@ def allowed_at(path: str) -> tuple[frozenset[str], Mapping[str, int]]:
         else:
             contexts.add(item)
     return frozenset(contexts), MappingProxyType(functions)
+
+
+def expression_keys_allowed(path: str) -> bool:
+    """Whether the mapping at `path` may have `${{ insert }}` or expression
+    keys: GitHub's reader allows them exactly where the mapping's definition
+    (with those above it) makes some context available."""
+    contexts, functions = allowed_at(path)
+    return bool(contexts or functions)
 
 
 def _prefixes() -> frozenset[str]:

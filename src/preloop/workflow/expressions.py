@@ -120,7 +120,7 @@ def _is_array(v: Any) -> bool:
 
 # JavaScript's WhiteSpace + LineTerminator (what Number() and trim() strip).
 _JS_SPACE = "\t\n\v\f\r \u00a0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000\ufeff"  # noqa: E501
-_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
 _RADIX = re.compile(r"0([xXoObB])([0-9a-fA-F]+)")
 
 

@@ -20,7 +20,8 @@ from preloop.actions.workflows import fetch_remote_workflow, planning
 from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
 from preloop.workflow.availability import EVENTS as SCHEMA_EVENTS
-from preloop.workflow.availability import allowed_at, child
+from preloop.workflow.availability import allowed_at, child, expression_keys_allowed
+from preloop.workflow.cron import is_valid_cron
 from preloop.workflow.matrix import MatrixError, expand_matrix
 from preloop.workflow.model import (
     Concurrency,
@@ -107,6 +108,19 @@ STEP_KEYS = frozenset(
         "background",
     ]
 )
+#: `on.workflow_dispatch.inputs` may declare at most this many inputs (GitHub
+#: raised it from 10 to 25 in December 2025).
+MAX_DISPATCH_INPUTS = 25
+
+# Mappings whose keys GitHub reads one by one as names once the file has
+# parsed (its converters, not its schema): an `${{ insert }}` the schema lets
+# through is refused there ("Unexpected type 'InsertExpressionToken'").
+_KEYS_READ_AS_NAMES = {
+    "concurrency": "`concurrency`",
+    "jobs.*.concurrency": "`concurrency`",
+    "jobs.*.environment": "`environment`",
+    "jobs.*.services": "`services`",
+}
 _CONTAINER_KEYS = frozenset(["image", "options", "env", "ports", "volumes", "credentials"])
 _SERVICE_KEYS = _CONTAINER_KEYS | {"entrypoint", "command"}
 _STEP_PATHS = {k: f"jobs.*.steps[].{k}" for k in STEP_KEYS}
@@ -269,14 +283,34 @@ class _Reader:
                     self.check_tree(n, path + "[]")
             else:
                 for k, v in node.items:
-                    if isinstance(k.value, str) and "${{" in k.value:
-                        if not is_insert(k.value):
-                            self.check_template(k, k.value)
-                        # An inserted mapping (or an expression key) stands
-                        # for the mapping's own entries.
-                        self.check_tree(v, child(path, "*"))
+                    if _is_expression_key(k):
+                        self.expression_key(k, v, path)
                     else:
                         self.check_tree(v, child(path, str(k.value)))
+
+    def expression_key(self, key: YScalar, value: YNode, path: str) -> bool:
+        """Checks `${{ insert }}` or an expression key `key` (with its value)
+        in the mapping at schema path `path`; whether it may stand there.
+        Where it may is derived from the schema (`expression_keys_allowed`);
+        a few mappings GitHub then reads key by key as names refuse it."""
+        if not expression_keys_allowed(path):
+            self.err(key, "a template expression (${{ }}) is not allowed as a key here")
+            return False
+        what = _KEYS_READ_AS_NAMES.get(path)
+        if what is not None:
+            self.err2(
+                key,
+                f"the keys of {what} are names: `${{{{ insert }}}}` or an expression key"
+                " is not allowed there",
+            )
+            return False
+        with self.at(path):
+            if not is_insert(key.value):
+                self.check_template(key, str(key.value))
+            # An inserted mapping (or an expression key) stands for the
+            # mapping's own entries.
+            self.check_tree(value, child(path, "*"))
+        return True
 
     # -- helpers ------------------------------------------------------------
     def err(self, node: YNode | YScalar, message: str) -> None:
@@ -292,9 +326,23 @@ class _Reader:
         self.err(node, f"{what} must be a mapping, not {_kind(node)}")
         return None
 
-    def keys(self, m: YMap, allowed: frozenset[str], what: str) -> None:
-        for k, _ in m.items:
-            if k.value not in allowed:
+    def keys(
+        self,
+        m: YMap,
+        allowed: frozenset[str],
+        what: str,
+        path: str | None = None,
+        *,
+        checked: bool = False,
+    ) -> None:
+        """Every key of `m` is one of `allowed`; with the mapping's schema
+        `path`, `${{ insert }}` and expression keys are checked there instead
+        (or skipped when `checked`: `check_tree` already did)."""
+        for k, v in m.items:
+            if path is not None and _is_expression_key(k):
+                if not checked:
+                    self.expression_key(k, v, path)
+            elif k.value not in allowed:
                 self.err(k, f"unknown key '{k.value}' in {what}")
 
     def string(self, node: YNode | None, what: str, *, allow_empty: bool = True) -> str | None:
@@ -414,8 +462,9 @@ class _Reader:
         if node is None:
             return None
         if isinstance(node, YScalar) and _is_number(node.value):
-            if node.value <= 0:
-                self.err(node, f"{what} must be a positive number")
+            # Any number, as GitHub's parser takes it (its reader test data
+            # keeps -1e400 as -Infinity); one that is not positive sets no
+            # limit at run time (`planner.job_timeout`, a step's is ignored).
             return float(node.value)
         if isinstance(node, YScalar) and isinstance(node.value, str) and "${{" in node.value:
             self.check_template(node, node.value)
@@ -540,7 +589,8 @@ class _Reader:
                     self.dispatch_inputs(inputs)
                     dispatch = frozen_map({str(ik.value): plain(iv) for ik, iv in inputs.items})
             if event == "schedule" and value is not None:
-                self.schedule(value)
+                with self.at("on.schedule[].cron"):
+                    self.schedule(value)
                 events[event] = plain(value)
                 continue
             if value is not None and not isinstance(value, YMap | YSeq):
@@ -577,6 +627,14 @@ class _Reader:
 
     def dispatch_inputs(self, inputs: YMap) -> None:
         allowed = frozenset(["description", "type", "required", "default", "options"])
+        if len(inputs.items) > MAX_DISPATCH_INPUTS:
+            # GitHub's service limit (its npm parser and schema do not check it).
+            extra = inputs.items[MAX_DISPATCH_INPUTS][0]
+            self.err2(
+                extra,
+                f"you may only define up to {MAX_DISPATCH_INPUTS} `inputs` for a"
+                f" `workflow_dispatch` event (this is input {MAX_DISPATCH_INPUTS + 1})",
+            )
         for k, v in inputs.items:
             if isinstance(v, YScalar) and v.value is None:
                 continue  # `x:` declares a string input (GitHub's reader test data)
@@ -597,10 +655,22 @@ class _Reader:
             if em is None:
                 continue
             self.keys(em, frozenset(["cron"]), "a `schedule` entry")
-            if em.get("cron") is None:
+            cron = em.get("cron")
+            if cron is None:
                 self.err(em, "a `schedule` entry needs `cron`")
             else:
-                self.string(em.get("cron"), "`cron`", allow_empty=False)
+                before = len(self.errors)
+                text = self.string(cron, "`cron`", allow_empty=False)
+                if text and "${{" in text and len(self.errors) == before:
+                    # Only a lone literal is allowed here: GitHub folds it into the value.
+                    text = ex.coerce_string(ex.evaluate_template(text, {}))
+                if len(self.errors) == before and not is_valid_cron(text or ""):
+                    # GitHub checks the syntax once the file has parsed (phase 1).
+                    self.err2(
+                        cron,
+                        f"invalid cron expression '{text}': expected five fields"
+                        " '* * * * *' (minute hour day month weekday)",
+                    )
 
     def permissions(self, node: YNode | None) -> Any:
         if node is None:
@@ -668,28 +738,33 @@ class _Reader:
             secrets=frozen_map(sections["secrets"]),
         )
 
-    def defaults(self, node: YNode | None) -> Mapping[str, Any]:
+    def defaults(self, node: YNode | None, path: str = "defaults") -> Mapping[str, Any]:
+        """`defaults.run` at schema path `path` (`defaults`, `jobs.*.defaults`);
+        an `${{ insert }}` kept in it is expanded when the job starts."""
         if node is None:
             return frozen_map(None)
         m = self.mapping(node, "`defaults`")
         if m is None:
             return frozen_map(None)
-        self.keys(m, frozenset({"run"}), "`defaults`")
+        self.keys(m, frozenset({"run"}), "`defaults`", path)
         run = m.get("run")
         if run is None:
             return frozen_map(None)
         rm = self.mapping(run, "`defaults.run`")
         if rm is None:
             return frozen_map(None)
-        self.keys(rm, frozenset({"shell", "working-directory"}), "`defaults.run`")
-        out = {}
+        self.keys(rm, frozenset({"shell", "working-directory"}), "`defaults.run`", f"{path}.run")
+        out: dict[str, Any] = {}
+        for k, v in rm.items:
+            if _is_expression_key(k):
+                out[str(k.value)] = plain(v)
         for key in ("shell", "working-directory"):
             value = self.string(rm.get(key), f"`defaults.run.{key}`")
             if value is not None:
                 out[key] = value
         return frozen_map(out)
 
-    def concurrency(self, node: YNode | None) -> Concurrency | None:
+    def concurrency(self, node: YNode | None, path: str = "concurrency") -> Concurrency | None:
         if node is None:
             return None
         if isinstance(node, YScalar):
@@ -698,7 +773,7 @@ class _Reader:
         m = self.mapping(node, "`concurrency`")
         if m is None:
             return None
-        self.keys(m, frozenset({"group", "cancel-in-progress", "queue"}), "`concurrency`")
+        self.keys(m, frozenset({"group", "cancel-in-progress", "queue"}), "`concurrency`", path)
         g = m.get("group")
         if g is None:
             self.err(m, "`concurrency` needs a `group`")
@@ -741,7 +816,8 @@ class _Reader:
                     "contain only letters, digits, '-' and '_'",
                 )
             elif job_id.startswith("__"):
-                self.err(k, f"invalid job id '{job_id}': ids starting with '__' are reserved")
+                # GitHub checks this once the file has parsed, as for step ids.
+                self.err2(k, f"invalid job id '{job_id}': ids starting with '__' are reserved")
             job = self.job(k, v, need_nodes)
             if job is not None:
                 jobs.append(job)
@@ -852,7 +928,7 @@ class _Reader:
                 name = self.string(got, "`name`")
         if (got := m.get("concurrency")) is not None:
             with self.at("jobs.*.concurrency"):
-                conc = self.concurrency(got)
+                conc = self.concurrency(got, "jobs.*.concurrency")
         if (got := m.get("strategy")) is not None:
             with self.at("jobs.*.strategy"):
                 strategy = self.strategy(got, job_id)
@@ -892,7 +968,7 @@ class _Reader:
                 env = self.env(got, "`env`")
         if (got := m.get("defaults")) is not None:
             with self.at("jobs.*.defaults.run"):
-                defaults = self.defaults(got)
+                defaults = self.defaults(got, "jobs.*.defaults")
         steps_node = m.get("steps")
         steps: tuple[Step, ...] = ()
         if steps_node is None:
@@ -903,6 +979,9 @@ class _Reader:
         out_node = m.get("outputs")
         if out_node is not None and (om := self.mapping(out_node, "`outputs`")) is not None:
             for k, v in om.items:
+                if _is_expression_key(k):
+                    self.expression_key(k, v, "jobs.*.outputs")
+                    continue
                 with self.at("jobs.*.outputs.*"):
                     s = self.string(v, f"output '{k.value}'")
                 if s is not None:
@@ -929,7 +1008,9 @@ class _Reader:
             return None
         service = what != "`container`"
         if isinstance(node, YMap):
-            self.keys(node, _SERVICE_KEYS if service else _CONTAINER_KEYS, what)
+            path = "jobs.*.services.*" if service else "jobs.*.container"
+            keys = _SERVICE_KEYS if service else _CONTAINER_KEYS
+            self.keys(node, keys, what, path, checked=True)  # see `job`'s check_tree
             if _has_expression(node):
                 return plain(node)  # GitHub checks the shape once it is evaluated
             image = node.get("image")
@@ -961,7 +1042,8 @@ class _Reader:
         if m is None:
             return frozen_map(None)
         for k, v in m.items:
-            self.container(v, f"service '{k.value}'")
+            if not _is_expression_key(k):  # refused by `check_tree`
+                self.container(v, f"service '{k.value}'")
         return frozen_map(plain(m))
 
     def condition(self, node: YNode | None) -> str | None:
@@ -1040,7 +1122,12 @@ class _Reader:
                 shown = mp.value if isinstance(mp, YScalar) else _kind(mp)
                 self.err(mp, f"`max-parallel` must be a positive integer, not {shown!r}")
         matrix = self.matrix(m.get("matrix"), job_id)
-        return Strategy(matrix=matrix, fail_fast=fail_fast, max_parallel=max_parallel)
+        return Strategy(
+            matrix=matrix,
+            fail_fast=fail_fast,
+            max_parallel=max_parallel,
+            max_parallel_at=(mp.line, mp.column) if mp is not None else (0, 0),
+        )
 
     def matrix(self, node: YNode | None, job_id: str) -> Matrix | None:
         if node is None:
@@ -1219,6 +1306,9 @@ class _Reader:
         with_keys: dict[str, YScalar] = {}
         if with_node is not None and (wm := self.mapping(with_node, "`with`")) is not None:
             for k, v in wm.items:
+                if _is_expression_key(k):
+                    self.expression_key(k, v, "jobs.*.with")  # the schema refuses it
+                    continue
                 if isinstance(v, YScalar):
                     if isinstance(v.value, str):
                         with self.at("jobs.*.with.*"):
@@ -1316,7 +1406,9 @@ class _Reader:
             self.err2(node, f"'{uses}' is not a reusable workflow: it has no `on: workflow_call`")
             return None
         decl = callee.workflow_call
-        # `${{ insert }}` (or an expression key) is checked when it is evaluated.
+        # An `${{ insert }}` (or expression key) in `with:`/`secrets:` is refused
+        # where it stands (the schema gives them no context); what it might
+        # have provided is not reported missing on top of that.
         with_inserts = any("${{" in name for name in with_keys)
         for name, key in with_keys.items():
             if "${{" in name:
@@ -1363,6 +1455,11 @@ def _runner_group_error(group: str) -> str | None:
         f"invalid runs-on group name '{group}': use an 'organization/' or 'enterprise/' "
         "prefix to target one runner group"
     )
+
+
+def _is_expression_key(key: YScalar) -> bool:
+    """`${{ insert }}` or a key that is an expression."""
+    return isinstance(key.value, str) and "${{" in key.value
 
 
 def _has_expression(node: YNode) -> bool:

@@ -95,6 +95,7 @@ class Strategy:
     matrix: Matrix | None = None
     fail_fast: bool | str = True
     max_parallel: int | str | None = None
+    max_parallel_at: tuple[int, int] = (0, 0)  # line, column of its value
 
 
 @dataclass(frozen=True, slots=True)

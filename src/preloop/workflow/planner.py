@@ -188,8 +188,13 @@ class _Planner:
         self.jobs: list[PlannedJob] = []
         self.cohorts: list[Cohort] = []
 
-    def fail(self, job: Job, scope: _Scope, message: str) -> PlanError:
-        where = f"{scope.workflow.path}:{job.line}:{job.column}" if job.line else self.path
+    def fail(
+        self, job: Job, scope: _Scope, message: str, at: tuple[int, int] = (0, 0)
+    ) -> PlanError:
+        """An error about `job`, placed at `at` (a value's line, column) when
+        known, else at the job."""
+        line, column = at if at[0] else (job.line, job.column)
+        where = f"{scope.workflow.path}:{line}:{column}" if line else self.path
         return PlanError(f"{where}: job '{scope.prefix}{job.id}': {message}")
 
     def next_seq(self, count: int = 1) -> int:
@@ -253,12 +258,19 @@ class _Planner:
     def eval_max_parallel(self, job: Job, strategy: Strategy, scope: _Scope) -> int | None:
         mp = strategy.max_parallel
         if isinstance(mp, str):
+            at = strategy.max_parallel_at
             if not _evaluable(mp, scope.available):
-                raise self.fail(job, scope, "`max-parallel` may only use github, inputs and vars")
+                raise self.fail(
+                    job, scope, "`max-parallel` may only use github, inputs and vars", at
+                )
             value = ex.evaluate_template(mp, scope.contexts)
             n = ex.to_number(value)
             if not (math.isfinite(n) and n.is_integer() and n > 0):
-                raise self.fail(job, scope, f"`max-parallel` is {value!r}, not a positive integer")
+                # As GitHub prints values: `Infinity`, a string quoted.
+                shown = ex.to_json(value) if isinstance(value, str) else ex.coerce_string(value)
+                raise self.fail(
+                    job, scope, f"`max-parallel` is {shown}, not a positive integer", at
+                )
             return int(n)
         return mp
 
@@ -351,7 +363,7 @@ class _Planner:
                 kind="job",
                 runs_on=runs_on,
                 continue_on_error=coe,
-                timeout_minutes=float(timeout),
+                timeout_minutes=job_timeout(timeout),
                 outputs=dict(thaw(job.outputs)),
                 spec=spec,
             )
@@ -562,11 +574,7 @@ class _Planner:
                 if_expr=job.if_,
                 caller=scope.caller,
                 deferred_matrix=deferred,
-                timeout_minutes=(
-                    float(job.timeout_minutes)
-                    if not isinstance(job.timeout_minutes, str)
-                    else 360.0
-                ),
+                timeout_minutes=job_timeout(job.timeout_minutes),
                 spec=spec,
             )
         )
@@ -583,8 +591,13 @@ def _output_expression(value: Any) -> str:
     return template_expression(text)
 
 
-def _static_timeout(value: float | str) -> float:
-    return float(value) if not isinstance(value, str) else 360.0
+def job_timeout(minutes: float | str) -> float:
+    """A job's `timeout-minutes` as run: GitHub's default 360 unless it is a
+    positive number (GitHub's parser takes any number, -Infinity included; an
+    expression not known yet also counts as the default here)."""
+    if isinstance(minutes, str):
+        return 360.0
+    return float(minutes) if minutes > 0 else 360.0
 
 
 def _inner_count(job: Job) -> int:

@@ -150,6 +150,9 @@ def _number(n: int) -> int | float:
 _SAFE = 2**53
 #: YAML aliases may add at most this many values to a document (billion laughs).
 MAX_ALIAS_EXPANSION = 100_000
+#: Mappings and sequences nest at most this deep (GitHub's reader default;
+#: its test data errors-matrix-max-depth.yml refuses the 51st level).
+MAX_OBJECT_DEPTH = 50
 _EXPLICIT_TAG = re.compile(r"(?:&\S+\s+)?!")
 _CORE = "tag:yaml.org,2002:"
 _TYPED_SCALARS = {_CORE + "null": type(None), _CORE + "bool": bool, _CORE + "int": int}
@@ -172,6 +175,7 @@ class _Converter:
         self.done: dict[int, tuple[YNode, int]] = {}
         self.active: set[int] = set()
         self.growth = 0
+        self.too_deep = False  # reported once, as GitHub stops there
 
     def convert(self, node: yaml.Node, depth: int = 0) -> tuple[YNode, int]:
         key = id(node)
@@ -202,6 +206,19 @@ class _Converter:
                 out = YScalar(node.value, line, col, True, start, end)
             # Not memoised: an alias to a scalar costs what its text costs.
             return out, 1
+        if depth >= MAX_OBJECT_DEPTH:  # `depth` collections enclose this one
+            if not self.too_deep:
+                self.too_deep = True
+                self.errors.append(
+                    Diagnostic(
+                        self.path,
+                        line,
+                        col,
+                        f"Maximum object depth exceeded: GitHub nests at most {MAX_OBJECT_DEPTH}"
+                        " mappings and sequences",
+                    )
+                )
+            return YScalar(None, line, col), 1
         self.active.add(key)
         size = 1
         if isinstance(node, yaml.SequenceNode):

@@ -566,6 +566,30 @@ _V7_BLOBS: list[Statement] = [
     "CREATE INDEX IF NOT EXISTS preloop_blob_pins_holder ON preloop_blob_pins (holder)",
 ]
 
+# Snapshot bundles (preloop.snapshot.bundles): a run's snapshot reaches runners
+# that share only the store as a chain of git bundles, each thin against the
+# one before it (`parent`, NULL for a full bundle), all blobs of kind
+# 'bundle'. A hold is one `preloop run`'s claim on its chain: its blobs are
+# pinned as `run:<run_key>` until the run ends (or the reaper sees it ended).
+_V8_BUNDLES: list[Statement] = [
+    """CREATE TABLE IF NOT EXISTS preloop_bundles (
+        digest TEXT PRIMARY KEY,
+        repo_key TEXT NOT NULL,
+        tip TEXT NOT NULL,
+        parent TEXT,
+        depth INTEGER NOT NULL,
+        created_at {real} NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS preloop_bundles_repo ON preloop_bundles (repo_key, created_at)",
+    "CREATE INDEX IF NOT EXISTS preloop_bundles_parent ON preloop_bundles (parent)",
+    """CREATE TABLE IF NOT EXISTS preloop_bundle_holds (
+        run_key TEXT PRIMARY KEY,
+        repo_key TEXT NOT NULL,
+        head TEXT NOT NULL,
+        created_at {real} NOT NULL
+    )""",
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -579,6 +603,7 @@ MIGRATIONS: list[list[Statement]] = [
     ],
     _V6,
     _V7_BLOBS,
+    _V8_BUNDLES,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

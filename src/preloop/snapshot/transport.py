@@ -31,10 +31,10 @@ by this process (`preloop.snapshot.holders`: a dead runner's is swept).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +49,7 @@ from preloop.snapshot import layout
 from preloop.snapshot.bundles import BUNDLE_KIND, BundleRow, SnapshotBundles
 from preloop.snapshot.capture import SNAPSHOT_REF, create_run_repository, write_snapshot_ref
 from preloop.snapshot.errors import SnapshotError
-from preloop.snapshot.gitcmd import git, git_env
+from preloop.snapshot.gitcmd import BASE_CONFIG, git, git_env
 from preloop.snapshot.holders import hold_run_repository, release_run_repository
 from preloop.snapshot.locks import CachePin, acquire_cache_lock_async
 
@@ -126,31 +126,46 @@ async def write_bundle(git_dir: Path, commit: str, not_tips: list[str], dest: Pa
     header = "# v2 git bundle\n" if fmt == "sha1" else f"# v3 git bundle\n@object-format={fmt}\n"
     header += "".join(f"-{t}\n" for t in not_tips)
     header += f"{commit} {SNAPSHOT_REF}\n\n"
-    base = dest.with_name(dest.name + ".pack-tmp")
     revs = "".join([f"{commit}\n", *(f"^{t}\n" for t in not_tips)])
-    result = await git(
-        [
-            "pack-objects",
-            "--revs",
-            "--thin",
-            "--shallow",  # leave out the objects of every excluded tip's tree
-            "--delta-base-offset",
-            "--quiet",
-            base,
-        ],
-        env=git_env({"GIT_DIR": str(git_dir)}),
-        stdin=revs.encode(),
-    )
-    name = result.stdout_text().strip()
-    pack = Path(f"{base}-{name}.pack")
-    try:
-        with open(dest, "wb") as out, open(pack, "rb") as src:
-            out.write(header.encode())
-            shutil.copyfileobj(src, out, 1 << 20)
-    finally:
-        for suffix in (".pack", ".idx"):
-            with contextlib.suppress(FileNotFoundError):
-                Path(f"{base}-{name}{suffix}").unlink()
+    argv = [
+        "git",
+        *BASE_CONFIG,
+        "pack-objects",
+        "--revs",
+        "--stdout",  # --thin packs only go to stdout
+        "--thin",
+        "--shallow",  # leave out the objects of every excluded tip's tree
+        "--delta-base-offset",
+        "--quiet",
+    ]
+    with open(dest, "wb") as out:
+        out.write(header.encode())
+        out.flush()
+        # The pack goes straight to the file: a full bundle may be large.
+        process = await anyio.open_process(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.PIPE,
+            env=git_env({"GIT_DIR": str(git_dir)}),
+        )
+        try:
+            assert process.stdin is not None and process.stderr is not None
+            await process.stdin.send(revs.encode())
+            await process.stdin.aclose()
+            errors = b"".join([chunk async for chunk in process.stderr])
+            status = await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                with anyio.CancelScope(shield=True):
+                    await process.wait()
+    if status != 0:
+        detail = errors.decode(errors="replace").strip().splitlines()
+        raise SnapshotError(
+            f"git pack-objects of snapshot {commit[:12]} in {git_dir} failed: "
+            f"{detail[-1] if detail else f'status {status}'}"
+        )
 
 
 def _base(rows: dict[str, BundleRow], absent: set[str]) -> tuple[BundleRow | None, list[BundleRow]]:

@@ -128,19 +128,39 @@ class SnapshotBundles:
         repo_key: str,
         chain: Sequence[str],
         new: BundleRow | None = None,
+        data: bytes | None = None,
     ) -> None:
-        """Pins every blob of `chain` for run `run_key` (recording the hold
-        first), after recording the bundle `new` (the chain's last) if given.
-        Raises `BlobMissing` when a blob of the chain is not stored (evicted
-        meanwhile: the caller builds another chain).
+        """Pins every blob of `chain` for run `run_key` and records the hold,
+        with the bundle `new` (the chain's last) if given, and its bytes
+        `data` if given (at most one `BlobStore.CHUNK`: stored in this very
+        transaction, so a small bundle costs one commit). Raises
+        `BlobMissing`, having written nothing, when a blob of the chain is not
+        stored (evicted meanwhile: the caller builds another chain).
 
         The blob rows are locked (in digest order: no deadlock between two
         holders) before the pins are written, the order `BlobStore.delete`
         relies on: a blob pinned here is kept, one deleted first is missing."""
         holder = run_holder(run_key)
         head = chain[-1] if chain else ""
+        if data is not None:
+            assert new is not None and len(data) <= BlobStore.CHUNK
 
-        def fn(tx: Tx) -> list[str]:
+        def fn(tx: Tx) -> None:
+            now = time.time()
+            if data is not None and new is not None:
+                # The blob format of `preloop.control.blobs` for a one-chunk
+                # blob: row and chunk 0 together, so it is whole once visible.
+                tx.execute(
+                    "INSERT INTO preloop_blobs (digest, kind, size, complete, created_at, "
+                    "used_at) VALUES (?, ?, ?, 1, ?, ?) ON CONFLICT (digest) DO UPDATE SET "
+                    "complete = 1, used_at = excluded.used_at",
+                    (new.digest, BUNDLE_KIND, len(data), now, now),
+                )
+                tx.execute(
+                    "INSERT INTO preloop_blob_chunks (digest, seq, data) VALUES (?, 0, ?) "
+                    "ON CONFLICT (digest, seq) DO NOTHING",
+                    (new.digest, data),
+                )
             if chain:
                 marks = ", ".join("?" for _ in chain)
                 lock = " ORDER BY digest FOR UPDATE" if self._pg else ""
@@ -151,12 +171,14 @@ class SnapshotBundles:
                 )
                 have = {str(r["digest"]) for r in found}
                 missing = [d for d in chain if d not in have]
-                if missing:
-                    return missing  # nothing written
+                if missing:  # raised inside: the transaction rolls back
+                    raise BlobMissing(
+                        f"snapshot bundle {missing[0][:12]} was evicted from the store meanwhile"
+                    )
             tx.execute(
                 "INSERT INTO preloop_bundle_holds (run_key, repo_key, head, created_at) "
                 "VALUES (?, ?, ?, ?) ON CONFLICT (run_key) DO UPDATE SET head = excluded.head",
-                (run_key, repo_key, head, time.time()),
+                (run_key, repo_key, head, now),
             )
             if new is not None:
                 tx.execute(
@@ -169,13 +191,8 @@ class SnapshotBundles:
                 "ON CONFLICT (digest, holder) DO NOTHING",
                 [(d, holder) for d in chain],
             )
-            return []
 
-        missing = self._db.transaction("bundle_hold", fn)
-        if missing:
-            raise BlobMissing(
-                f"snapshot bundle {missing[0][:12]} was evicted from the store meanwhile"
-            )
+        self._db.transaction("bundle_hold", fn)
 
     def release(self, run_key: str) -> int:
         """Drops the hold of run `run_key` and its pins; returns pins removed."""

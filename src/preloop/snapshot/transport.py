@@ -8,9 +8,12 @@ on the lite store, which is only ever used on one machine.
 
 **Publishing** (`publish_snapshot`): the newest stored bundle of the same
 repository whose tip commit the submitter's object cache has, and whose
-chain is shorter than `MAX_DEPTH`, is the base; its chain is held first (so
-nothing is evicted under the new bundle), then the new bundle is written
-thin against the base chain's newest tips. The bundle is written by hand
+chain is shorter than `MAX_DEPTH`, is the base; the new bundle is written
+thin against the base chain's newest tips, then one transaction checks
+that the base chain is still whole, records the new bundle (storing it too
+when it fits one chunk: a one-file edit costs one commit) and pins the
+chain for the run. A base evicted meanwhile fails that check and the
+publication starts over with a full bundle. The bundle is written by hand
 (header, then `git pack-objects --thin --shallow`): `git bundle create`
 excludes only the objects of the *ancestors* of the tips it is told to
 leave out, but a snapshot commit is a sibling of the previous one (both
@@ -31,10 +34,12 @@ by this process (`preloop.snapshot.holders`: a dead runner's is swept).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import os
 import secrets
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +49,7 @@ import anyio
 from preloop import config
 from preloop.control.blobs import BlobInfo, BlobMissing
 from preloop.errors import PreloopError, UsageError
-from preloop.process import CommandFailed
+from preloop.process import CommandFailed, run_command_status
 from preloop.snapshot import layout
 from preloop.snapshot.bundles import BUNDLE_KIND, BundleRow, SnapshotBundles
 from preloop.snapshot.capture import SNAPSHOT_REF, create_run_repository, write_snapshot_ref
@@ -106,8 +111,20 @@ def _object_format(commit: str) -> str:
     return "sha256" if len(commit) == 64 else "sha1"
 
 
+def _object_dirs(git_dir: Path) -> list[Path]:
+    dirs = [git_dir / "objects"]
+    with contextlib.suppress(OSError):
+        text = (git_dir / "objects" / "info" / "alternates").read_text()
+        dirs += [Path(line) for line in text.splitlines() if line and not line.startswith("#")]
+    return dirs
+
+
 async def _absent(git_dir: Path, oids: list[str]) -> set[str]:
     """Which of `oids` the repository at `git_dir` (with its alternates) lacks."""
+    # Snapshot commits are loose objects of the object cache (captures write
+    # them so): a stat each spares a git process on the upload's path.
+    dirs = _object_dirs(git_dir)
+    oids = [o for o in oids if not any((d / o[:2] / o[2:]).exists() for d in dirs)]
     if not oids:
         return set()
     result = await git(
@@ -138,34 +155,27 @@ async def write_bundle(git_dir: Path, commit: str, not_tips: list[str], dest: Pa
         "--delta-base-offset",
         "--quiet",
     ]
-    with open(dest, "wb") as out:
-        out.write(header.encode())
-        out.flush()
-        # The pack goes straight to the file: a full bundle may be large.
-        process = await anyio.open_process(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=subprocess.PIPE,
-            env=git_env({"GIT_DIR": str(git_dir)}),
-        )
-        try:
-            assert process.stdin is not None and process.stderr is not None
-            await process.stdin.send(revs.encode())
-            await process.stdin.aclose()
-            errors = b"".join([chunk async for chunk in process.stderr])
-            status = await process.wait()
-        finally:
-            if process.returncode is None:
-                process.kill()
-                with anyio.CancelScope(shield=True):
-                    await process.wait()
-    if status != 0:
-        detail = errors.decode(errors="replace").strip().splitlines()
-        raise SnapshotError(
-            f"git pack-objects of snapshot {commit[:12]} in {git_dir} failed: "
-            f"{detail[-1] if detail else f'status {status}'}"
-        )
+    errors = dest.with_name(dest.name + ".err")
+    try:
+        with open(dest, "wb") as out, open(errors, "wb") as err:
+            out.write(header.encode())
+            out.flush()
+            # The pack goes straight to the file: a full bundle may be large.
+            result = await run_command_status(
+                argv,
+                env=git_env({"GIT_DIR": str(git_dir)}),
+                stdin=revs.encode(),
+                stdout=out,
+                stderr=err,
+            )
+        if result.returncode != 0:
+            detail = errors.read_text(errors="replace").strip().splitlines()
+            raise SnapshotError(
+                f"git pack-objects of snapshot {commit[:12]} in {git_dir} failed: "
+                f"{detail[-1] if detail else f'status {result.returncode}'}"
+            )
+    finally:
+        errors.unlink(missing_ok=True)
 
 
 def _base(rows: dict[str, BundleRow], absent: set[str]) -> tuple[BundleRow | None, list[BundleRow]]:
@@ -207,13 +217,17 @@ async def publish_snapshot(
             absent = await _absent(git_dir, sorted({r.tip for r in rows.values()}))
             base, base_chain = _base(rows, absent) if attempt == 0 else (None, [])
             held = [r.digest for r in base_chain]
-            # Held before the bundle is built on it: eviction cannot take it now.
-            await anyio.to_thread.run_sync(bundles.hold, run_key, repo_key, held)
             not_tips = [r.tip for r in base_chain if r.tip not in absent][-_NOT_TIPS:]
             dest = git_dir / f"preloop-bundle-{secrets.token_hex(6)}.tmp"
             try:
                 await write_bundle(git_dir, commit, not_tips, dest)
-                info = await anyio.to_thread.run_sync(bundles.blobs.put_file, dest, BUNDLE_KIND)
+                size = dest.stat().st_size
+                data = dest.read_bytes() if size <= bundles.blobs.CHUNK else None
+                if data is None:
+                    info = await anyio.to_thread.run_sync(bundles.blobs.put_file, dest, BUNDLE_KIND)
+                else:
+                    digest = hashlib.sha256(data).hexdigest()
+                    info = BlobInfo(digest, size, BUNDLE_KIND, time.time())
             finally:
                 dest.unlink(missing_ok=True)
             new = BundleRow(
@@ -225,7 +239,12 @@ async def publish_snapshot(
                 time.time(),
             )
             chain = (*held, info.digest)
-            await anyio.to_thread.run_sync(bundles.hold, run_key, repo_key, chain, new)
+            # One transaction checks that the base chain is still whole, stores
+            # a small bundle, records it and pins the chain: the base may have
+            # been evicted while the bundle was written (then: BlobMissing),
+            # but never once it is held.
+            hold = functools.partial(bundles.hold, run_key, repo_key, chain, new, data)
+            await anyio.to_thread.run_sync(hold)
         except BlobMissing:
             # Evicted between the read and the hold: start over (the second
             # attempt builds a full bundle, which depends on nothing stored).

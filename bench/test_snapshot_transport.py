@@ -25,6 +25,7 @@ from typing import Any
 
 import anyio
 import pytest
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from preloop.control import Store, open_store
 from preloop.snapshot import Snapshot, capture_workspace
@@ -85,6 +86,14 @@ def store() -> Iterator[Store]:
         pytest.skip("PRELOOP_TEST_PG_URL is not set: the store transport needs PostgreSQL")
     with scratch_schema(url) as scratch, open_store(scratch) as db:
         yield db
+
+
+@pytest.fixture(scope="module")
+def portal() -> Iterator[BlockingPortal]:
+    """One event loop for every publication, as in `preloop run`: its worker
+    threads (each keeping a store connection) live as long as it does."""
+    with start_blocking_portal() as running:
+        yield running
 
 
 class _Report:
@@ -154,14 +163,16 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-def test_publish_one_file_edit(benchmark: Any, store: Store, edits: tuple[str, _Edits]) -> None:
+def test_publish_one_file_edit(
+    benchmark: Any, store: Store, edits: tuple[str, _Edits], portal: BlockingPortal
+) -> None:
     variant, edits_ = edits
     bundles = SnapshotBundles(store)
     sizes: list[float] = []
 
     def publish() -> None:
         snap = edits_.current
-        published = anyio.run(
+        published = portal.call(
             publish_snapshot, bundles, snap.repository, snap.cache_key, snap.commit, snap.run_id
         )
         assert published.uploaded is not None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from anyio.from_thread import start_blocking_portal
 from tests.run_support import make_repo, workflow
 from tests.test_run_cli import PRELOOP, _env
 
@@ -76,16 +77,17 @@ def test_an_edit_uploads_a_thin_bundle_and_a_runner_fetches_the_chain(
     repo = _repo(tmp_path / "repo")
     submitter = tmp_path / "submitter"
     runner_state = tmp_path / "runner"
-    with open_store(pg_url) as db:
+    # One event loop for the whole test, as in `preloop run`.
+    with open_store(pg_url) as db, start_blocking_portal() as portal:
         bundles = SnapshotBundles(db)
         first = _capture(submitter, repo, "run-a")
-        one = anyio.run(
+        one = portal.call(
             publish_snapshot, bundles, first.repository, first.cache_key, first.commit, "run-a"
         )
         assert one.uploaded is not None and len(one.chain) == 1
         _edit_one_line(repo)
         second = _capture(submitter, repo, "run-b")
-        two = anyio.run(
+        two = portal.call(
             publish_snapshot, bundles, second.repository, second.cache_key, second.commit, "run-b"
         )
         assert two.uploaded is not None
@@ -105,7 +107,7 @@ def test_an_edit_uploads_a_thin_bundle_and_a_runner_fetches_the_chain(
         templates = CheckoutTemplates(runner_state / "work", store=db, state_dir=runner_state)
         dest = tmp_path / "job" / "workspace"
         dest.parent.mkdir()
-        anyio.run(templates.checkout, location, dest, "run 2 job 'a'")
+        portal.call(templates.checkout, location, dest, "run 2 job 'a'")
         assert "line 3 of 7, edited\n" in (dest / "src/module007.txt").read_text()
         assert (cache_repository(runner_state, second.cache_key)).is_dir()
         templates.close()
@@ -114,11 +116,11 @@ def test_an_edit_uploads_a_thin_bundle_and_a_runner_fetches_the_chain(
         # A third run after another edit: the runner fetches only the new bundle.
         (repo / "src/module008.txt").write_text("replaced\n")
         third = _capture(submitter, repo, "run-c")
-        three = anyio.run(
+        three = portal.call(
             publish_snapshot, bundles, third.repository, third.cache_key, third.commit, "run-c"
         )
         assert three.chain[:2] == two.chain and len(three.chain) == 3
-        name = anyio.run(
+        name = portal.call(
             fetch_snapshot, bundles, runner_state, third.cache_key, three.chain, third.commit, "x"
         )
         shown = subprocess.run(

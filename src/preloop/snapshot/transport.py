@@ -30,6 +30,8 @@ fetch checks the bundle's prerequisites and connectivity), then makes a run
 repository in its own state directory borrowing that entry's objects (the
 same layout as a capture's: the object-cache prune sees the reference), held
 by this process (`preloop.snapshot.holders`: a dead runner's is swept).
+A fetch counts as a use of the entry, and the object-cache cap
+(`PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES`) is then applied as after a capture.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from preloop.snapshot.capture import SNAPSHOT_REF, create_run_repository, write_
 from preloop.snapshot.errors import SnapshotError
 from preloop.snapshot.gitcmd import BASE_CONFIG, git, git_env
 from preloop.snapshot.holders import hold_run_repository, release_run_repository
+from preloop.snapshot.hooks import run_after_capture
 from preloop.snapshot.locks import CachePin, acquire_cache_lock_async
 
 __all__ = [
@@ -306,13 +309,19 @@ async def fetch_snapshot(
     lock = await acquire_cache_lock_async(state_dir, repo_key)
     try:
         repository = await _ensure_entry(state_dir, repo_key)
-        if await _absent(repository, [commit]):
+        fetched = bool(await _absent(repository, [commit]))
+        if fetched:
             await _fetch_chain(bundles, state_dir, repository, chain, where)
             if await _absent(repository, [commit]):
                 raise FetchError(
                     f"{where}: the run's snapshot bundles do not bring its commit "
                     f"{commit[:12]}: resubmit the run with `preloop run`"
                 )
+            # The entry's last use, for the object-cache cap's LRU order.
+            last = layout.cache_last_head_path(state_dir, repo_key)
+            tmp = last.with_name(f".{last.name}.{secrets.token_hex(4)}.tmp")
+            tmp.write_text(commit + "\n")
+            os.rename(tmp, last)
         pin = CachePin.create(state_dir, repo_key)
     finally:
         lock.release()
@@ -335,6 +344,10 @@ async def fetch_snapshot(
         raise
     finally:
         pin.drop()  # the run repository's alternates protect the entry from here on
+    if fetched:
+        # As after a capture: the object-cache cap (a background prune) applies
+        # to a runner's cache too; entries its run repositories use are kept.
+        await run_after_capture(state_dir, repo_key)
     return name
 
 

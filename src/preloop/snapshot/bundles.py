@@ -253,6 +253,9 @@ class SnapshotBundles:
         total = self.blobs.total_bytes(BUNDLE_KIND)
         if total <= max_bytes:
             return []
+        # Uploads abandoned by a crashed submitter count in the total: gone first.
+        if self.blobs.sweep():
+            total = self.blobs.total_bytes(BUNDLE_KIND)
         self._drop_orphan_rows()
         rows = self._db.transaction(
             "bundle_evict",

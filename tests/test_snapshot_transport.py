@@ -5,6 +5,7 @@ submitter's state directory, held while their run lasts, evicted at the cap."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -14,7 +15,7 @@ import anyio
 import pytest
 from anyio.from_thread import start_blocking_portal
 from tests.run_support import make_repo, workflow
-from tests.test_run_cli import PRELOOP, _env
+from tests.test_run_cli import PRELOOP, _env, read_fifo
 
 from preloop.control import Store, open_store
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation
@@ -359,3 +360,49 @@ def test_a_bad_transport_value_is_a_one_line_error(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "PRELOOP_SNAPSHOT_TRANSPORT" in proc.stderr
+
+
+def test_a_killed_preloop_run_leaves_a_hold_the_next_run_releases(
+    tmp_path: Path, pg_url: str
+) -> None:
+    fifo = tmp_path / "started.fifo"
+    os.mkfifo(fifo)
+    text = (
+        "on: push\njobs:\n  hang:\n    runs-on: ubuntu-latest\n    steps:\n"
+        f"      - run: |\n          echo started > {fifo}\n          sleep 1000\n"
+    )
+    repo = _repo(tmp_path / "repo", text)
+    state = tmp_path / "state"
+    run = subprocess.Popen(
+        [*PRELOOP, "run", "-j", "1", "--store", pg_url],
+        cwd=repo,
+        env=_env(state),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert read_fifo(fifo, [run]) == "started"
+        run.kill()
+        run.wait()
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    with open_store(pg_url) as db:
+        assert _run_pins(db) == 1  # its chain (one full bundle) is still held
+    (repo / ".github/workflows/ci.yml").write_text(
+        "on: push\njobs:\n  ok:\n    runs-on: ubuntu-latest\n    steps:\n      - run: 'true'\n"
+    )
+    again = subprocess.run(
+        [*PRELOOP, "run", "-j", "1", "--store", pg_url],
+        cwd=repo, env=_env(state), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "its processes were killed and the run cancelled" in again.stderr
+    with open_store(pg_url) as db:
+        assert _run_pins(db) == 0  # the dead run's hold and this run's are released
+        holds = db.backend.transaction(
+            "test", lambda tx: tx.execute("SELECT run_key FROM preloop_bundle_holds")
+        )
+        assert holds == []

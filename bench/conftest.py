@@ -4,6 +4,9 @@ Every benchmark sets `benchmark.group` to what is compared (a tree, a
 workload) and `benchmark.extra_info["impl"]` to who is measured; the first
 implementation named in `BASELINES` found in a group is the reference, and the
 terminal summary prints every other implementation's mean time as a ratio of it.
+A benchmark that measures two implementations in alternating rounds (so that
+the load of a shared machine weighs on both alike) puts its one-line result in
+`extra_info["paired"]`, printed after the table.
 """
 
 from __future__ import annotations
@@ -39,3 +42,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         for impl, mean in sorted(impls.items(), key=lambda kv: kv[1]):
             parts.append(f"{impl} {mean * 1000:.1f} ms (x{mean / base:.2f})")
         tr.write_line(f"{group}: " + ", ".join(parts))
+    paired = [
+        f"{bench.group or bench.name}: {bench.extra_info['paired']}"
+        for bench in session.benchmarks
+        if bench.stats and not bench.has_error and bench.extra_info.get("paired")
+    ]
+    if paired:
+        tr.write_sep("-", "alternating rounds")
+        for line in paired:
+            tr.write_line(line)

@@ -134,3 +134,46 @@ JS_ACTION = {
         """,
     "bin/hello-tool": "#!/bin/sh\necho tool-on-path\n",
 }
+
+
+def git_wrapper(
+    bin_dir: Path, log: Path, *, before_fetch: str = "", after_clone: Path | None = None
+) -> Path:
+    """A `git` for PATH that logs each call's arguments (one line) to `log` and
+    runs the real git. `before_fetch` is shell run before a `clone` or `fetch`
+    (to hold it); `after_clone`, a shell script, runs once after the first
+    `clone` (renamed to `<name>.ran` first). Returns `bin_dir`."""
+    import shlex
+    import shutil
+
+    real = shutil.which("git")
+    assert real is not None and not real.startswith(str(bin_dir))
+    hook = ""
+    if after_clone is not None:
+        q, ran = shlex.quote(str(after_clone)), shlex.quote(f"{after_clone}.ran")
+        once = f"if mv {q} {ran} 2>/dev/null; then sh {ran}; fi"
+        hook = f'case " $* " in *" clone "*) {once};; esac\n'
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "git").write_text(
+        "#!/bin/sh\n"
+        f"printf '%s\\n' \"$*\" >> {shlex.quote(str(log))}\n"
+        f'case " $* " in *" clone "*|*" fetch "*) {before_fetch or ":"};; esac\n'
+        f'{shlex.quote(real)} "$@"\n'
+        "rc=$?\n"
+        f"{hook}"
+        "exit $rc\n"
+    )
+    (bin_dir / "git").chmod(0o755)
+    return bin_dir
+
+
+def git_calls(log: Path, command: str, needle: str = "") -> list[str]:
+    """The logged git calls running `command` (e.g. `ls-remote`) whose
+    arguments contain `needle`."""
+    if not log.exists():
+        return []
+    return [
+        line
+        for line in log.read_text().splitlines()
+        if f" {command} " in f" {line} " and needle in line
+    ]

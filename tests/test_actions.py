@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from tests.actions_support import JS_ACTION, publish_action
+from tests.actions_support import JS_ACTION, git_calls, git_wrapper, publish_action
 
 from preloop.actions import steps as action_steps
 from preloop.actions.cache import ActionCache, ActionFetchError
@@ -193,12 +194,22 @@ def test_refs_tag_branch_sha_and_a_moved_tag(env: Env) -> None:
     assert "version one" in lines
     _, lines = env.run([{"uses": "acme/ver@v1"}], run_key="r2")
     assert "version three" in lines
+    # r1 (say a later job of it) keeps its resolution though r2 resolved since.
+    _, lines = env.run([{"uses": "acme/ver@v1"}], run_key="r1")
+    assert "version one" in lines
     assert (env.state / "actions" / "repos" / "acme" / "ver" / third).is_dir()
     # A tag and a branch of one name: the tag wins, as on GitHub.
     publish_action(env.remotes, "acme/ver", _echo_action("tagged"), tags=("v2",))
     publish_action(env.remotes, "acme/ver", _echo_action("branch"), tags=(), branch="v2")
     _, lines = env.run([{"uses": "acme/ver@v2"}], run_key="r3")
     assert "version tagged" in lines
+    # A ref the remote does not have: that step fails, saying so.
+    result, lines = env.run([{"uses": "acme/ver@v3"}], run_key="r4")
+    assert result.conclusion == "failure"
+    assert any(
+        line.startswith("✖ Run acme/ver@v3: ") and "has no branch or tag 'v3'" in line
+        for line in lines
+    ), lines
 
 
 def _echo_action(version: str) -> dict[str, str]:
@@ -288,6 +299,97 @@ def test_two_runs_fetching_one_action_fetch_once(env: Env, tmp_path: Path) -> No
     assert log.read_text().count("fetch") == 1
     assert len(results) == 2 and results[0] == results[1]
     assert caches[0].fetches + caches[1].fetches == 1
+
+
+# One process fetching `acme/ver@v1` into the action cache; when it finds the
+# repository's lock taken it writes its pid to the `waiting` FIFO (once) and
+# goes on waiting with the real flock.
+_FETCH_PROCESS = """
+import errno, fcntl, os, sys
+from pathlib import Path
+import anyio
+from preloop.actions.cache import ActionCache
+from preloop.actions.reference import RemoteRef
+
+state, url, waiting = sys.argv[1:4]
+real_flock, told = fcntl.flock, []
+
+def flock(fd, how):
+    try:
+        return real_flock(fd, how)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) and not told:
+            told.append(True)
+            with open(waiting, "w") as fh:
+                fh.write(f"{os.getpid()}\\n")
+        raise
+
+fcntl.flock = flock
+cache = ActionCache(Path(state), run_key=f"proc-{os.getpid()}", base_url=url, timeout=120)
+got = anyio.run(lambda: cache.fetch(RemoteRef("acme", "ver", "", "v1"), print))
+print("commit", got.commit, cache.fetches)
+"""
+
+
+def _fifo_line(fd: int, what: str) -> str:
+    """The next line written to a FIFO we hold open read-write (so writers
+    never block on opening it), waiting at most a minute."""
+    import select
+
+    ready, _, _ = select.select([fd], [], [], 120)
+    assert ready, f"nothing came from {what}"
+    return os.read(fd, 4096).decode().strip()
+
+
+def test_two_processes_fetching_one_action_fetch_once(env: Env, tmp_path: Path) -> None:
+    """Two real processes fetch the same action at once: the first holds its
+    git fetch (a wrapper `git` blocks on a FIFO) until the second is seen
+    waiting on the repository's lock; one fetch in all, one commit."""
+    commit = publish_action(env.remotes, "acme/ver", _echo_action("one"))
+    fifos = {}
+    for name in ("started", "gate", "waiting"):
+        os.mkfifo(tmp_path / name)
+        fifos[name] = os.open(tmp_path / name, os.O_RDWR)
+    log = tmp_path / "git.log"
+    bin_dir = git_wrapper(
+        tmp_path / "bin",
+        log,
+        before_fetch=f"echo $$ > {tmp_path}/started; read _ < {tmp_path}/gate",
+    )
+    penv = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    argv = [
+        sys.executable,
+        "-c",
+        _FETCH_PROCESS,
+        str(env.state),
+        env.url,
+        str(tmp_path / "waiting"),
+    ]
+    procs = [
+        subprocess.Popen(argv, env=penv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        _fifo_line(fifos["started"], "the first fetch")  # one process is in git
+        waiter = int(_fifo_line(fifos["waiting"], "the second process"))
+        assert waiter in {p.pid for p in procs}
+        assert len(git_calls(log, "clone")) == 1
+        os.write(fifos["gate"], b"go\n")
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for fd in fifos.values():
+            os.close(fd)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    lines = sorted(out.strip().splitlines()[-1] for out, _ in outs)
+    # Both got the same commit; only the one not waiting fetched.
+    assert lines == [f"commit {commit} 0", f"commit {commit} 1"]
+    assert len(git_calls(log, "clone")) + len(git_calls(log, "fetch")) == 1
+    waited = next(out for p, (out, _) in zip(procs, outs, strict=True) if p.pid == waiter)
+    assert waited.strip().endswith(" 0")
 
 
 def test_remote_composite_calling_a_javascript_action(env: Env) -> None:
@@ -464,3 +566,141 @@ def test_composite_required_input_missing_is_a_warning(env: Env) -> None:
     assert "who=[]" in lines
     warnings = [a.message for a in result.annotations if a.level == "warning"]
     assert warnings == ["./act: Input required and not supplied: who"]
+
+
+def test_docker_actions_through_a_daemon(
+    env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fake `docker` on PATH records its calls and stands in for the daemon
+    and the container: the argv preloop builds (image, args, `runs.env` and
+    INPUT_* passed by name, the workspace mount), and outputs written to
+    GITHUB_OUTPUT reaching a later step."""
+    calls = tmp_path / "docker-calls"
+    calls.mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(
+        textwrap.dedent(
+            f"""\
+            #!/bin/sh
+            n=$(ls {calls} | grep -c args)
+            printf '%s\\n' "$@" > {calls}/$n.args
+            case "$1" in
+              info) echo 27.0.1 ;;
+              build) echo sha256:0123456789ab ;;
+              run)
+                env > {calls}/$n.env
+                echo "container: who=$INPUT_WHO mode=$MODE args=$*"
+                echo "said=$INPUT_WHO/$MODE" >> "$GITHUB_OUTPUT" ;;
+              *) echo "fake docker: $1?" >&2; exit 1 ;;
+            esac
+            """
+        )
+    )
+    (bin_dir / "docker").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(action_steps, "_docker_checked", {})
+    publish_action(
+        env.remotes,
+        "acme/dock",
+        {
+            "action.yml": """\
+                inputs:
+                  who: {default: nobody}
+                runs:
+                  using: docker
+                  image: Dockerfile
+                  args: ["--greet", "${{ inputs.who }}"]
+                  env:
+                    MODE: strict-${{ inputs.who }}
+                """,
+            "Dockerfile": "FROM alpine:3\n",
+        },
+        node_modules=False,
+    )
+    result, lines = env.run(
+        [
+            {"id": "d", "uses": "acme/dock@v1", "with": {"who": "docker"}},
+            {"uses": "docker://alpine:3", "with": {"args": "echo hi", "entrypoint": "sh"}},
+            {"run": "echo got=${{ steps.d.outputs.said }}"},
+        ]
+    )
+    assert result.conclusion == "success", lines
+    assert "got=docker/strict-docker" in lines
+    argv = [
+        (calls / f"{i}.args").read_text().splitlines()
+        for i in range(len(list(calls.glob("*.args"))))
+    ]
+    assert [a[0] for a in argv] == ["info", "build", "run", "run"]
+    build, run, plain = argv[1], argv[2], argv[3]
+    tag = build[build.index("-t") + 1]
+    action_dir = Path(build[-1])
+    assert tag.startswith("preloop-action-")
+    assert build[build.index("-f") + 1] == str(action_dir / "Dockerfile")
+    assert action_dir.parent.parent == env.state / "actions" / "repos" / "acme"
+    ws = str(env.tmp / f"job{env.runs}" / "ws")
+    # docker run --rm -v WS:WS -v TEMP:TEMP -w WS -e NAME... IMAGE ARGS
+    assert run[:5] == ["run", "--rm", "-v", f"{ws}:{ws}", "-v"] and run[6:8] == ["-w", ws]
+    assert run[-3:] == [tag, "--greet", "docker"]
+    passed = {run[i + 1] for i, a in enumerate(run) if a == "-e"}
+    assert {"INPUT_WHO", "MODE", "GITHUB_OUTPUT", "GITHUB_ENV", "GITHUB_WORKSPACE", "CI"} <= passed
+    assert "PATH" not in passed and "HOME" not in passed
+    run_env = dict(
+        line.split("=", 1) for line in (calls / "2.env").read_text().splitlines() if "=" in line
+    )
+    assert run_env["INPUT_WHO"] == "docker" and run_env["MODE"] == "strict-docker"
+    assert run_env["GITHUB_ACTION_REPOSITORY"] == "acme/dock"
+    assert plain[-5:] == ["--entrypoint", "sh", "alpine:3", "echo", "hi"]
+
+
+def test_prune_keeps_actions_a_running_job_uses(env: Env, tmp_path: Path) -> None:
+    """`preloop actions prune --older-than 0` while a job is between the main
+    and the post of a JavaScript action keeps that action (the job's shared
+    lock on its directory); once the job has ended, prune removes it."""
+    import json
+    import threading
+
+    publish_action(env.remotes, "acme/greet", JS_ACTION)
+    for name in ("reached", "gate"):
+        os.mkfifo(tmp_path / name)
+    reached = os.open(tmp_path / "reached", os.O_RDWR)
+    gate = os.open(tmp_path / "gate", os.O_RDWR)
+    box: dict[str, tuple[JobResult, list[str]]] = {}
+    job = threading.Thread(
+        target=lambda: box.setdefault(
+            "done",
+            env.run(
+                [
+                    {"uses": "acme/greet@v1", "with": {"who": "pruned"}},
+                    {"run": f"echo in-job > {tmp_path}/reached; read _ < {tmp_path}/gate"},
+                ]
+            ),
+        )
+    )
+
+    def prune() -> dict[str, Any]:
+        cli = [sys.executable, "-m", "preloop", "actions", "prune", "--older-than", "0", "--json"]
+        penv = {**os.environ, "PRELOOP_STATE_DIR": str(env.state)}
+        r = subprocess.run(cli, env=penv, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        out: dict[str, Any] = json.loads(r.stdout)
+        return out
+
+    job.start()
+    try:
+        _fifo_line(reached, "the job's second step")
+        kept = prune()
+        assert kept["removed"] == [] and [e["repository"] for e in kept["busy"]] == ["acme/greet"]
+        cached = list((env.state / "actions" / "repos" / "acme" / "greet").iterdir())
+        assert len(cached) == 1 and (cached[0] / "post.js").is_file()
+    finally:
+        os.write(gate, b"go\n")
+        job.join(timeout=300)
+        os.close(reached)
+        os.close(gate)
+    result, lines = box["done"]
+    assert result.conclusion == "success", lines
+    assert "post: P-pruned M-pruned" in lines  # the post step ran from the kept directory
+    gone = prune()
+    assert [e["repository"] for e in gone["removed"]] == ["acme/greet"] and gone["busy"] == []
+    assert list((env.state / "actions" / "repos" / "acme" / "greet").iterdir()) == []

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.actions_support import JS_ACTION, publish_action
+from tests.actions_support import JS_ACTION, git_calls, git_wrapper, publish_action
 from tests.run_support import make_repo, results, run_engine, workflow
 
 from preloop.actions.reference import parse_overrides
@@ -210,12 +210,20 @@ def test_remote_reusable_workflow_checks_and_failures(
               nme: x
           gone:
             uses: acme/nothing/.github/workflows/x.yml@v1
+          gone-too:
+            uses: acme/nothing/.github/workflows/x.yml@v1
         """
     )
     repo = make_repo(tmp_path / "repo", files)
+    log = tmp_path / "git.log"
+    monkeypatch.setenv("PATH", f"{git_wrapper(tmp_path / 'bin', log)}:{os.environ['PATH']}")
     with pytest.raises(WorkflowError) as info:
         load_workflow(repo / ".github" / "workflows" / "ci.yml")
     messages = [d.message for d in info.value.diagnostics]
+    # Both callers are told; the remote was asked once (a failure is memoised too).
+    gone = [m for m in messages if m.startswith("reusable workflow 'acme/nothing/")]
+    assert len(gone) == 2 and gone[0] == gone[1], messages
+    assert len(git_calls(log, "clone", "acme/nothing")) == 1
     assert any("input 'nme' is not declared by" in m for m in messages), messages
     assert any("requires input 'name'" in m for m in messages), messages
     assert any(
@@ -287,3 +295,134 @@ def test_action_option_overrides_a_remote_reusable_workflow(
     )
     assert outcome.conclusion == "success", h.all_text()
     assert "got=remote-dev" in h.lines["after"]
+
+
+def test_remote_reusable_workflow_resolves_once_per_run(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two jobs call one remote workflow@tag, and the tag moves right after the
+    first fetch: one resolution, both callers on the first commit; the next
+    run re-resolves (one `ls-remote`)."""
+    import shutil
+
+    remotes = tmp_path / "remotes"
+    publish_action(remotes, "acme/flows", REUSABLE, node_modules=False)
+    inner = REUSABLE[".github/workflows/inner.yml"].replace("remote-", "moved-")
+    moved = publish_action(
+        remotes,
+        "acme/flows",
+        {".github/workflows/inner.yml": inner},
+        tags=(),
+        node_modules=False,
+    )
+    log, move_tag = tmp_path / "git.log", tmp_path / "move-tag"
+    move_tag.write_text(
+        f"{shutil.which('git')} --git-dir={remotes}/acme/flows.git "
+        f"update-ref refs/tags/v1 {moved}\n"
+    )
+    bin_dir = git_wrapper(tmp_path / "bin", log, after_clone=move_tag)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{remotes}")
+    monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              a:
+                uses: acme/flows/.github/workflows/build.yml@v1
+                with:
+                  name: a
+              b:
+                uses: acme/flows/.github/workflows/build.yml@v1
+                with:
+                  name: b
+              after:
+                needs: [a, b]
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo "got=${{ needs.a.outputs.said }},${{ needs.b.outputs.said }}"
+            """
+        ),
+    )
+    state = tmp_path / "state"
+    outcome, h = run_engine(repo, store_url, state)
+    assert outcome.conclusion == "success", h.all_text()
+    assert Path(f"{move_tag}.ran").exists()  # the tag did move after the first fetch
+    assert "got=remote-a,remote-b" in h.lines["after"]
+    # Resolved once: by the clone that fetched it (a ref never fetched before).
+    assert git_calls(log, "ls-remote", "acme/flows") == []
+    assert len(git_calls(log, "clone", "acme/flows")) == 1
+    outcome, h = run_engine(repo, store_url, state)
+    assert outcome.conclusion == "success", h.all_text()
+    assert "got=moved-a,moved-b" in h.lines["after"]
+    # The next run checks the cached resolution once and fetches the moved tag.
+    assert len(git_calls(log, "ls-remote", "acme/flows")) == 1
+    assert len(git_calls(log, "clone", "acme/flows")) == 2
+
+
+def _composite(directory: Path, says: str) -> Path:
+    directory.mkdir(parents=True)
+    (directory / "action.yml").write_text(
+        f"runs:\n  using: composite\n  steps:\n    - run: echo {says}\n      shell: bash\n"
+    )
+    return directory
+
+
+def test_action_overrides_by_environment_and_by_ref(tmp_path: Path) -> None:
+    """`PRELOOP_ACTION_OVERRIDES` for step actions; `--action owner/repo@ref=DIR`
+    wins over `owner/repo=DIR` whatever their order, and `--action` over the
+    environment; nothing is fetched."""
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              j:
+                runs-on: ubuntu-latest
+                steps:
+                  - uses: acme/greet@v1
+                  - uses: acme/greet@v2
+                  - uses: acme/tool@v3
+                  - uses: acme/tool/sub@v3
+            """
+        ),
+    )
+    plain = _composite(tmp_path / "plain", "plain-greet")
+    pinned = _composite(tmp_path / "pinned", "pinned-greet-v2")
+    from_env = _composite(tmp_path / "env-greet", "env-greet-v2")
+    tool = _composite(tmp_path / "tool", "env-tool")
+    _composite(tool / "sub", "env-tool-sub")
+    state = tmp_path / "state"
+    env = _env(
+        state,
+        PRELOOP_ACTIONS_URL=f"file://{tmp_path}/offline",
+        PRELOOP_ACTION_OVERRIDES=f"acme/tool={tool}; acme/greet@v2={from_env}",
+    )
+    r = subprocess.run(
+        [
+            *PRELOOP,
+            "run",
+            "--action",
+            f"acme/greet={plain}",
+            "--action",
+            f"acme/greet@v2={pinned}",
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    said = [
+        line.split()[-1]
+        for line in r.stdout.splitlines()
+        if line.split()[-1:]
+        and line.split()[-1].startswith(("plain-", "pinned-", "env-"))
+        and "Run echo" not in line
+    ]
+    assert said == ["plain-greet", "pinned-greet-v2", "env-tool", "env-tool-sub"], r.stdout
+    assert not (state / "actions" / "repos").exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -230,3 +231,42 @@ def test_two_processes_complete_and_claim_atomically(store: Store, store_url: st
         assert check.get_run(run_id).status == "completed"
         jobs = check.list_jobs(run_id)
         assert all(j.outputs.get("by") == j.runner for j in jobs)
+
+
+def test_a_runner_with_slots_told_to_stop_during_its_claim_returns(
+    store: Store, tmp_path: Path
+) -> None:
+    """`serve` with capacity > 1: a stop that comes while the claim statement
+    runs (SIGTERM, or `preloop run`'s runs ending) with no job running ends
+    the loop; it once waited for a finished job that could never come."""
+    import anyio
+    import anyio.from_thread
+
+    from preloop.runner import Runner, RunnerOptions
+
+    runner = Runner(store, RunnerOptions(name="r", labels=[], state_dir=tmp_path, capacity=2))
+    stop = anyio.Event()
+    claim_jobs = store.claim_jobs
+    claims = 0
+
+    def claim_then_stop(*args: object, **kwargs: object) -> list[Lease]:
+        nonlocal claims
+        claims += 1
+        leases = claim_jobs(*args, **kwargs)  # type: ignore[arg-type]
+        if store.dialect == "pg":  # the claim runs in a worker thread there
+            anyio.from_thread.run_sync(stop.set)
+        else:
+            stop.set()
+        return leases
+
+    store.claim_jobs = claim_then_stop  # type: ignore[method-assign]
+
+    async def main() -> None:
+        with anyio.fail_after(20):
+            await runner.serve(stop)
+
+    try:
+        anyio.run(main)
+    finally:
+        runner.templates.close()
+    assert claims == 1

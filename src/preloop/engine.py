@@ -48,7 +48,7 @@ import anyio
 import preloop.snapshot.prune  # noqa: F401  (registers the post-capture prune hook)
 from preloop import config
 from preloop.actions.reference import Override
-from preloop.actions.workflows import loading_for_run
+from preloop.actions.workflows import PlanRun
 from preloop.control import JobInfo, Lease, Store, StoreError, open_store
 from preloop.control.urls import check_store_url
 from preloop.control.wakeups import RUNS
@@ -62,6 +62,7 @@ from preloop.runner.checkout import (
     sweep_work_dir,
     work_dir,
 )
+from preloop.runner.follow import follow_elsewhere
 from preloop.runner.job import kill_tracked, tracking_prefix
 from preloop.runner.worker import idle_wait, wait_for_work
 from preloop.services import (
@@ -341,6 +342,9 @@ class Engine:
         self._annotations: dict[tuple[int, str], list[str]] = {}
         self._reasons: dict[tuple[int, str], str] = {}
         self._labels: dict[tuple[int, str], tuple[str, ...]] = {}
+        # Host-unique: names the run's snapshot, processes and action
+        # resolutions (plan time and job time resolve a ref once, alike).
+        self.run_key = f"run-{uuid.uuid4().hex[:16]}"
 
     @property
     def run_id(self) -> int | None:
@@ -401,20 +405,17 @@ class Engine:
         chosen: list[tuple[Any, str]] = []
         skipped: list[SkippedWorkflow] = []
         loaded: list[tuple[Path, Any]] = []
-        for path in paths:
-            try:
-                loaded.append(
-                    (
-                        path,
-                        loading_for_run(
-                            self.state_dir,
-                            req.action_overrides,
-                            functools.partial(load_workflow, path, root=root),
-                        ),
+        remote = PlanRun(self.state_dir, req.action_overrides, run_key=self.run_key)
+        try:
+            for path in paths:
+                try:
+                    loaded.append(
+                        (path, remote.load(functools.partial(load_workflow, path, root=root)))
                     )
-                )
-            except WorkflowError as exc:
-                problems.extend(exc.diagnostics)
+                except WorkflowError as exc:
+                    problems.extend(exc.diagnostics)
+        finally:
+            remote.close()  # the workflows are read: their files may be pruned
         if problems:
             raise WorkflowError(problems, str(problems[0].path))
         action = payload.get("action") if payload is not None else default_action(event)
@@ -515,7 +516,7 @@ class Engine:
         await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
         await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir)
         await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir)
-        run_key = f"run-{uuid.uuid4().hex[:16]}"
+        run_key = self.run_key
         # Held before the capture, released after the removal: a crash in
         # between leaves a dead holder that the next sweep or prune cleans.
         holder = hold_run_repository(self.state_dir, run_key)
@@ -661,6 +662,9 @@ class Engine:
 
         return JobEvents(on_start=start, on_line=line, on_end=end)
 
+    def _set_duration(self, run_id: int, job_id: str, seconds: float) -> None:
+        self._durations[(run_id, job_id)] = seconds
+
     async def _run_finished(self, store: Store, run_id: int) -> bool:
         info = await anyio.to_thread.run_sync(store.get_run, run_id)
         return info.status == "completed"
@@ -681,25 +685,32 @@ class Engine:
             work_dir(self.state_dir), store=store, state_dir=self.state_dir
         )
 
+        def options(index: int, run_id: int, capacity: int = 1) -> RunnerOptions:
+            return RunnerOptions(
+                name=f"{req.runner_name}-{os.getpid()}-{index}",
+                labels=labels,
+                state_dir=self.state_dir,
+                secrets=dict(req.secrets),
+                sandbox=req.sandbox,
+                sandbox_network=req.sandbox_network,
+                run_id=run_id,
+                skip=self.skip_reason,
+                services=services,
+                action_overrides=req.action_overrides,
+                idle_poll=_POLL,
+                capacity=capacity,
+            )
+
+        async def slot_runner(stop: anyio.Event) -> None:
+            # One run (the common case): one runner with a slot per local
+            # runner claims every free slot in one statement and reports
+            # finished jobs with the next claims in one transaction.
+            runner = Runner(store, options(0, run_ids[0], count), events, templates)
+            await runner.serve(stop)
+
         async def local_runner(index: int) -> None:
             runners = {
-                run_id: Runner(
-                    store,
-                    RunnerOptions(
-                        name=f"{req.runner_name}-{os.getpid()}-{index}",
-                        labels=labels,
-                        state_dir=self.state_dir,
-                        secrets=dict(req.secrets),
-                        sandbox=req.sandbox,
-                        sandbox_network=req.sandbox_network,
-                        run_id=run_id,
-                        skip=self.skip_reason,
-                        services=services,
-                        action_overrides=req.action_overrides,
-                    ),
-                    events,
-                    templates,
-                )
+                run_id: Runner(store, options(index, run_id), events, templates)
                 for run_id in run_ids
             }
             while not done.is_set():
@@ -737,15 +748,37 @@ class Engine:
             done.set()
             self._wake()
 
+        slots = len(run_ids) == 1 and count > 1
+        slot_stop = anyio.Event()
         try:
-            with anyio.CancelScope() as scope:
-                self._runners_scope = scope
-                if self._interrupted:
-                    scope.cancel()
-                async with anyio.create_task_group() as tg:
-                    for i in range(count):
-                        tg.start_soon(local_runner, i)
-                    await watch()
+            async with anyio.create_task_group() as outer:
+                if slots:
+                    # Outside the scope Ctrl-C cancels: told to stop, it
+                    # cancels its jobs and records them before it returns.
+                    outer.start_soon(slot_runner, slot_stop)
+                try:
+                    with anyio.CancelScope() as scope:
+                        self._runners_scope = scope
+                        if self._interrupted:
+                            scope.cancel()
+                        async with anyio.create_task_group() as tg:
+                            if not slots:
+                                for i in range(count):
+                                    tg.start_soon(local_runner, i)
+                            if store.dialect == "pg":
+                                # Jobs that runners on other machines take are shown too.
+                                tg.start_soon(
+                                    follow_elsewhere,
+                                    store,
+                                    run_ids,
+                                    f"{req.runner_name}-{os.getpid()}-",
+                                    events,
+                                    done,
+                                    self._set_duration,
+                                )
+                            await watch()
+                finally:
+                    slot_stop.set()
         finally:
             self._runners_scope = None
             templates.close()

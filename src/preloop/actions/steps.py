@@ -151,6 +151,10 @@ class ActionSteps:
         self.posts: list[_Post] = []
         self.warned: set[str] = set()
 
+    def release(self) -> None:
+        """The job is over: the actions it fetched are no longer in use."""
+        self.cache.release()
+
     # -- resolution ----------------------------------------------------------------
     def _state_of(self, step: Mapping[str, Any]) -> _StepActionState:
         entry = self.per_step.get(id(step))

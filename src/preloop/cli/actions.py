@@ -87,7 +87,7 @@ def list_command(state_dir: Path | None, as_json: bool) -> None:
 def prune_command(state_dir: Path | None, older_than: str, dry_run: bool, as_json: bool) -> None:
     """Remove cached actions unused for --older-than days.
 
-    An action being fetched right now (its repository's lock is held) is kept;
+    An action a running job is using, or being fetched right now, is kept;
     the next run fetches a removed action again.
     """
     try:
@@ -118,5 +118,5 @@ def prune_command(state_dir: Path | None, older_than: str, dry_run: bool, as_jso
     for e in removed:
         click.echo(f"{verb} {e.owner}/{e.repo}@{e.commit[:12]} ({_human(e.bytes)})")
     for e in busy:
-        click.echo(f"kept {e.owner}/{e.repo}@{e.commit[:12]}: being fetched")
+        click.echo(f"kept {e.owner}/{e.repo}@{e.commit[:12]}: in use or being fetched")
     click.echo(f"{verb} {len(removed)} actions, {_human(sum(e.bytes for e in removed))}")

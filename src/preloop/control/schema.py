@@ -566,12 +566,33 @@ _V7_BLOBS: list[Statement] = [
     "CREATE INDEX IF NOT EXISTS preloop_blob_pins_holder ON preloop_blob_pins (holder)",
 ]
 
+# Job logs and results in the store (preloop.control.joblogs): what `preloop
+# logs` and the submitting `preloop run` read of jobs that ran on other
+# machines. A row holds one batch of lines of one job, numbered by its writer.
+_V8_JOB_LOGS: list[Statement] = [
+    """CREATE TABLE IF NOT EXISTS preloop_job_logs (
+        run_id BIGINT NOT NULL,
+        job_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        lines TEXT NOT NULL,
+        at {real} NOT NULL,
+        PRIMARY KEY (run_id, job_id, seq)
+    )""",
+    """CREATE TABLE IF NOT EXISTS preloop_job_results (
+        run_id BIGINT NOT NULL,
+        job_id TEXT NOT NULL,
+        result TEXT NOT NULL,
+        at {real} NOT NULL,
+        PRIMARY KEY (run_id, job_id)
+    )""",
+]
+
 # Snapshot bundles (preloop.snapshot.bundles): a run's snapshot reaches runners
 # that share only the store as a chain of git bundles, each thin against the
 # one before it (`parent`, NULL for a full bundle), all blobs of kind
 # 'bundle'. A hold is one `preloop run`'s claim on its chain: its blobs are
 # pinned as `run:<run_key>` until the run ends (or the reaper sees it ended).
-_V8_BUNDLES: list[Statement] = [
+_V9_BUNDLES: list[Statement] = [
     """CREATE TABLE IF NOT EXISTS preloop_bundles (
         digest TEXT PRIMARY KEY,
         repo_key TEXT NOT NULL,
@@ -603,7 +624,8 @@ MIGRATIONS: list[list[Statement]] = [
     ],
     _V6,
     _V7_BLOBS,
-    _V8_BUNDLES,
+    _V8_JOB_LOGS,
+    _V9_BUNDLES,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -4,7 +4,8 @@ On PostgreSQL a trigger on `jobs` (schema migration 6) sends a NOTIFY on
 `JOBS` whenever a job becomes `queued` (inserted queued, released by a
 dependency, a concurrency slot, a re-queued lease ...: every path, the
 plpgsql functions and the Python cascade alike); a run that completes
-sends one on `RUNS` (the submitting `preloop run` waits for it). A NOTIFY sent inside a
+sends one on `RUNS` (the submitting `preloop run` waits for it); stored log
+lines send one on `LOGS` (`preloop.control.joblogs`). A NOTIFY sent inside a
 transaction is delivered at its commit, so a woken runner's claim sees the job.
 
 `Listener` is one dedicated connection per process that LISTENs on it, in a
@@ -27,12 +28,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["JOBS", "RUNS", "Listener"]
+__all__ = ["JOBS", "LOGS", "RUNS", "Listener"]
 
 #: A job became queued (the runners' wake-up).
 JOBS = "preloop_jobs"
 #: A run completed (the submitting engine's wake-up).
 RUNS = "preloop_runs"
+#: Log lines or a result of a job were stored (followers of remote jobs).
+LOGS = "preloop_logs"
 
 _log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ _SLICE = 1.0
 class Listener:
     """A LISTEN connection in a daemon thread, and the waiters it wakes."""
 
-    def __init__(self, url: str, channels: tuple[str, ...] = (JOBS, RUNS)) -> None:
+    def __init__(self, url: str, channels: tuple[str, ...] = (JOBS, RUNS, LOGS)) -> None:
         self.url = url
         self.channels = channels
         self._cond = threading.Condition()

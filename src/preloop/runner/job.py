@@ -129,6 +129,18 @@ class JobResult:
     summary: str
     reason: str | None = None
 
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> JobResult:
+        """The result `dataclasses.asdict` made of it (a stored result, read back)."""
+        return cls(
+            conclusion=str(doc.get("conclusion") or "failure"),
+            outputs=dict(doc.get("outputs") or {}),
+            steps=[StepResult(**s) for s in doc.get("steps") or []],
+            annotations=[Annotation(**a) for a in doc.get("annotations") or []],
+            summary=str(doc.get("summary") or ""),
+            reason=doc.get("reason"),
+        )
+
 
 def masked_result(result: JobResult, masker: Masker) -> JobResult:
     """`result` with every string in it masked: step names and outputs, job
@@ -799,6 +811,7 @@ async def execute_job(
     finally:
         control._scope = None
         run.kill_leftovers()
+        run.actions.release()  # its actions may be pruned from now on
     if control.cancelled and reason is None:
         conclusion = "cancelled"
         reason = "cancelled"

@@ -38,6 +38,7 @@ from preloop.actions.cache import actions_dir
 from preloop.actions.reference import Override, Overrides
 from preloop.actions.steps import ActionSource
 from preloop.control import Completion, Lease, Store, StoreError
+from preloop.control.joblogs import JobLogStore
 from preloop.control.reusable import passed_secrets
 from preloop.control.wakeups import JOBS
 from preloop.errors import PreloopError
@@ -248,6 +249,7 @@ class Runner:
         self.current: JobControl | None = None
         self.jobs_run = 0
         self._run_keys: dict[int, str | None] = {}
+        self._job_logs = JobLogStore(store)
 
     @property
     def labels(self) -> list[str]:
@@ -320,7 +322,14 @@ class Runner:
                 mark_run(opts.state_dir, lease.run_id, run_key)
             except OSError as exc:
                 _log.warning("logs of run %s: %s", lease.run_id, exc)
-        log = JobLog(opts.state_dir, lease.run_id, lease.job_id)
+        # On PostgreSQL the lines go to the store too: the submitter and
+        # `preloop logs` may be on other machines.
+        log = JobLog(
+            opts.state_dir,
+            lease.run_id,
+            lease.job_id,
+            self._job_logs if self.store.dialect == "pg" else None,
+        )
         masker = Masker()
         for value in opts.secrets.values():
             masker.add(value)
@@ -376,8 +385,9 @@ class Runner:
                         # fail-fast or a cancel, stays cancelled): show that.
                         line(f"recorded as {done.conclusion} (was told to stop while it ran)")
                         final = dataclasses.replace(final, conclusion=done.conclusion)
-                log.save_result(final)
-                log.close()
+                # In a thread: the last lines may wait on the store.
+                await anyio.to_thread.run_sync(log.save_result, final)
+                await anyio.to_thread.run_sync(log.close)
                 self.current = None
                 self.jobs_run += 1
                 # Removed in the background: the next claim need not wait.
@@ -621,6 +631,8 @@ class Runner:
                         ),
                     )
                 batch: list[_Reported] = []
+                if active == 0 and (stop.is_set() or exhausted()):
+                    continue  # told to stop during the claim: nothing to wait for
                 if active == capacity or stop.is_set() or exhausted():
                     batch.append(await receive.receive())
                 else:

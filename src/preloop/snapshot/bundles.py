@@ -3,7 +3,7 @@
 A run's snapshot reaches runners that share only the store as a *chain* of
 git bundles (blobs of kind `bundle` in `preloop.control.blobs`): a full
 bundle first, then bundles each thin against the ones before it. Rows of
-`preloop_bundles` (migration `_V8_BUNDLES`) name each bundle's repository
+`preloop_bundles` (migration `_V9_BUNDLES`) name each bundle's repository
 (`repo_key`: the submitter's object-cache key), the commit it brings
 (`tip`), the bundle it builds on (`parent`, NULL for a full one) and its
 `depth` in the chain. The invariant every function here keeps: **a stored

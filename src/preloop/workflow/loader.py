@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from preloop.actions.workflows import fetch_remote_workflow
+from preloop.actions.workflows import fetch_remote_workflow, planning
 from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
 from preloop.workflow.availability import EVENTS as SCHEMA_EVENTS
@@ -171,7 +171,8 @@ def load_workflow(
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11)
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise WorkflowError([Diagnostic(str(p), 1, 1, f"cannot read workflow: {reason}")]) from None
-    wf = _load(state, p, depth=1, display=display)
+    with planning():  # the remote workflows it calls resolve once per run
+        wf = _load(state, p, depth=1, display=display)
     if state.errors or wf is None:
         raise WorkflowError(state.errors or [Diagnostic(display, 1, 1, "empty workflow")], display)
     return wf

@@ -131,6 +131,14 @@ def _parse_url_base(raw: str) -> str:
     return value
 
 
+def _parse_transport(raw: str) -> str:
+    """`path`, `store`, or empty (the store's default)."""
+    value = raw.strip().lower()
+    if value not in ("", "path", "store"):
+        raise ValueError(f"expected path or store (or empty for the default), got {raw!r}")
+    return value
+
+
 def _home_default(env: Mapping[str, str]) -> str:
     return str(Path("~/.preloop").expanduser())
 
@@ -167,6 +175,21 @@ KNOBS: dict[str, Knob] = {
             "100GiB",
             parse_bytes,
             "Byte cap of the shared snapshot object cache (e.g. 50GiB); 0 disables eviction.",
+        ),
+        Knob(
+            "PRELOOP_SNAPSHOT_TRANSPORT",
+            "",
+            _parse_transport,
+            "How runners get a run's snapshot: `store` (git bundles in the PostgreSQL store, "
+            "the default there) or `path` (its path in the submitter's state directory, "
+            "which runners must mount at the same path; the only choice on the lite store).",
+        ),
+        Knob(
+            "PRELOOP_SNAPSHOT_STORE_MAX_BYTES",
+            "10GiB",
+            parse_bytes,
+            "Byte cap of the snapshot bundles in the store (whole unused chains evicted, least "
+            "recently used first; a chain an unfinished run needs is never evicted); 0: no cap.",
         ),
         Knob(
             "PRELOOP_SNAPSHOT_CONCURRENCY_PER_NAMESPACE",

@@ -32,6 +32,7 @@ did not end as cancelled, and returns.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import socket
@@ -74,8 +75,10 @@ from preloop.services import (
     services_scope,
 )
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
+from preloop.snapshot.bundles import SnapshotBundles
 from preloop.snapshot.holders import hold_run_repository, release_run_repository
 from preloop.snapshot.owner import ProcessIdentity
+from preloop.snapshot.transport import Published, publish_snapshot, snapshot_transport
 from preloop.workflow import Plan, PlanError, WorkflowError, load_workflow, plan, workflow_files
 from preloop.workflow.changes import LocalEvent, event_facts
 from preloop.workflow.event_inputs import (
@@ -349,6 +352,8 @@ class Engine:
         self.state_dir = Path(request.state_dir or config.state_dir()).absolute()
         self.run_ids: list[int] = []
         self.store: Store | None = None
+        # The snapshot's bundles in the store (the `store` transport), once published.
+        self.published: Published | None = None
         self._interrupted = False
         self._runners_scope: anyio.CancelScope | None = None
         self._changed = anyio.Event()
@@ -537,6 +542,8 @@ class Engine:
             self.events.on_selected(selection)
         root = selection.root
         store_url = self.store_url()
+        # Before the capture: PRELOOP_SNAPSHOT_TRANSPORT=store on the lite store fails here.
+        transport = snapshot_transport("pg" if store_url.startswith("postgres") else "lite")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
         await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir)
@@ -554,6 +561,7 @@ class Engine:
             raise
         store = await anyio.to_thread.run_sync(open_user_store, store_url, req.store_url)
         self.store = store
+        bundles = SnapshotBundles(store) if transport == "store" else None
         try:
             for old in await recover_abandoned_runs(store, self.state_dir):
                 if self.events.on_recovered is not None:
@@ -566,6 +574,20 @@ class Engine:
             base_ref = f"refs/heads/{base}" if base else ""  # pull requests only
             if store.dialect == "pg":
                 await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir, store)
+            if bundles is not None:
+                # Runners that do not see this state directory fetch it from the store.
+                await anyio.to_thread.run_sync(bundles.release_ended)
+                self.published = await publish_snapshot(
+                    bundles, snap.repository, snap.cache_key, snap.commit, run_key
+                )
+                location = SnapshotLocation(
+                    str(snap.repository),
+                    "snapshot",
+                    snap.commit,
+                    "store",
+                    snap.cache_key,
+                    self.published.chain,
+                )
             labels: set[str] = set()
             for planned in selection.plans:
                 if self._interrupted:
@@ -623,6 +645,11 @@ class Engine:
         finally:
             with anyio.CancelScope(shield=True):
                 self.store = None  # the live view's poll stops reading it
+                if bundles is not None:
+                    # The runs ended: their bundles may be evicted. If the store
+                    # is unreachable now, the reaper releases the hold later.
+                    with contextlib.suppress(PreloopError):
+                        await anyio.to_thread.run_sync(bundles.release, run_key)
                 await anyio.to_thread.run_sync(store.close)
                 await anyio.to_thread.run_sync(release_run_repository, self.state_dir, run_key)
 
@@ -701,7 +728,9 @@ class Engine:
         done = anyio.Event()
         finished: set[int] = set()
         events = self._job_events()
-        templates = CheckoutTemplates(work_dir(self.state_dir))
+        templates = CheckoutTemplates(
+            work_dir(self.state_dir), store=store, state_dir=self.state_dir
+        )
 
         def options(index: int, run_id: int, capacity: int = 1) -> RunnerOptions:
             return RunnerOptions(
@@ -932,6 +961,9 @@ async def recover_abandoned_runs(store: Store, state_dir: Path) -> list[int]:
             # another store's live run 1 must not lose its steps here.
             kill = functools.partial(kill_tracked, tracking_prefix(str(run_key)), prefix=True)
             await anyio.to_thread.run_sync(kill)
+            # Its snapshot bundles are no longer needed (a no-op on the path transport).
+            release = functools.partial(SnapshotBundles(store).release, str(run_key))
+            await anyio.to_thread.run_sync(release)
         await settle_cancelled(store, run.id, "its `preloop run` process died")
         snapshot = (ctx.get("github") or {}).get(SNAPSHOT_CONTEXT_KEY) or {}
         repo = Path(str(snapshot.get("repository", "")))

@@ -320,10 +320,11 @@ async def run_command_status(
     display: str | None = None,
     stdout: int | IO[Any] | None = subprocess.DEVNULL,
     stderr: int | IO[Any] | None = subprocess.DEVNULL,
+    stdin: bytes | None = None,
 ) -> CommandResult:
     """Runs `argv` for its exit status only: output goes to `stdout`/`stderr`
-    (default: discarded; None inherits ours). Non-zero is not an error unless
-    `check=True`."""
+    (default: discarded; None inherits ours), `stdin` (if given) is its
+    input. Non-zero is not an error unless `check=True`."""
     return await _run(
         argv,
         cwd=cwd,
@@ -331,7 +332,7 @@ async def run_command_status(
         timeout=timeout,
         check=check,
         display=display,
-        stdin_data=None,
+        stdin_data=stdin,
         capture=False,
         max_output=None,
         stdout_to=stdout,

@@ -1,6 +1,8 @@
 """`preloop runner`: a long-lived runner for other machines (PostgreSQL store).
 
-It claims jobs whose `runs-on` labels it has, checks out the run's snapshot,
+It claims jobs whose `runs-on` labels it has, checks out the run's snapshot
+(fetched from the store into its own object cache unless the submitter's
+state directory is at the same path here),
 heartbeats its lease, and on SIGTERM/SIGINT cancels its job (killing its
 process groups), completes it as cancelled and exits 0. While idle it waits on
 PostgreSQL wake-ups and costs the database a few short queries a minute.
@@ -31,6 +33,8 @@ from preloop.errors import UsageError
 from preloop.runner import Runner, RunnerOptions
 from preloop.runner.checkout import sweep_work_dir
 from preloop.services import runner_services
+from preloop.snapshot.bundles import SnapshotBundles
+from preloop.snapshot.holders import sweep_abandoned_run_repositories
 
 # The reaper looks again when the earliest lease can have expired, at least
 # this long after its last look (and a little after the expiry itself).
@@ -54,8 +58,12 @@ async def _serve(runner: Runner) -> None:
                 # earliest expiry (at most one lease) misses none, and an idle
                 # fleet costs two short queries per lease length.
                 lease = runner.options.lease_seconds
+                bundles = SnapshotBundles(runner.store)
                 while True:
                     await anyio.to_thread.run_sync(runner.store.expire_leases)
+                    # Snapshot bundles held by runs that ended without
+                    # releasing them (their `preloop run` died) become evictable.
+                    await anyio.to_thread.run_sync(bundles.release_ended)
                     nxt = await anyio.to_thread.run_sync(runner.store.next_lease_expiry)
                     wait = lease if nxt is None else nxt - time.time() + _REAP_SLACK
                     await anyio.sleep(min(max(wait, _REAP_MIN), lease))
@@ -126,6 +134,8 @@ def runner_command(
         max_jobs=1 if once else max_jobs,
     )
     sweep_work_dir(state)
+    # Run repositories fetched from the store by runners of this host that died.
+    sweep_abandoned_run_repositories(state)
     with open_store(store) as db, runner_services(state, db) as endpoint:
         options.service_endpoint = endpoint
         runner = Runner(db, options)

@@ -644,6 +644,30 @@ _V10_SERVICES: list[Statement] = [
     "ON preloop_cache_entries (state, last_used)",
 ]
 
+# Snapshot bundles (preloop.snapshot.bundles): a run's snapshot reaches runners
+# that share only the store as a chain of git bundles, each thin against the
+# one before it (`parent`, NULL for a full bundle), all blobs of kind
+# 'bundle'. A hold is one `preloop run`'s claim on its chain: its blobs are
+# pinned as `run:<run_key>` until the run ends (or the reaper sees it ended).
+_V11_BUNDLES: list[Statement] = [
+    """CREATE TABLE IF NOT EXISTS preloop_bundles (
+        digest TEXT PRIMARY KEY,
+        repo_key TEXT NOT NULL,
+        tip TEXT NOT NULL,
+        parent TEXT,
+        depth INTEGER NOT NULL,
+        created_at {real} NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS preloop_bundles_repo ON preloop_bundles (repo_key, created_at)",
+    "CREATE INDEX IF NOT EXISTS preloop_bundles_parent ON preloop_bundles (parent)",
+    """CREATE TABLE IF NOT EXISTS preloop_bundle_holds (
+        run_key TEXT PRIMARY KEY,
+        repo_key TEXT NOT NULL,
+        head TEXT NOT NULL,
+        created_at {real} NOT NULL
+    )""",
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -660,6 +684,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V8_JOB_LOGS,
     _V9_CANCEL_REASON,
     _V10_SERVICES,
+    _V11_BUNDLES,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -6,10 +6,15 @@ run's `github` context under `preloop_snapshot`. A runner checks it out with
 `git clone --shared` (no object copy: the clone borrows the run repository's
 objects, which borrow the shared object cache's).
 
-Runners on other machines reach the same path: the state directory of the
-submitting `preloop run` must be on a filesystem they mount at the same path
-(NFS, a cluster filesystem, a bind mount). This is the documented choice for
-remote runners; nothing is served over the network.
+How a runner on another machine gets it is the location's `transport`
+(`preloop.snapshot.transport`, `PRELOOP_SNAPSHOT_TRANSPORT`):
+
+- `store` (the default on PostgreSQL): the snapshot is also a chain of git
+  bundles in the store; a runner that cannot find the commit at the
+  recorded path fetches the bundles it lacks into its own object cache and
+  clones from a run repository it makes there;
+- `path`: the runner clones the recorded path, so the submitter's state
+  directory must be mounted at the same path on the runner's machine.
 """
 
 from __future__ import annotations
@@ -21,13 +26,21 @@ import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from preloop.errors import PreloopError
 from preloop.process import CommandFailed, run_command
+from preloop.snapshot.bundles import SnapshotBundles
+from preloop.snapshot.gitcmd import git, git_env
+from preloop.snapshot.holders import release_run_repository
+from preloop.snapshot.layout import run_repository
 from preloop.snapshot.owner import pid_exists
+from preloop.snapshot.transport import fetch_snapshot
+
+if TYPE_CHECKING:
+    from preloop.control.store import Store
 
 __all__ = [
     "SNAPSHOT_CONTEXT_KEY",
@@ -49,14 +62,28 @@ class CheckoutError(PreloopError):
 
 @dataclass(frozen=True, slots=True)
 class SnapshotLocation:
-    """Where a run's snapshot lives: a bare repository path, its branch, commit."""
+    """Where a run's snapshot lives: a bare repository path, its branch,
+    commit; with the `store` transport also the object-cache key of the
+    submitter's repository and the chain of bundle digests (root first)."""
 
     repository: str
     branch: str
     commit: str
+    transport: str = "path"
+    repo_key: str = ""
+    bundles: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, str]:
-        return {"repository": self.repository, "branch": self.branch, "commit": self.commit}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "repository": self.repository,
+            "branch": self.branch,
+            "commit": self.commit,
+            "transport": self.transport,
+        }
+        if self.transport == "store":
+            out["repo_key"] = self.repo_key
+            out["bundles"] = list(self.bundles)
+        return out
 
     @classmethod
     def from_context(cls, github: dict[str, Any], where: str) -> SnapshotLocation:
@@ -66,7 +93,15 @@ class SnapshotLocation:
                 f"{where}: the run records no snapshot location; it was not submitted by "
                 "`preloop run` (resubmit it with `preloop run`)"
             )
-        return cls(str(data["repository"]), str(data["branch"]), str(data["commit"]))
+        bundles = data.get("bundles") or []
+        return cls(
+            str(data["repository"]),
+            str(data["branch"]),
+            str(data["commit"]),
+            str(data.get("transport") or "path"),
+            str(data.get("repo_key") or ""),
+            tuple(str(d) for d in bundles) if isinstance(bundles, list) else (),
+        )
 
 
 async def checkout_snapshot(location: SnapshotLocation, dest: Path, where: str) -> None:
@@ -74,7 +109,8 @@ async def checkout_snapshot(location: SnapshotLocation, dest: Path, where: str) 
     if not Path(location.repository).is_dir():
         raise CheckoutError(
             f"{where}: the run's snapshot {location.repository} is not reachable from this "
-            "machine; runners must mount the submitter's state directory at the same path"
+            "machine: with PRELOOP_SNAPSHOT_TRANSPORT=path runners must mount the submitter's "
+            "state directory at the same path (or submit with the store transport)"
         )
     try:
         await run_command(
@@ -117,14 +153,23 @@ class CheckoutTemplates:
     Copying a checkout is cheaper than cloning it again and gives
     every job its own files. Templates live in `<work>/<pid>-template-*`
     (the pid lets `sweep_work_dir` remove those of dead processes); at most
-    a few are kept, the least recent removed when not being copied."""
+    a few are kept, the least recent removed when not being copied.
 
-    def __init__(self, root: Path) -> None:
+    A `store` snapshot whose commit is not at its recorded path (another
+    machine's) is fetched from `store` into `state_dir`'s object cache
+    first; the run repository made for it lives as long as its template."""
+
+    def __init__(
+        self, root: Path, *, store: Store | None = None, state_dir: Path | None = None
+    ) -> None:
         self.work_dir = root
+        self._store = store
+        self._state_dir = state_dir
         self._locks: dict[SnapshotLocation, anyio.Lock] = {}
         self._paths: dict[SnapshotLocation, Path] = {}
         self._copying: dict[SnapshotLocation, int] = {}
         self._small: dict[SnapshotLocation, bool] = {}
+        self._fetched: dict[SnapshotLocation, str] = {}
 
     async def checkout(self, location: SnapshotLocation, dest: Path, where: str) -> None:
         lock = self._locks.setdefault(location, anyio.Lock())
@@ -133,7 +178,15 @@ class CheckoutTemplates:
             if template is None:
                 template = self.work_dir / f"{os.getpid()}-template-{uuid.uuid4().hex[:12]}"
                 self.work_dir.mkdir(parents=True, exist_ok=True)
-                await checkout_snapshot(location, template, where)
+                source, fetched = await self._source(location, where)
+                try:
+                    await checkout_snapshot(source, template, where)
+                except BaseException:
+                    if fetched is not None:
+                        self._release(fetched)
+                    raise
+                if fetched is not None:
+                    self._fetched[location] = fetched
                 # Reflogs are of no use in a job and cost a copy each.
                 shutil.rmtree(template / ".git" / "logs", ignore_errors=True)
                 self._paths[location] = template
@@ -150,6 +203,34 @@ class CheckoutTemplates:
         finally:
             self._copying[location] -= 1
 
+    async def _source(
+        self, location: SnapshotLocation, where: str
+    ) -> tuple[SnapshotLocation, str | None]:
+        """What to clone for `location`: itself, or for a `store` snapshot
+        not at its path here, a run repository fetched from the store (and
+        its name, to release with the template)."""
+        if location.transport != "store" or await _has_commit(location):
+            return location, None
+        if self._store is None or self._state_dir is None:
+            raise CheckoutError(
+                f"{where}: the run's snapshot is in the store and this runner has no store "
+                "to fetch it from; run it with `preloop runner --store postgresql://...`"
+            )
+        name = await fetch_snapshot(
+            SnapshotBundles(self._store),
+            self._state_dir,
+            location.repo_key,
+            location.bundles,
+            location.commit,
+            where,
+        )
+        path = run_repository(self._state_dir, name)
+        return SnapshotLocation(str(path), "snapshot", location.commit), name
+
+    def _release(self, fetched: str) -> None:
+        assert self._state_dir is not None
+        release_run_repository(self._state_dir, fetched)
+
     def _evict(self, keep: SnapshotLocation) -> None:
         idle = [k for k in self._paths if k != keep and not self._copying.get(k)]
         while len(self._paths) > _KEEP_TEMPLATES and idle:
@@ -157,13 +238,32 @@ class CheckoutTemplates:
             shutil.rmtree(self._paths.pop(old), ignore_errors=True)
             self._locks.pop(old, None)
             self._small.pop(old, None)
+            if (fetched := self._fetched.pop(old, None)) is not None:
+                self._release(fetched)
 
     def close(self) -> None:
-        """Removes every template (the owner's runs have ended)."""
+        """Removes every template (the owner's runs have ended) and the run
+        repositories fetched for them."""
         for path in self._paths.values():
             shutil.rmtree(path, ignore_errors=True)
         self._paths.clear()
         self._locks.clear()
+        for fetched in self._fetched.values():
+            self._release(fetched)
+        self._fetched.clear()
+
+
+async def _has_commit(location: SnapshotLocation) -> bool:
+    """Whether the commit is at the location's recorded path on this machine
+    (the submitter's own runners, or a shared state directory)."""
+    if not Path(location.repository).is_dir():
+        return False
+    found = await git(
+        ["cat-file", "-e", f"{location.commit}^{{commit}}"],
+        env=git_env({"GIT_DIR": location.repository}),
+        check=False,
+    )
+    return found.returncode == 0
 
 
 def work_dir(state_dir: Path) -> Path:

@@ -251,7 +251,9 @@ class Runner:
         self.options = options
         self.events = events or JobEvents()
         # Shared by the runners of one process; the owner closes it.
-        self.templates = templates or CheckoutTemplates(work_dir(options.state_dir))
+        self.templates = templates or CheckoutTemplates(
+            work_dir(options.state_dir), store=store, state_dir=options.state_dir
+        )
         self.current: JobControl | None = None
         self.jobs_run = 0
         self._run_keys: dict[int, str | None] = {}

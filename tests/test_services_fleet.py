@@ -1,10 +1,10 @@
 """Artifacts and caches between jobs on different `preloop runner`s (PostgreSQL).
 
 Each runner is its own process with its own state directory, started inside
-bubblewrap with a tmpfs over the submitter's state directory: it cannot see
-the submitter's files (only the snapshot repositories are bound back, read
-only, since shipping snapshots through the store is another part of the
-fleet). GitHub's own npm clients (@actions/artifact, @actions/cache) upload on
+bubblewrap with a tmpfs over the submitter's state directory and over the
+repository: it cannot see the submitter's files, and gets the snapshot, the
+artifacts, the caches and the submitter gets the logs through the store
+alone. GitHub's own npm clients (@actions/artifact, @actions/cache) upload on
 runner A and download on runner B, through each runner's own service over
 the store.
 """
@@ -39,13 +39,12 @@ def _npm_clients() -> None:
 
 
 def _hidden(submitter: Path) -> list[str]:
-    """bwrap arguments hiding `submitter`'s state directory (a tmpfs over it)
-    but for its snapshot repositories, bound back read-only."""
+    """bwrap arguments hiding `submitter`'s state directory and the
+    repository beside it (`../repo`) under a tmpfs each."""
     args = ["--dev-bind", "/", "/", "--tmpfs", str(submitter)]
-    for name in ("snapshots", "snapshot-object-cache"):
-        path = submitter / name
-        path.mkdir(parents=True, exist_ok=True)  # bound now, filled by the capture later
-        args += ["--ro-bind", str(path), str(path)]
+    repo = submitter.parent / "repo"
+    if repo.is_dir():
+        args += ["--tmpfs", str(repo)]
     return args
 
 
@@ -153,6 +152,20 @@ def test_artifacts_and_caches_pass_between_jobs_on_different_runners(
     assert "got made on ra on rb" in down
     assert "restore nothing,deps- -> deps-" in down
     assert "same name again: refused" in down and "(409) Conflict" in down
+
+    # ... and the submitter reads them from the store, from any directory
+    logs = subprocess.run(
+        [*PRELOOP, "logs", str(run_id), "--store", pg_url],
+        env=_env(state),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert logs.returncode == 0, logs.stderr
+    assert "[down] got made on ra on rb" in logs.stdout
+    assert "[up] uploaded made" in logs.stdout
+    assert not list((state / "logs").rglob("*.log"))  # none ran on the submitter
 
     # the submitter reads them from the store (nothing went to its disk)
     assert not (state / "artifacts").exists()

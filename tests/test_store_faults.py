@@ -493,3 +493,48 @@ def test_threads_that_end_give_their_connection_back(pg_url: str) -> None:
 
         threading.Thread(target=last, daemon=True).start()
         assert done.wait(60), "a new thread found no free connection in the pool"
+
+
+@pytest.mark.parametrize("with_results", [False, True])
+def test_a_claim_whose_answer_was_lost_is_not_claimed_twice(
+    pg_url: str, with_results: bool
+) -> None:
+    """The claim statement commits and its answer is lost: the retry returns
+    the jobs that claim took (it once claimed the next ones, and the first
+    stayed `running` with nobody running it until its lease failed it)."""
+    import psycopg
+
+    from preloop.testing.plans import PlanBuilder
+
+    with open_store(pg_url) as store:
+        b = PlanBuilder()
+        b.matrix("j", 4)  # a leg's end leaves its unit open: the one-statement path
+        run_id = store.submit_run(b.plan())
+        results = []
+        if with_results:
+            first = store.claim_jobs("r", [], limit=1)
+            results = [(first[0], "success", None)]
+        real = psycopg.Cursor.execute
+        lost: list[str] = []
+
+        def lossy(self: psycopg.Cursor, query: object, *a: object, **k: object) -> object:
+            out = real(self, query, *a, **k)  # type: ignore[arg-type]
+            if "preloop_complete_claim" in str(query) and not lost:
+                lost.append(str(query))
+                self.connection.close()  # committed (autocommit); the answer is lost
+                raise psycopg.OperationalError("the connection was lost")
+            return out
+
+        psycopg.Cursor.execute = lossy  # type: ignore[method-assign,assignment]
+        try:
+            done, leases = store.complete_and_claim(results, "r", [], limit=1)
+        finally:
+            psycopg.Cursor.execute = real  # type: ignore[method-assign]
+        assert lost
+        want = "j#1" if with_results else "j#0"
+        assert [lease.job_id for lease in leases] == [want]
+        jobs = {j.id: j.status for j in store.list_jobs(run_id)}
+        running = sorted(k for k, v in jobs.items() if v == "running")
+        assert running == [want], jobs  # nothing else was claimed behind the runner's back
+        if with_results:
+            assert [d.job_id for d in done] == ["j#0"] and jobs["j#0"] == "completed"

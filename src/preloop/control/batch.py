@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from preloop.control.db import Row, StoreError, Tx
@@ -34,15 +34,22 @@ def _check_terminal(run_id: int, job_id: str, conclusion: str) -> None:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Claim:
-    """What a runner asks for: up to `limit` jobs its `labels` all cover."""
+    """What a runner asks for: up to `limit` jobs its `labels` all cover.
+
+    `at` is the claim's time, fixed for every attempt of one operation: the
+    jobs it claims start at `at` under `runner`, which is how a retry after
+    a lost answer (PostgreSQL) finds the claims the lost attempt committed
+    instead of claiming others and orphaning those (`attempts` counts)."""
 
     runner: str
     labels: list[str]
     limit: int
     lease_seconds: float
     run_id: int | None
+    at: float = field(default_factory=time.time)
+    attempts: int = 0
 
     @staticmethod
     def of(

@@ -439,9 +439,10 @@ class PgBackend(Backend):
                 # An autocommitted statement whose answer was lost may have run:
                 # the retry goes through `transaction`, whose commit check then
                 # applies it exactly once from here on. The statements sent
-                # here are a heartbeat (idempotent), a claim (a lease it made
-                # and never reported expires and is requeued by the reaper,
-                # never lost) and a completion (idempotent per job).
+                # here are a heartbeat (idempotent), a claim (the rerun first
+                # looks for the jobs a committed attempt claimed, by runner and
+                # claim time: `Store._pg_call`) and a completion (idempotent
+                # per job).
                 return self.transaction(op, fn)
             self._finish(tx, time.perf_counter_ns())
             return result

@@ -327,3 +327,7 @@ INSERT INTO units (run_id, base_id, caller, remaining) VALUES (?, ?, ?, ?)
 -- insert_plan_insert_cohorts --
 -- rows: _insert_plan
 INSERT INTO cohorts (run_id, id, max_parallel, fail_fast, total) VALUES (?, ?, ?, ?, ?)
+
+-- recover_claims_select_jobs --
+-- store: Store._pg_call (a retry after a lost answer: the claims the lost attempt committed)
+SELECT run_id, id, seq, name, attempt, spec, matrix, strategy, timeout_minutes, lease_token FROM jobs WHERE status = 'running' AND runner = ? AND started_at = ? ORDER BY run_id, seq

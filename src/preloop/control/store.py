@@ -484,7 +484,17 @@ class Store:
         """One `preloop_complete_claim` call: `results` (all of one run) and
         `claim`; raises psycopg's error with SQLSTATE PLSLO when the batch
         needs the Python cascade."""
-        now = time.time()
+        now = claim.at if claim is not None else time.time()
+        if claim is not None and claim.limit > 0:
+            claim.attempts += 1
+            if claim.attempts > 1:
+                # A rerun (a lost answer, a deadlock, the slow path): if an
+                # attempt before committed, its claims are this runner's jobs
+                # started at `claim.at`; claiming others would orphan them.
+                rows = tx.execute(Q["recover_claims_select_jobs"], (claim.runner, claim.at))
+                if rows:
+                    done = [_not_settled(tx, lease.run_id, lease.job_id) for lease, _, _ in results]
+                    return done, [_lease(r, claim, now) for r in rows]
         run_id = results[0][0].run_id if results else None
         t0 = time.perf_counter_ns()
         row = tx.one(

@@ -56,6 +56,10 @@ SELECT * FROM runs WHERE id = ?
 -- store: Store.run_context
 SELECT context FROM runs WHERE id = ?
 
+-- unfinished_run_contexts_select_runs --
+-- store: Store.unfinished_run_contexts
+SELECT id, context FROM runs WHERE status <> 'completed' ORDER BY id
+
 -- run_outputs_bytes_select_jobs --
 -- store: Store.run_outputs_bytes
 SELECT COALESCE(SUM(LENGTH(outputs)), 0) AS n FROM jobs WHERE run_id = ?

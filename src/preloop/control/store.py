@@ -758,6 +758,14 @@ class Store:
         context: dict[str, Any] = json.loads(row["context"])
         return context
 
+    def unfinished_run_contexts(self) -> dict[int, dict[str, Any]]:
+        """The run-level contexts (as `run_context`) of every run that has not
+        completed, by run id: one query, however many runs."""
+        rows = self._db.transaction(
+            "query", lambda tx: tx.execute(Q["unfinished_run_contexts_select_runs"], ())
+        )
+        return {int(r["id"]): json.loads(r["context"]) for r in rows}
+
     def run_outputs_bytes(self, run_id: int) -> int:
         """Length of the outputs the run's jobs recorded so far (one aggregate
         row; GitHub caps a run's outputs at 50 MB)."""

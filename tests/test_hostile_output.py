@@ -13,7 +13,7 @@ import anyio
 import pytest
 from tests.run_support import make_repo, run_engine, workflow
 
-import preloop.runner.worker as worker
+import preloop.control.types as control_types
 from preloop.runner.logs import read_result
 from preloop.runner.stream import MAX_LINE_CHARS, LineSplitter, run_streaming
 
@@ -133,7 +133,7 @@ def test_run_outputs_over_the_run_limit_fail_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The run limit (50 MB) scaled down: the second job's outputs go over it.
-    monkeypatch.setattr(worker, "RUN_OUTPUTS_MAX_BYTES", 3000)
+    monkeypatch.setattr(control_types, "RUN_OUTPUTS_MAX_BYTES", 3000)
     state = tmp_path / "state"
     repo = make_repo(
         tmp_path / "repo",

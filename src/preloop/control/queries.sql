@@ -6,7 +6,7 @@
 
 -- pg_call_select_preloop_complete_claim --
 -- store: Store._pg_call
-SELECT settled, claimed, wait_us FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?)
+SELECT settled, claimed, wait_us FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?)
 
 -- settle_pg_select_preloop_settle --
 -- store: Store._settle_pg
@@ -60,9 +60,9 @@ SELECT context FROM runs WHERE id = ?
 -- store: Store.unfinished_run_contexts
 SELECT id, context FROM runs WHERE status <> 'completed' ORDER BY id
 
--- run_outputs_bytes_select_jobs --
--- store: Store.run_outputs_bytes
-SELECT COALESCE(SUM(LENGTH(outputs)), 0) AS n FROM jobs WHERE run_id = ?
+-- run_outputs_length_select_jobs --
+-- batch: run_outputs_length (both stores)
+SELECT COALESCE(SUM(LENGTH(outputs)), 0) AS n FROM jobs WHERE run_id = ? AND id <> ?
 
 -- get_job_select_jobs --
 -- store: Store.get_job

@@ -56,6 +56,7 @@ failure, cancelled, skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -63,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from preloop import config
+from preloop.control import types as _types
 from preloop.control.batch import (
     _SLOW_PATH,
     _check_terminal,
@@ -71,6 +73,7 @@ from preloop.control.batch import (
     _complete_lite_fast,
     _lease,
     _not_settled,
+    run_outputs_length,
 )
 from preloop.control.cascade import _Cascade
 from preloop.control.conditions import evaluate_expr
@@ -99,6 +102,7 @@ from preloop.control.types import (
     NonTerminalConclusion,
     RunInfo,
     UnknownRun,
+    run_outputs_refusal,
 )
 from preloop.control.wakeups import JOBS
 from preloop.errors import PreloopError
@@ -424,7 +428,7 @@ class Store:
         def tx_fn(tx: Tx) -> tuple[list[Completion | PreloopError], list[Lease]]:
             done: list[Completion | PreloopError] = []
             if tx.dialect == "lite" and one_run:
-                fast = _complete_lite_fast(tx, results)
+                fast = _complete_lite_fast(tx, results, _types.RUN_OUTPUTS_MAX_BYTES)
                 if fast is not None:
                     claimed = _claim_lite(tx, claim) if claim is not None and claim.limit else []
                     return list(fast), claimed
@@ -501,6 +505,7 @@ class Store:
                 claim.limit if claim else 0,
                 now + (claim.lease_seconds if claim else 0.0),
                 claim.run_id if claim else None,
+                _types.RUN_OUTPUTS_MAX_BYTES,
             ),
         )
         assert row is not None
@@ -548,7 +553,37 @@ class Store:
         groups: set[str],
     ) -> Completion:
         """Ends one job inside `tx` and runs its cascade; the concurrency
-        groups to retry after commit are added to `groups`."""
+        groups to retry after commit are added to `groups`. Outputs that would
+        take the run's over `RUN_OUTPUTS_MAX_BYTES` are refused: the job ends
+        as a failure without them (`Completion.outputs_refused` says why)."""
+        refused = None
+        if outputs:
+            # The run row first (lock order; lite holds the write lock already):
+            # two jobs of the run completing at once cannot both pass the check.
+            if tx.dialect == "pg" and tx.lock_run(run_id) is None:
+                raise UnknownRun(f"no run {run_id} in the store {self.url}")
+            limit = _types.RUN_OUTPUTS_MAX_BYTES
+            size = len(_dumps(outputs))
+            used = run_outputs_length(tx, run_id, job_id)
+            if used + size > limit:
+                refused = run_outputs_refusal(run_id, outputs, size, used, limit)
+                conclusion, outputs, reason = "failure", None, reason or refused
+        done = self._settle_one(tx, run_id, job_id, conclusion, outputs, reason, token, groups)
+        return (
+            dataclasses.replace(done, outputs_refused=refused) if refused and done.changed else done
+        )
+
+    def _settle_one(
+        self,
+        tx: Tx,
+        run_id: int,
+        job_id: str,
+        conclusion: str,
+        outputs: dict[str, Any] | None,
+        reason: str | None,
+        token: str | None,
+        groups: set[str],
+    ) -> Completion:
         # The common path is three statements: the run row (locked by the
         # write that counts the job as ended), the job row (guarded: only
         # a live job, only the lease holder), and its unit.
@@ -765,18 +800,6 @@ class Store:
             "query", lambda tx: tx.execute(Q["unfinished_run_contexts_select_runs"], ())
         )
         return {int(r["id"]): json.loads(r["context"]) for r in rows}
-
-    def run_outputs_bytes(self, run_id: int) -> int:
-        """Length of the outputs the run's jobs recorded so far (one aggregate
-        row; GitHub caps a run's outputs at 50 MB)."""
-        row = self._db.transaction(
-            "query",
-            lambda tx: tx.one(
-                Q["run_outputs_bytes_select_jobs"],
-                (run_id,),
-            ),
-        )
-        return int(row["n"]) if row is not None else 0
 
     def get_job(self, run_id: int, job_id: str) -> JobInfo:
         row = self._db.transaction(

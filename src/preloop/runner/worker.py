@@ -53,7 +53,6 @@ from preloop.runner.job import (
     masked_result,
     tracking_prefix,
 )
-from preloop.runner.limits import RUN_OUTPUTS_MAX_BYTES, output_bytes
 from preloop.runner.logs import JobLog, mark_run
 from preloop.runner.masking import Masker
 from preloop.runner.sandbox import bubblewrap_wrapper
@@ -375,8 +374,6 @@ class Runner:
         finally:
             with anyio.CancelScope(shield=True):
                 final = result or JobResult("cancelled", {}, [], [], "", "cancelled")
-                if final.outputs:
-                    final = await self._within_run_limit(lease, final, line)
                 try:
                     if report is not None:
                         done = await report(lease, final)
@@ -388,6 +385,12 @@ class Runner:
                 except StoreError as exc:
                     line(masker.mask(f"preloop: the result could not be recorded: {exc}"))
                 else:
+                    if done.outputs_refused is not None:
+                        # Checked by the store as it completed the job, atomically
+                        # with the other jobs of the run completing.
+                        why = masker.mask(done.outputs_refused)
+                        line(f"✖ {why}")
+                        final = self._outputs_refused(lease, final, why)
                     if done.conclusion != final.conclusion:
                         # The store's word is final (a job told to stop, by
                         # fail-fast or a cancel, stays cancelled): show that.
@@ -406,25 +409,11 @@ class Runner:
                     self.events.on_end(lease, final)
         return final
 
-    async def _within_run_limit(
-        self, lease: Lease, result: JobResult, line: Callable[[str], None]
-    ) -> JobResult:
-        """`result`, or a failure without outputs when they would take the
-        run's outputs over GitHub's 50 MB (an error naming each output)."""
-        try:
-            used = await store_call(self.store, lambda: self.store.run_outputs_bytes(lease.run_id))
-        except StoreError:
-            return result  # the completion will report the store's trouble
-        size = sum(output_bytes(k, v) for k, v in result.outputs.items())
-        if used + size <= RUN_OUTPUTS_MAX_BYTES:
-            return result
-        names = ", ".join(repr(k) for k in result.outputs)
-        why = (
-            f"job outputs {names} ({size:,} bytes) would take run {lease.run_id}'s outputs "
-            f"over GitHub's limit of {RUN_OUTPUTS_MAX_BYTES:,} bytes ({used:,} used); they "
-            "are not passed on: pass large data as an artifact or a file instead"
-        )
-        line(f"✖ {why}")
+    @staticmethod
+    def _outputs_refused(lease: Lease, result: JobResult, why: str) -> JobResult:
+        """`result` as the store recorded it when it refused the job's outputs
+        (they would take the run's over GitHub's 50 MB): a failure without
+        them, with an error naming them."""
         return JobResult(
             "failure",
             {},

@@ -24,9 +24,10 @@ def test_one_huge_line_is_split_into_capped_pieces_without_losing_bytes() -> Non
     pieces: list[int] = []
     digest = hashlib.sha256()
 
-    def on_line(text: str) -> None:
-        pieces.append(len(text))
-        digest.update(text.encode())
+    def on_lines(texts: list[str]) -> None:
+        for text in texts:
+            pieces.append(len(text))
+            digest.update(text.encode())
 
     async def main() -> None:
         await run_streaming(
@@ -34,7 +35,7 @@ def test_one_huge_line_is_split_into_capped_pieces_without_losing_bytes() -> Non
             cwd="/",
             env={"PATH": "/usr/bin:/bin"},
             timeout=120,
-            on_line=on_line,
+            on_lines=on_lines,
         )
 
     anyio.run(main)
@@ -46,7 +47,7 @@ def test_one_huge_line_is_split_into_capped_pieces_without_losing_bytes() -> Non
 
 def test_splitter_keeps_characters_whole_and_empty_lines() -> None:
     out: list[str] = []
-    s = LineSplitter(out.append, max_line=3)
+    s = LineSplitter(out.extend, max_line=3)
     # "€" and "😀" arrive split across chunks; an invalid byte is replaced.
     for chunk in (b"ab\xe2\x82", b"\xaccd\n\nxyz", b"\xf0\x9f\x98\x80\n\xff"):
         s.feed(chunk)

@@ -348,6 +348,14 @@ class Runner:
             if self.events.on_line is not None:
                 self.events.on_line(lease, text)
 
+        def lines(texts: list[str]) -> None:
+            # A step's output, a batch per read of its pipe: one write.
+            log.write_lines(texts)
+            on_line = self.events.on_line
+            if on_line is not None:
+                for text in texts:
+                    on_line(lease, text)
+
         if self.events.on_start is not None:
             self.events.on_start(lease)
         result: JobResult | None = None
@@ -360,7 +368,9 @@ class Runner:
                 tg.start_soon(self._heartbeat, lease, control)
                 try:
                     if result is None:
-                        result = await self._execute(lease, control, job_dir, line, masker, where)
+                        result = await self._execute(
+                            lease, control, job_dir, line, lines, masker, where
+                        )
                 except Exception as exc:
                     # A bug or a spec this runner cannot read: the job fails
                     # (it must not read as cancelled, nor stay running).
@@ -429,6 +439,7 @@ class Runner:
         control: JobControl,
         job_dir: Path,
         line: Callable[[str], None],
+        lines: Callable[[list[str]], None],
         masker: Masker,
         where: str,
     ) -> JobResult:
@@ -519,6 +530,7 @@ class Runner:
                 contexts,
                 host,
                 log=line,
+                log_lines=lines,
                 secrets=secrets,
                 timeout_minutes=lease.timeout_minutes,
                 control=control,

@@ -98,8 +98,8 @@ class LineSplitter:
             self._end_line(lines[0], out)
             lines = lines[1:]
         limit = self._max
-        if max(map(len, lines), default=0) <= limit:
-            out.extend(lines)  # the common case: no line to cut
+        if len(text) <= limit:
+            out.extend(lines)  # the common case: no line of this chunk can be too long
         else:
             for line in lines:
                 if len(line) <= limit:

@@ -139,3 +139,24 @@ def test_two_jobs_finishing_together_in_preloop_run(tmp_path: Path, store_url: s
     assert saved is not None
     assert any("would take run" in a["message"] for a in saved["annotations"]), saved
     assert any("would take run" in line for line in h.lines[failed[0].id])
+
+
+def test_small_outputs_cost_no_statement_on_the_cascade_path(store: Store) -> None:
+    """A job that ends its unit takes the cascade path: on PostgreSQL,
+    completing it with outputs under the limit costs the same statements (round
+    trips) as without outputs; the check is inside `preloop_settle`. (SQLite is
+    in the process: its check is one more statement, and no round trip.)"""
+    b = PlanBuilder()
+    b.job("a")
+    b.job("c", needs=["a"])
+    costs = []
+    for outputs in (None, {"a": "small"}):
+        run_id = store.submit_run(b.plan())
+        (lease,) = store.claim_jobs("r", ["ubuntu-latest"], limit=1, run_id=run_id)
+        store.counters.reset()
+        done = store.complete_job(lease, "success", outputs)
+        assert done.outputs_refused is None and done.conclusion == "success"
+        costs.append(store.counters.snapshot().statements.get("complete_job"))
+        assert _recorded(store, run_id)["a"] == ("success", outputs or {})
+    if store.dialect == "pg":
+        assert costs[0] == costs[1], costs

@@ -10,7 +10,11 @@ SELECT settled, claimed, wait_us FROM preloop_complete_claim(?, ?::TEXT[], ?::TE
 
 -- settle_pg_select_preloop_settle --
 -- store: Store._settle_pg
-SELECT run_row, job_row, unit_row, admitted, wait_us FROM preloop_settle(?, ?, ?, ?, ?, ?, ?)
+SELECT run_row, job_row, unit_row, admitted, wait_us, refused_used FROM preloop_settle(?, ?, ?, ?, ?, ?, ?, ?)
+
+-- settle_pg_update_jobs_reason --
+-- store: Store._settle_pg (outputs over the run's limit)
+UPDATE jobs SET reason = ? WHERE run_id = ? AND id = ?
 
 -- submit_run_insert_runs --
 -- store: Store.submit_run.tx_fn

@@ -56,7 +56,6 @@ failure, cancelled, skipped.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -556,39 +555,23 @@ class Store:
         groups to retry after commit are added to `groups`. Outputs that would
         take the run's over `RUN_OUTPUTS_MAX_BYTES` are refused: the job ends
         as a failure without them (`Completion.outputs_refused` says why)."""
+        if tx.dialect == "pg":
+            # `preloop_settle` checks the limit after its first write took
+            # the run row: no statement more.
+            return self._settle_pg(tx, run_id, job_id, conclusion, outputs, reason, token, groups)
         refused = None
         if outputs:
-            # The run row first (lock order; lite holds the write lock already):
-            # two jobs of the run completing at once cannot both pass the check.
-            if tx.dialect == "pg" and tx.lock_run(run_id) is None:
-                raise UnknownRun(f"no run {run_id} in the store {self.url}")
+            # Lite holds the write lock already: two jobs of the run completing
+            # at once cannot both pass the check.
             limit = _types.RUN_OUTPUTS_MAX_BYTES
             size = len(_dumps(outputs))
             used = run_outputs_length(tx, run_id, job_id)
             if used + size > limit:
                 refused = run_outputs_refusal(run_id, outputs, size, used, limit)
                 conclusion, outputs, reason = "failure", None, reason or refused
-        done = self._settle_one(tx, run_id, job_id, conclusion, outputs, reason, token, groups)
-        return (
-            dataclasses.replace(done, outputs_refused=refused) if refused and done.changed else done
-        )
-
-    def _settle_one(
-        self,
-        tx: Tx,
-        run_id: int,
-        job_id: str,
-        conclusion: str,
-        outputs: dict[str, Any] | None,
-        reason: str | None,
-        token: str | None,
-        groups: set[str],
-    ) -> Completion:
         # The common path is three statements: the run row (locked by the
         # write that counts the job as ended), the job row (guarded: only
         # a live job, only the lease holder), and its unit.
-        if tx.dialect == "pg":
-            return self._settle_pg(tx, run_id, job_id, conclusion, outputs, reason, token, groups)
         run = tx.lock_run(run_id, settle_delta=-1)
         if run is None:
             raise UnknownRun(f"no run {run_id} in the store {self.url}")
@@ -621,7 +604,7 @@ class Store:
         c.after_conclude(job, job["conclusion"], outputs or {})
         c.finish()
         groups.update(c.retry_groups)
-        return Completion(run_id, job_id, job["conclusion"], True)
+        return Completion(run_id, job_id, job["conclusion"], True, outputs_refused=refused)
 
     def _settle_pg(
         self,
@@ -634,18 +617,28 @@ class Store:
         token: str | None,
         groups: set[str],
     ) -> Completion:
-        """The PostgreSQL settle: one `preloop_settle` call (schema migration
-        2) does the common path; the cascade continues here when needed."""
+        """The PostgreSQL settle: one `preloop_settle` call (schema migrations
+        2, 9 and 12) does the common path and the run outputs limit; the cascade
+        continues here when needed."""
         t0 = time.perf_counter_ns()
+        limit = _types.RUN_OUTPUTS_MAX_BYTES
+        dumped = _dumps(outputs or {})
         row = tx.one(
             Q["settle_pg_select_preloop_settle"],
-            (run_id, job_id, conclusion, _dumps(outputs or {}), reason, token, time.time()),
+            (run_id, job_id, conclusion, dumped, reason, token, time.time(), limit),
         )
         if row is None:
             raise UnknownRun(f"no run {run_id} in the store {self.url}")
         tx.note_lock_run_wait(t0, int(row["wait_us"]) * 1000)
         if row["job_row"] is None:
             return _not_settled(tx, run_id, job_id)
+        refused = None
+        if row["refused_used"] is not None:
+            used = int(row["refused_used"])
+            refused = run_outputs_refusal(run_id, outputs or {}, len(dumped), used, limit)
+            outputs = None
+            if reason is None:
+                tx.execute(Q["settle_pg_update_jobs_reason"], (refused, run_id, job_id))
         run: Row = row["run_row"]
         job: Row = row["job_row"]
         unit: Row = row["unit_row"]
@@ -662,7 +655,7 @@ class Store:
         )
         c.finish()
         groups.update(c.retry_groups)
-        return Completion(run_id, job_id, job["conclusion"], True)
+        return Completion(run_id, job_id, job["conclusion"], True, outputs_refused=refused)
 
     def cancel_run(self, run_id: int, reason: str = USER_CANCEL_REASON) -> bool:
         """Cancels a run: queued jobs are cancelled, running jobs told to stop,

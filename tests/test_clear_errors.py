@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import anyio
+import pytest
 from tests.run_support import git, make_repo, workflow
 from tests.test_run_cli import _env
 
@@ -36,6 +37,37 @@ def test_bad_cache_cap_exits_2_at_start(tmp_path: Path) -> None:
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.startswith("preloop: error: PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES:")
     assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1
+    assert not (state / "snapshots").exists()  # nothing captured
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["snapshot"],
+        ["sweep"],
+        ["cache", "status"],
+        ["cache", "prune"],
+        # Never reaches the store: the knob is checked before anything else.
+        ["runner", "--store", "postgresql://nobody@127.0.0.1:1/none", "--once"],
+    ],
+    ids=" ".join,
+)
+def test_bad_cache_cap_stops_every_command_using_it(tmp_path: Path, command: list[str]) -> None:
+    """`preloop snapshot` used to capture, print a warning from the post-capture
+    prune and exit 0: every command that uses the cap fails at start instead."""
+    state = tmp_path / "state"
+    repo = make_repo(tmp_path / "repo", {"a.txt": "a\n"})
+    proc = subprocess.run(
+        [*PRELOOP, *command],
+        cwd=repo,
+        env=_env(state, PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES="lots"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.startswith("preloop: error: PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES:")
+    assert len(proc.stderr.splitlines()) == 1 and proc.stdout == ""
     assert not (state / "snapshots").exists()  # nothing captured
 
 

@@ -357,3 +357,34 @@ def test_env_files_raise_only_env_file_error(text: str) -> None:
         path.write_text(text, encoding="utf-8")
         with contextlib.suppress(EnvFileError):
             parse_env_file(path, "GITHUB_OUTPUT")
+
+
+@FUZZ
+@given(
+    st.lists(_command_lines.map(lambda s: s.replace("\n", " ")), max_size=12),
+    st.lists(st.text(max_size=8), max_size=3),
+    st.lists(st.integers(min_value=1, max_value=5), min_size=1, max_size=12),
+)
+def test_workflow_command_parser_batches_are_line_by_line(
+    lines: list[str], secrets: list[str], sizes: list[int]
+) -> None:
+    """`lines()` (a batch of a step's output, passed through untouched when it
+    holds no command, no carriage return and no secret) shows, hides, masks
+    and records exactly what `line()` does line by line."""
+
+    def parser() -> WorkflowCommandParser:
+        masker = Masker()
+        for s in secrets:
+            masker.add(s)
+        return WorkflowCommandParser(masker, "job", "step")
+
+    one, batched = parser(), parser()
+    expected = [shown for shown in map(one.line, lines) if shown is not None]
+    got: list[str] = []
+    start = 0
+    while start < len(lines):
+        size = sizes[start % len(sizes)]
+        got += batched.lines(lines[start : start + size])
+        start += size
+    assert got == expected
+    assert batched.effects == one.effects

@@ -13,7 +13,7 @@ import anyio
 import pytest
 from tests.run_support import make_repo, run_engine, workflow
 
-import preloop.runner.worker as worker
+import preloop.control.types as control_types
 from preloop.runner.logs import read_result
 from preloop.runner.stream import MAX_LINE_CHARS, LineSplitter, run_streaming
 
@@ -24,9 +24,10 @@ def test_one_huge_line_is_split_into_capped_pieces_without_losing_bytes() -> Non
     pieces: list[int] = []
     digest = hashlib.sha256()
 
-    def on_line(text: str) -> None:
-        pieces.append(len(text))
-        digest.update(text.encode())
+    def on_lines(texts: list[str]) -> None:
+        for text in texts:
+            pieces.append(len(text))
+            digest.update(text.encode())
 
     async def main() -> None:
         await run_streaming(
@@ -34,7 +35,7 @@ def test_one_huge_line_is_split_into_capped_pieces_without_losing_bytes() -> Non
             cwd="/",
             env={"PATH": "/usr/bin:/bin"},
             timeout=120,
-            on_line=on_line,
+            on_lines=on_lines,
         )
 
     anyio.run(main)
@@ -46,7 +47,7 @@ def test_one_huge_line_is_split_into_capped_pieces_without_losing_bytes() -> Non
 
 def test_splitter_keeps_characters_whole_and_empty_lines() -> None:
     out: list[str] = []
-    s = LineSplitter(out.append, max_line=3)
+    s = LineSplitter(out.extend, max_line=3)
     # "€" and "😀" arrive split across chunks; an invalid byte is replaced.
     for chunk in (b"ab\xe2\x82", b"\xaccd\n\nxyz", b"\xf0\x9f\x98\x80\n\xff"):
         s.feed(chunk)
@@ -133,7 +134,7 @@ def test_run_outputs_over_the_run_limit_fail_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The run limit (50 MB) scaled down: the second job's outputs go over it.
-    monkeypatch.setattr(worker, "RUN_OUTPUTS_MAX_BYTES", 3000)
+    monkeypatch.setattr(control_types, "RUN_OUTPUTS_MAX_BYTES", 3000)
     state = tmp_path / "state"
     repo = make_repo(
         tmp_path / "repo",

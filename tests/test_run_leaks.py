@@ -13,16 +13,27 @@ import sys
 import textwrap
 from pathlib import Path
 
+import anyio
 import pytest
-from tests.run_support import make_repo, workflow
+from tests.run_support import make_repo, run_engine, workflow
 from tests.test_run_cli import _env
 
+from preloop.control import open_store
+from preloop.engine import (
+    ENGINE_CONTEXT_KEY,
+    recover_abandoned_runs,
+    run_repositories_in_use,
+    settle_cancelled,
+)
+from preloop.runner.checkout import SNAPSHOT_CONTEXT_KEY
 from preloop.snapshot.holders import (
     hold_run_repository,
     holder_marker_path,
+    keep_run_repositories,
     release_run_repository,
     sweep_abandoned_run_repositories,
 )
+from preloop.workflow import load_workflow, plan
 
 PRELOOP = [sys.executable, "-m", "preloop"]
 
@@ -88,10 +99,10 @@ def _cache_entries(state: Path) -> list[str]:
     return sorted(p.name for p in (state / "snapshot-object-cache").glob("*.git"))
 
 
-@pytest.mark.parametrize("at", ["open_store", "release_run_repository"])
+@pytest.mark.parametrize("at", ["SnapshotLocation", "release_run_repository"])
 def test_preloop_sweep_removes_the_leak_and_prune_evicts_the_entry(tmp_path: Path, at: str) -> None:
-    """`open_store`: killed between capture and submit; `release_run_repository`:
-    killed between the run's end and its cleanup."""
+    """`SnapshotLocation`: killed between capture and submit;
+    `release_run_repository`: killed between the run's end and its cleanup."""
     state = tmp_path / "state"
     repo = _repo(tmp_path / "repo")
     leaked = _crash(repo, state, at)
@@ -128,7 +139,7 @@ def test_preloop_sweep_removes_the_leak_and_prune_evicts_the_entry(tmp_path: Pat
 
 def test_prune_alone_sweeps_the_leak_then_evicts(tmp_path: Path) -> None:
     state = tmp_path / "state"
-    leaked = _crash(_repo(tmp_path / "repo"), state, "open_store")
+    leaked = _crash(_repo(tmp_path / "repo"), state, "SnapshotLocation")
     pruned = subprocess.run(
         [*PRELOOP, "cache", "prune", "--max-bytes", "1"],
         env=_env(state),
@@ -175,3 +186,73 @@ def test_a_live_holder_and_unfinished_runs_keep_their_repository(tmp_path: Path)
     assert removed == [dead, marker] and errors == []
     release_run_repository(state, "run-live")
     assert not repo.exists() and not holder_marker_path(state, "run-live").exists()
+
+
+def _dead_holder(state: Path, run_id: str) -> tuple[Path, Path]:
+    """`snapshots/<run_id>` held by a process that died on this host."""
+    repo = state / "snapshots" / run_id
+    repo.mkdir(parents=True)
+    marker = holder_marker_path(state, run_id)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"pid": 2**22 + 7, "start_ticks": 1, "host": os.uname()[1]}))
+    return repo, marker
+
+
+def test_run_repositories_in_use_reads_run_key_and_snapshot_location(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    contexts = {
+        1: {"github": {ENGINE_CONTEXT_KEY: {"run_key": "run-a"}}},
+        2: {"github": {SNAPSHOT_CONTEXT_KEY: {"repository": str(state / "snapshots" / "run-b")}}},
+        3: {"github": {SNAPSHOT_CONTEXT_KEY: {"repository": "/elsewhere/snapshots/run-c"}}},
+        4: {},
+    }
+    assert run_repositories_in_use(contexts, state) == {"run-a", "run-b"}
+
+
+def test_an_unfinished_run_keeps_its_repository_from_preloop_run(
+    tmp_path: Path, store_url: str
+) -> None:
+    """A same-host runner may still run a dead submitter's unfinished run from
+    its run repository: the next `preloop run` on that store (its start sweep
+    and its post-capture prune) keeps it, and sweeps it once the run ended."""
+    state = tmp_path / "state"
+    repo = _repo(tmp_path / "repo")
+    kept, marker = _dead_holder(state, "run-in-use")
+    gone, _ = _dead_holder(state, "run-unused")
+    text = "on: push\njobs:\n  far:\n    runs-on: [self-hosted, nowhere]\n    steps: [{run: x}]\n"
+    (tmp_path / "other.yml").write_text(text)
+    github = {
+        # Submitted from another host's engine: recovery leaves it alone.
+        ENGINE_CONTEXT_KEY: {"host": "another-host", "pid": 1, "run_key": "run-elsewhere"},
+        SNAPSHOT_CONTEXT_KEY: {"repository": str(kept), "ref": "snapshot", "commit": "0" * 40},
+    }
+    with open_store(store_url) as db:
+        other = db.submit_run(plan(load_workflow(tmp_path / "other.yml"), "push"), github=github)
+        assert set(db.unfinished_run_contexts()) == {other}
+    try:
+        outcome, _ = run_engine(repo, store_url, state, local_runners=1)
+        assert outcome.conclusion == "success"
+        assert kept.is_dir() and marker.exists()
+        assert not gone.exists()
+        with open_store(store_url) as db:
+            anyio.run(settle_cancelled, db, other, "test over")
+            assert db.unfinished_run_contexts() == {}
+        outcome, _ = run_engine(repo, store_url, state, local_runners=1)
+        assert outcome.conclusion == "success"
+        assert not kept.exists() and not marker.exists()
+    finally:
+        keep_run_repositories(state, ())
+
+
+def test_recovery_reads_unfinished_runs_in_one_query(store_url: str, tmp_path: Path) -> None:
+    text = "on: push\njobs:\n  a:\n    runs-on: x\n    steps: [{run: x}]\n"
+    (tmp_path / "w.yml").write_text(text)
+    planned = plan(load_workflow(tmp_path / "w.yml"), "push")
+    with open_store(store_url) as db:
+        ids = [db.submit_run(planned, github={"n": n}) for n in range(3)]
+        db.cancel_run(ids[1])
+        anyio.run(settle_cancelled, db, ids[1], "done")
+        contexts = db.unfinished_run_contexts()
+        assert sorted(contexts) == [ids[0], ids[2]]
+        assert contexts[ids[2]]["github"]["n"] == 2
+        assert anyio.run(recover_abandoned_runs, db, tmp_path) == []

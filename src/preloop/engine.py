@@ -10,14 +10,16 @@
    `SkippedWorkflow`, none at all is `NothingTriggered`), checks `--input`s,
    builds the payload, and plans each one, narrowed by `--job` / `--matrix`
    (`preloop.workflow.selection`);
-2. sweeps leftovers of dead captures and job directories, then captures
-   the workspace (`preloop.snapshot.capture_workspace`: staged, unstaged and untracked
-   files; the source repository is not changed); the object-cache prune runs
-   after the capture through the post-capture hook of `preloop.snapshot.prune`;
-3. recovers runs in the store whose `preloop run` died on this host
-   (`recover_abandoned_runs`), then submits one run per plan (as GitHub starts
-   one run per workflow) with the snapshot's location in each run's `github`
-   context (`preloop.runner.checkout`);
+2. opens the store and recovers its runs whose `preloop run` died on this
+   host (`recover_abandoned_runs`); sweeps leftovers of dead captures, job
+   directories and run repositories whose holder died, except those the
+   store's other unfinished runs reference (`run_repositories_in_use`: a
+   same-host runner may still run them); then captures the workspace
+   (`preloop.snapshot.capture_workspace`: staged, unstaged and untracked files;
+   the source repository is not changed); the object-cache prune runs after
+   the capture through the post-capture hook of `preloop.snapshot.prune`;
+3. submits one run per plan (as GitHub starts one run per workflow) with the
+   snapshot's location in each run's `github` context (`preloop.runner.checkout`);
 4. runs `local_runners` runners in this process until every run ends (other
    machines' `preloop runner` processes may take jobs too), reaping expired
    leases meanwhile; a job whose `runs-on` is another OS (`windows-*`,
@@ -76,7 +78,11 @@ from preloop.services import (
 )
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
 from preloop.snapshot.bundles import SnapshotBundles
-from preloop.snapshot.holders import hold_run_repository, release_run_repository
+from preloop.snapshot.holders import (
+    hold_run_repository,
+    keep_run_repositories,
+    release_run_repository,
+)
 from preloop.snapshot.owner import ProcessIdentity
 from preloop.snapshot.transport import Published, publish_snapshot, snapshot_transport
 from preloop.workflow import Plan, PlanError, WorkflowError, load_workflow, plan, workflow_files
@@ -112,6 +118,7 @@ __all__ = [
     "SkippedWorkflow",
     "default_store_url",
     "recover_abandoned_runs",
+    "run_repositories_in_use",
 ]
 
 # github context: host, pid and host-unique run key of the submitting engine
@@ -545,27 +552,35 @@ class Engine:
         # Before the capture: PRELOOP_SNAPSHOT_TRANSPORT=store on the lite store fails here.
         transport = snapshot_transport("pg" if store_url.startswith("postgres") else "lite")
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
-        await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir)
-        await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir)
-        run_key = self.run_key
-        # Held before the capture, released after the removal: a crash in
-        # between leaves a dead holder that the next sweep or prune cleans.
-        holder = hold_run_repository(self.state_dir, run_key)
-        try:
-            snap = await capture_workspace(self.state_dir, root, run_key)
-        except BaseException:
-            # A failed capture removed its repository, or left it (a timeout)
-            # for the capture sweep: either way this holder has nothing to hold.
-            holder.unlink(missing_ok=True)
-            raise
+        # The store before the sweeps: its unfinished runs say which run
+        # repositories of dead holders a same-host runner may still use.
         store = await anyio.to_thread.run_sync(open_user_store, store_url, req.store_url)
         self.store = store
         bundles = SnapshotBundles(store) if transport == "store" else None
+        run_key = self.run_key
+        held = False
         try:
-            for old in await recover_abandoned_runs(store, self.state_dir):
+            contexts = await anyio.to_thread.run_sync(store.unfinished_run_contexts)
+            recovered = await recover_abandoned_runs(store, self.state_dir, contexts)
+            for old in recovered:
                 if self.events.on_recovered is not None:
                     self.events.on_recovered(old)
+            live = {k: v for k, v in contexts.items() if k not in recovered}
+            keep_run_repositories(self.state_dir, run_repositories_in_use(live, self.state_dir))
+            await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
+            await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir)
+            await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir)
+            # Held before the capture, released after the removal: a crash in
+            # between leaves a dead holder that the next sweep or prune cleans.
+            holder = hold_run_repository(self.state_dir, run_key)
+            try:
+                snap = await capture_workspace(self.state_dir, root, run_key)
+            except BaseException:
+                # A failed capture removed its repository, or left it (a timeout)
+                # for the capture sweep: either way this holder has nothing to hold.
+                holder.unlink(missing_ok=True)
+                raise
+            held = True
             location = SnapshotLocation(str(snap.repository), "snapshot", snap.commit)
             # The cache scope of the run's jobs, for remote runners' services too.
             default_ref = await anyio.to_thread.run_sync(default_branch_ref, root)
@@ -651,7 +666,8 @@ class Engine:
                     with contextlib.suppress(PreloopError):
                         await anyio.to_thread.run_sync(bundles.release, run_key)
                 await anyio.to_thread.run_sync(store.close)
-                await anyio.to_thread.run_sync(release_run_repository, self.state_dir, run_key)
+                if held:
+                    await anyio.to_thread.run_sync(release_run_repository, self.state_dir, run_key)
 
     def _record(self, run_id: int, j: JobInfo) -> JobRecord:
         key = (run_id, j.id)
@@ -937,18 +953,21 @@ async def settle_cancelled(store: Store, run_id: int, reason: str) -> None:
                     continue
 
 
-async def recover_abandoned_runs(store: Store, state_dir: Path) -> list[int]:
+async def recover_abandoned_runs(
+    store: Store, state_dir: Path, contexts: Mapping[int, Mapping[str, Any]] | None = None
+) -> list[int]:
     """Runs whose `preloop run` died (its pid on this host is gone) without
     ending them: their leftover step processes are killed, the runs cancelled
     with every open job, and their run repositories in `state_dir` removed.
     Called when `preloop run` starts, so a crash never leaves a run that the
-    next run's runners would pick up."""
+    next run's runners would pick up. `contexts`: `store.unfinished_run_contexts()`
+    (read here when not given)."""
     host = socket.gethostname()
     recovered: list[int] = []
-    # Every unfinished run, however old: reading one context row each, not its jobs.
-    runs = await anyio.to_thread.run_sync(functools.partial(store.list_runs, None, unfinished=True))
-    for run in runs:
-        ctx = await anyio.to_thread.run_sync(store.run_context, run.id)
+    if contexts is None:
+        # Every unfinished run, however old: one query, not their jobs.
+        contexts = await anyio.to_thread.run_sync(store.unfinished_run_contexts)
+    for run_id, ctx in contexts.items():
         owner = (ctx.get("github") or {}).get(ENGINE_CONTEXT_KEY)
         if not isinstance(owner, dict) or owner.get("host") != host:
             continue
@@ -964,10 +983,30 @@ async def recover_abandoned_runs(store: Store, state_dir: Path) -> list[int]:
             # Its snapshot bundles are no longer needed (a no-op on the path transport).
             release = functools.partial(SnapshotBundles(store).release, str(run_key))
             await anyio.to_thread.run_sync(release)
-        await settle_cancelled(store, run.id, "its `preloop run` process died")
+        await settle_cancelled(store, run_id, "its `preloop run` process died")
         snapshot = (ctx.get("github") or {}).get(SNAPSHOT_CONTEXT_KEY) or {}
         repo = Path(str(snapshot.get("repository", "")))
         if repo.is_absolute() and repo.parent == Path(state_dir).absolute() / "snapshots":
             await anyio.to_thread.run_sync(release_run_repository, state_dir, repo.name)
-        recovered.append(run.id)
+        recovered.append(run_id)
     return recovered
+
+
+def run_repositories_in_use(contexts: Mapping[int, Mapping[str, Any]], state_dir: Path) -> set[str]:
+    """The run ids of `state_dir`'s run repositories that the unfinished runs
+    with run contexts `contexts` reference (their engine's `run_key`, and the
+    repository their snapshot location names): a runner may still check them
+    out, whether or not their `preloop run` is alive."""
+    snapshots = Path(state_dir).absolute() / "snapshots"
+    keys: set[str] = set()
+    for ctx in contexts.values():
+        github = ctx.get("github") or {}
+        owner = github.get(ENGINE_CONTEXT_KEY)
+        if isinstance(owner, dict) and owner.get("run_key"):
+            keys.add(str(owner["run_key"]))
+        location = github.get(SNAPSHOT_CONTEXT_KEY)
+        if isinstance(location, dict):
+            repo = Path(str(location.get("repository", "")))
+            if repo.is_absolute() and repo.parent == snapshots:
+                keys.add(repo.name)
+    return keys

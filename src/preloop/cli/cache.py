@@ -62,6 +62,7 @@ def cache_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def status_command(state_dir: Path | None, store: str | None, as_json: bool) -> None:
     """Entries, sizes, pins, referencing runs and last use, oldest first."""
+    config.validate()  # a bad PRELOOP_* value: exit 2 before reading anything
     state = _state_dir(state_dir)
     cap = object_cache_max_bytes()
     try:
@@ -183,6 +184,8 @@ def prune_command(
     Busy (locked), pinned and referenced entries are never removed. Anything
     unreadable in the snapshots makes the prune remove nothing and exit 1.
     """
+    if max_bytes_raw is None:  # (--max-bytes stands in for the cap knob)
+        config.validate()  # a bad PRELOOP_* value: exit 2 before reading anything
     state = _state_dir(state_dir)
     if max_bytes_raw is None:
         cap = object_cache_max_bytes()

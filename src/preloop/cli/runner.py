@@ -115,6 +115,7 @@ def runner_command(
     """Run jobs from a shared store until SIGTERM (then cancel the job and exit 0),
     or until --once / --max-jobs N jobs have run. The lease of a job is
     $PRELOOP_LEASE_SECONDS (heartbeat every third of it)."""
+    config.validate()  # a bad PRELOOP_* value: exit 2 now, not in the first job
     if not store.startswith(("postgresql://", "postgres://")):
         raise UsageError(
             f"--store {store!r}: a runner on another machine needs the shared PostgreSQL "

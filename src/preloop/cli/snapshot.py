@@ -39,6 +39,7 @@ def snapshot_command(
     untracked-not-ignored files) and leaves the repository untouched. Prints the
     run id, the run repository and the snapshot commit.
     """
+    config.validate()  # a bad PRELOOP_* value (the cache cap): exit 2 before capturing
     state = _state_dir(state_dir)
     run = run_id or uuid.uuid4().hex
     snap = anyio.run(lambda: capture_workspace(state, path, run, namespace=namespace))
@@ -68,6 +69,7 @@ def snapshot_command(
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 def sweep_command(state_dir: Path | None, as_json: bool) -> None:
     """Remove leftovers of captures that crashed or timed out (never a live one's)."""
+    config.validate()
     report = sweep_workspace_snapshots(_state_dir(state_dir))
     if as_json:
         emit_json(

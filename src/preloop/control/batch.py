@@ -93,15 +93,26 @@ class _SlowPath(Exception):
     """The batch needs the cascade in Python (see `_complete_lite_fast`)."""
 
 
-def _complete_lite_fast(tx: Tx, results: Sequence[JobResultItem]) -> list[Completion] | None:
+def run_outputs_length(tx: Tx, run_id: int, but: str | None = None) -> int:
+    """The length of run `run_id`'s recorded job outputs (their stored JSON),
+    but job `but`'s. Read with the run row locked, so it stays true until
+    the transaction ends."""
+    row = tx.one(Q["run_outputs_length_select_jobs"], (run_id, but or ""))
+    return int(row["n"]) if row is not None else 0
+
+
+def _complete_lite_fast(
+    tx: Tx, results: Sequence[JobResultItem], outputs_max: int
+) -> list[Completion] | None:
     """SQLite's counterpart of `preloop_complete_claim`'s completion half: a
     batch of one run's results as a few set-based statements inside a
     savepoint; None (the savepoint rolled back, nothing written) when the
-    batch needs the Python cascade. The same rules decide as on PostgreSQL."""
+    batch needs the Python cascade. The same rules decide as on PostgreSQL
+    (outputs that take the run's over `outputs_max` included)."""
     run_id = results[0][0].run_id
     tx.execute(Q["complete_lite_fast_savepoint"])
     try:
-        done = _lite_fast_body(tx, run_id, results)
+        done = _lite_fast_body(tx, run_id, results, outputs_max)
     except _SlowPath:
         tx.execute(Q["complete_lite_fast_rollback"])
         tx.execute(Q["complete_lite_fast_release_2"])
@@ -110,7 +121,9 @@ def _complete_lite_fast(tx: Tx, results: Sequence[JobResultItem]) -> list[Comple
     return done
 
 
-def _lite_fast_body(tx: Tx, run_id: int, results: Sequence[JobResultItem]) -> list[Completion]:
+def _lite_fast_body(
+    tx: Tx, run_id: int, results: Sequence[JobResultItem], outputs_max: int
+) -> list[Completion]:
     n = len(results)
     run = tx.one(
         Q["lite_fast_body_update_runs"],
@@ -134,6 +147,8 @@ def _lite_fast_body(tx: Tx, run_id: int, results: Sequence[JobResultItem]) -> li
     )
     if len(rows) < n:
         raise _SlowPath  # a lease not held, a duplicate: the slow path says which
+    if any(outputs for _, _, outputs in results) and run_outputs_length(tx, run_id) > outputs_max:
+        raise _SlowPath  # the slow path refuses the outputs that go over
     units: dict[str, list[int]] = {}  # base -> [count, success, cancelled, skipped, af, ab]
     unit_outputs: dict[str, list[str]] = {}
     slots: dict[str, int] = {}

@@ -6,11 +6,15 @@
 
 -- pg_call_select_preloop_complete_claim --
 -- store: Store._pg_call
-SELECT settled, claimed, wait_us FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?)
+SELECT settled, claimed, wait_us FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?)
 
 -- settle_pg_select_preloop_settle --
 -- store: Store._settle_pg
-SELECT run_row, job_row, unit_row, admitted, wait_us FROM preloop_settle(?, ?, ?, ?, ?, ?, ?)
+SELECT run_row, job_row, unit_row, admitted, wait_us, refused_used FROM preloop_settle(?, ?, ?, ?, ?, ?, ?, ?)
+
+-- settle_pg_update_jobs_reason --
+-- store: Store._settle_pg (outputs over the run's limit)
+UPDATE jobs SET reason = ? WHERE run_id = ? AND id = ?
 
 -- submit_run_insert_runs --
 -- store: Store.submit_run.tx_fn
@@ -56,9 +60,13 @@ SELECT * FROM runs WHERE id = ?
 -- store: Store.run_context
 SELECT context FROM runs WHERE id = ?
 
--- run_outputs_bytes_select_jobs --
--- store: Store.run_outputs_bytes
-SELECT COALESCE(SUM(LENGTH(outputs)), 0) AS n FROM jobs WHERE run_id = ?
+-- unfinished_run_contexts_select_runs --
+-- store: Store.unfinished_run_contexts
+SELECT id, context FROM runs WHERE status <> 'completed' ORDER BY id
+
+-- run_outputs_length_select_jobs --
+-- batch: run_outputs_length (both stores)
+SELECT COALESCE(SUM(LENGTH(outputs)), 0) AS n FROM jobs WHERE run_id = ? AND id <> ?
 
 -- get_job_select_jobs --
 -- store: Store.get_job

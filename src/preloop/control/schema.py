@@ -427,6 +427,13 @@ BEGIN
 END
 $fn$"""
 
+_COMPLETE_CLAIM_SLOW_CHECK = """\
+        IF n_done < n OR n_slow > 0 OR n_ended > 0 OR n_multi > 0 THEN
+            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+        END IF;
+"""
+assert _COMPLETE_CLAIM_SLOW_CHECK in _COMPLETE_CLAIM_FN
+
 # The concurrency-group half of `preloop_complete_claim`, as the cascade's
 # promote_group and through_group do it, for the case that stays inside the
 # locked run: the oldest waiter is a plain job of this run, no cancellation is
@@ -668,6 +675,94 @@ _V11_BUNDLES: list[Statement] = [
     )""",
 ]
 
+# Migration 12, PostgreSQL only: `preloop_complete_claim` takes GitHub's limit
+# on a run's job outputs (`p_outputs_max`, the length of their stored JSON)
+# and leaves a batch with outputs that take the run's over it to the Python
+# cascade (PLSLO), which refuses them (`Store._settle_tx`). The check reads
+# the run's outputs in a statement after the one that locked the run row, so
+# it sees every completion that committed before: two jobs of one run
+# completing at once cannot both pass it. Batches without outputs skip it.
+_OUTPUTS_CHECK = """        IF p_outputs_max IS NOT NULL
+           AND EXISTS (SELECT 1 FROM unnest(p_outputs) AS o(v) WHERE o.v <> '{{}}')
+           AND (SELECT coalesce(sum(length(outputs)), 0) FROM jobs WHERE run_id = p_run)
+               > p_outputs_max THEN
+            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+        END IF;
+"""
+# Migration 12 also gives the settle function (the Python cascade's first
+# call, as migration 9 left it) the same check, made after its first write
+# took the run row: outputs that would take the run's over `p_outputs_max` are
+# not written, the job ends as a failure, and `refused_used` (the others'
+# length) tells the store why. No extra statement.
+_SETTLE_V9 = _settle_fn(
+    "id, status, cancel_requested, conc_group, remaining_jobs, failed_jobs, cancelled_jobs",
+    " AND kind = 'job'",
+    "COALESCE(p_reason, reason)",
+)
+
+
+def _settle_v12() -> str:
+    edits = [
+        (
+            "p_token TEXT, p_now DOUBLE PRECISION)",
+            "p_token TEXT, p_now DOUBLE PRECISION, p_outputs_max BIGINT)",
+        ),
+        (
+            "admitted TEXT, wait_us BIGINT)",
+            "admitted TEXT, wait_us BIGINT, refused_used BIGINT)",
+        ),
+        (
+            "t0 TIMESTAMPTZ := clock_timestamp(); waited BIGINT;",
+            "t0 TIMESTAMPTZ := clock_timestamp(); waited BIGINT; used BIGINT; refused BIGINT;",
+        ),
+        (
+            "    waited := (extract(epoch FROM clock_timestamp() - t0) * 1000000)::BIGINT;\n",
+            "    waited := (extract(epoch FROM clock_timestamp() - t0) * 1000000)::BIGINT;\n"
+            "    IF p_outputs_max IS NOT NULL AND p_outputs <> '{{}}' THEN\n"
+            "        SELECT coalesce(sum(length(outputs)), 0) INTO used FROM jobs\n"
+            "            WHERE run_id = p_run AND id <> p_job;\n"
+            "        IF used + length(p_outputs) > p_outputs_max THEN\n"
+            "            refused := used; p_outputs := '{{}}'; p_conclusion := 'failure';\n"
+            "        END IF;\n"
+            "    END IF;\n",
+        ),
+        (
+            "NULL::JSON, NULL::JSON, NULL::TEXT, waited;",
+            "NULL::JSON, NULL::JSON, NULL::TEXT, waited, NULL::BIGINT;",
+        ),
+        (
+            "row_to_json(u), nxt, waited;",
+            "row_to_json(u), nxt, waited, refused;",
+        ),
+    ]
+    text = _SETTLE_V9
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
+
+
+_V12_OUTPUTS_LIMIT: list[Statement] = [
+    {
+        "pg": "DROP FUNCTION IF EXISTS preloop_settle(BIGINT, TEXT, TEXT, TEXT, TEXT, TEXT, "
+        "DOUBLE PRECISION)",
+        "lite": None,
+    },
+    {"pg": _settle_v12(), "lite": None},
+    {
+        "pg": "DROP FUNCTION IF EXISTS preloop_complete_claim(BIGINT, TEXT[], TEXT[], TEXT[], "
+        "TEXT[], DOUBLE PRECISION, TEXT, TEXT[], INT, DOUBLE PRECISION, BIGINT)",
+        "lite": None,
+    },
+    {
+        "pg": _COMPLETE_CLAIM_FN.replace(
+            "p_expires DOUBLE PRECISION, p_only_run BIGINT)",
+            "p_expires DOUBLE PRECISION, p_only_run BIGINT, p_outputs_max BIGINT)",
+        ).replace(_COMPLETE_CLAIM_SLOW_CHECK, _COMPLETE_CLAIM_SLOW_CHECK + _OUTPUTS_CHECK),
+        "lite": None,
+    },
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -685,6 +780,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V9_CANCEL_REASON,
     _V10_SERVICES,
     _V11_BUNDLES,
+    _V12_OUTPUTS_LIMIT,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from preloop import config
+from preloop.control import types as _types
 from preloop.control.batch import (
     _SLOW_PATH,
     _check_terminal,
@@ -71,6 +72,7 @@ from preloop.control.batch import (
     _complete_lite_fast,
     _lease,
     _not_settled,
+    run_outputs_length,
 )
 from preloop.control.cascade import _Cascade
 from preloop.control.conditions import evaluate_expr
@@ -99,6 +101,7 @@ from preloop.control.types import (
     NonTerminalConclusion,
     RunInfo,
     UnknownRun,
+    run_outputs_refusal,
 )
 from preloop.control.wakeups import JOBS
 from preloop.errors import PreloopError
@@ -424,7 +427,7 @@ class Store:
         def tx_fn(tx: Tx) -> tuple[list[Completion | PreloopError], list[Lease]]:
             done: list[Completion | PreloopError] = []
             if tx.dialect == "lite" and one_run:
-                fast = _complete_lite_fast(tx, results)
+                fast = _complete_lite_fast(tx, results, _types.RUN_OUTPUTS_MAX_BYTES)
                 if fast is not None:
                     claimed = _claim_lite(tx, claim) if claim is not None and claim.limit else []
                     return list(fast), claimed
@@ -511,6 +514,7 @@ class Store:
                 claim.limit if claim else 0,
                 now + (claim.lease_seconds if claim else 0.0),
                 claim.run_id if claim else None,
+                _types.RUN_OUTPUTS_MAX_BYTES,
             ),
         )
         assert row is not None
@@ -558,12 +562,26 @@ class Store:
         groups: set[str],
     ) -> Completion:
         """Ends one job inside `tx` and runs its cascade; the concurrency
-        groups to retry after commit are added to `groups`."""
+        groups to retry after commit are added to `groups`. Outputs that would
+        take the run's over `RUN_OUTPUTS_MAX_BYTES` are refused: the job ends
+        as a failure without them (`Completion.outputs_refused` says why)."""
+        if tx.dialect == "pg":
+            # `preloop_settle` checks the limit after its first write took
+            # the run row: no statement more.
+            return self._settle_pg(tx, run_id, job_id, conclusion, outputs, reason, token, groups)
+        refused = None
+        if outputs:
+            # Lite holds the write lock already: two jobs of the run completing
+            # at once cannot both pass the check.
+            limit = _types.RUN_OUTPUTS_MAX_BYTES
+            size = len(_dumps(outputs))
+            used = run_outputs_length(tx, run_id, job_id)
+            if used + size > limit:
+                refused = run_outputs_refusal(run_id, outputs, size, used, limit)
+                conclusion, outputs, reason = "failure", None, reason or refused
         # The common path is three statements: the run row (locked by the
         # write that counts the job as ended), the job row (guarded: only
         # a live job, only the lease holder), and its unit.
-        if tx.dialect == "pg":
-            return self._settle_pg(tx, run_id, job_id, conclusion, outputs, reason, token, groups)
         run = tx.lock_run(run_id, settle_delta=-1)
         if run is None:
             raise UnknownRun(f"no run {run_id} in the store {self.url}")
@@ -596,7 +614,7 @@ class Store:
         c.after_conclude(job, job["conclusion"], outputs or {})
         c.finish()
         groups.update(c.retry_groups)
-        return Completion(run_id, job_id, job["conclusion"], True)
+        return Completion(run_id, job_id, job["conclusion"], True, outputs_refused=refused)
 
     def _settle_pg(
         self,
@@ -609,18 +627,28 @@ class Store:
         token: str | None,
         groups: set[str],
     ) -> Completion:
-        """The PostgreSQL settle: one `preloop_settle` call (schema migration
-        2) does the common path; the cascade continues here when needed."""
+        """The PostgreSQL settle: one `preloop_settle` call (schema migrations
+        2, 9 and 12) does the common path and the run outputs limit; the cascade
+        continues here when needed."""
         t0 = time.perf_counter_ns()
+        limit = _types.RUN_OUTPUTS_MAX_BYTES
+        dumped = _dumps(outputs or {})
         row = tx.one(
             Q["settle_pg_select_preloop_settle"],
-            (run_id, job_id, conclusion, _dumps(outputs or {}), reason, token, time.time()),
+            (run_id, job_id, conclusion, dumped, reason, token, time.time(), limit),
         )
         if row is None:
             raise UnknownRun(f"no run {run_id} in the store {self.url}")
         tx.note_lock_run_wait(t0, int(row["wait_us"]) * 1000)
         if row["job_row"] is None:
             return _not_settled(tx, run_id, job_id)
+        refused = None
+        if row["refused_used"] is not None:
+            used = int(row["refused_used"])
+            refused = run_outputs_refusal(run_id, outputs or {}, len(dumped), used, limit)
+            outputs = None
+            if reason is None:
+                tx.execute(Q["settle_pg_update_jobs_reason"], (refused, run_id, job_id))
         run: Row = row["run_row"]
         job: Row = row["job_row"]
         unit: Row = row["unit_row"]
@@ -637,7 +665,7 @@ class Store:
         )
         c.finish()
         groups.update(c.retry_groups)
-        return Completion(run_id, job_id, job["conclusion"], True)
+        return Completion(run_id, job_id, job["conclusion"], True, outputs_refused=refused)
 
     def cancel_run(self, run_id: int, reason: str = USER_CANCEL_REASON) -> bool:
         """Cancels a run: queued jobs are cancelled, running jobs told to stop,
@@ -768,17 +796,13 @@ class Store:
         context: dict[str, Any] = json.loads(row["context"])
         return context
 
-    def run_outputs_bytes(self, run_id: int) -> int:
-        """Length of the outputs the run's jobs recorded so far (one aggregate
-        row; GitHub caps a run's outputs at 50 MB)."""
-        row = self._db.transaction(
-            "query",
-            lambda tx: tx.one(
-                Q["run_outputs_bytes_select_jobs"],
-                (run_id,),
-            ),
+    def unfinished_run_contexts(self) -> dict[int, dict[str, Any]]:
+        """The run-level contexts (as `run_context`) of every run that has not
+        completed, by run id: one query, however many runs."""
+        rows = self._db.transaction(
+            "query", lambda tx: tx.execute(Q["unfinished_run_contexts_select_runs"], ())
         )
-        return int(row["n"]) if row is not None else 0
+        return {int(r["id"]): json.loads(r["context"]) for r in rows}
 
     def get_job(self, run_id: int, job_id: str) -> JobInfo:
         row = self._db.transaction(

@@ -17,6 +17,24 @@ TERMINAL: frozenset[str] = frozenset({"success", "failure", "cancelled", "skippe
 
 DEFAULT_LEASE_SECONDS = 60.0
 
+#: GitHub's limit on a run's job outputs (50 MB). The store enforces it when a
+#: job completes, inside the completion's transaction with the run row locked,
+#: so two jobs of one run completing at once cannot both pass it. Measured as
+#: the length of the outputs' stored JSON.
+RUN_OUTPUTS_MAX_BYTES = 50 * 1024 * 1024
+
+
+def run_outputs_refusal(
+    run_id: int, outputs: dict[str, Any], size: int, used: int, limit: int
+) -> str:
+    """Why a job's outputs were refused: they would take run `run_id`'s over `limit`."""
+    names = ", ".join(repr(k) for k in outputs)
+    return (
+        f"job outputs {names} ({size:,} bytes) would take run {run_id}'s outputs over "
+        f"GitHub's limit of {limit:,} bytes ({used:,} used); they are not passed on: "
+        "pass large data as an artifact or a file instead"
+    )
+
 
 class NonTerminalConclusion(PreloopError):
     """complete_job/settle_job was given a status that does not end a job."""
@@ -63,6 +81,9 @@ class Completion:
     # `complete_and_claim` only: why this result was not recorded (the lease
     # is no longer held, the run is gone); `complete_job` raises instead.
     error: str | None = None
+    # Why the job's outputs were refused (they would take the run's outputs
+    # over `RUN_OUTPUTS_MAX_BYTES`): it was recorded as a failure without them.
+    outputs_refused: str | None = None
 
 
 #: One runner result for `Store.complete_and_claim`: the lease, its

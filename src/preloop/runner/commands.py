@@ -137,6 +137,9 @@ class CommandEffects:
 
 
 _COMMAND = re.compile(r"^::([A-Za-z-]+)(?: ([^:]*))?::(.*)$")
+# Where a line of a batch might hold a command (`line()` strips leading
+# whitespace first); `\s*` may cross lines, which only finds more.
+_COMMAND_START = re.compile(r"^\s*::", re.MULTILINE)
 
 
 def _unescape_data(s: str) -> str:
@@ -149,7 +152,7 @@ def _unescape_property(s: str) -> str:
 
 class WorkflowCommandParser:
     """Interprets one step's output line by line. `line()` returns the text to
-    log (None to hide the line), after masking."""
+    log (None to hide the line), after masking; `lines()` does it for a batch."""
 
     def __init__(self, masker: Masker, job: str, step: str, *, debug: bool = False) -> None:
         self.masker = masker
@@ -158,6 +161,22 @@ class WorkflowCommandParser:
         self._job = job
         self._step = step
         self._stopped: str | None = None
+
+    def lines(self, raws: list[str]) -> list[str]:
+        """The lines of `raws` to log, as `line()` returns them (hidden ones
+        left out). A batch with no command, no carriage return and no secret
+        in it (most of a chatty step's output) is returned as it is, after a
+        few scans of its joined text instead of a call per line."""
+        if self._stopped is None:
+            joined = "\n".join(raws)
+            if (
+                "\r" not in joined
+                and ("::" not in joined or _COMMAND_START.search(joined) is None)
+                and not self.masker.contains_secret(joined)
+            ):
+                return raws
+        shown = (self.line(raw) for raw in raws)
+        return [text for text in shown if text is not None]
 
     def line(self, raw: str) -> str | None:
         text = raw.rstrip("\r")

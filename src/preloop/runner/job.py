@@ -81,6 +81,18 @@ SUPPORTED_USES = (
 )
 
 LogLine = Callable[[str], None]
+#: Receives a batch of log lines (already masked), in order.
+LogLines = Callable[[list[str]], None]
+
+
+def _line_by_line(log: LogLine) -> LogLines:
+    """A `LogLines` that hands each line of a batch to `log`."""
+
+    def log_lines(lines: list[str]) -> None:
+        for text in lines:
+            log(text)
+
+    return log_lines
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,10 +240,12 @@ class _Execution:
         masker: Masker,
         secrets: Mapping[str, str],
         control: JobControl,
+        log_lines: LogLines | None = None,
     ) -> None:
         self.spec = spec
         self.host = host
         self.log_raw = log
+        self.log_lines: LogLines = log_lines or _line_by_line(log)
         self.masker = masker
         self.control = control
         self.job_key = str(spec.get("job", ""))
@@ -617,16 +631,16 @@ class _Execution:
         launcher = self.host.wrap(argv) if self.host.wrap is not None else argv
         parser = WorkflowCommandParser(self.masker, self.job_key, name, debug=self.step_debug)
 
-        def on_line(raw: str) -> None:
-            shown = parser.line(raw)
-            if shown is not None:
-                self.log_raw(shown)
+        def on_lines(raws: list[str]) -> None:
+            shown = parser.lines(raws)
+            if shown:
+                self.log_lines(shown)
 
         outcome = "success"
         try:
             try:
                 result = await run_streaming(
-                    launcher, cwd=cwd, env=penv, timeout=timeout, on_line=on_line
+                    launcher, cwd=cwd, env=penv, timeout=timeout, on_lines=on_lines
                 )
             except OSError as exc:
                 if exc.errno != errno.E2BIG:
@@ -780,17 +794,19 @@ async def execute_job(
     timeout_minutes: float = 360.0,
     control: JobControl | None = None,
     masker: Masker | None = None,
+    log_lines: LogLines | None = None,
 ) -> JobResult:
     """Runs the job described by `spec` (a `PlannedJob.spec`) in `host.workspace`.
 
     `contexts` are the store's job contexts (`github`, `env`, `inputs`,
     `needs`, `matrix`, `strategy`, optionally `vars`). `log` receives every
-    log line, already masked. Never raises for a step's failure: the result
+    log line, already masked; `log_lines`, when given, receives a step's
+    output in batches instead. Never raises for a step's failure: the result
     says what happened."""
     control = control or JobControl()
     masker = masker if masker is not None else Masker()
     try:
-        run = _Execution(spec, contexts, host, log, masker, dict(secrets or {}), control)
+        run = _Execution(spec, contexts, host, log, masker, dict(secrets or {}), control, log_lines)
     except ex.ExpressionError as exc:
         why = f"job {spec.get('job', '')!r}: env cannot be evaluated: {exc}"
         log(masker.mask(f"✖ {why}"))

@@ -3,7 +3,8 @@
 - A job's outputs: at most 1 MB in total (`JOB_OUTPUTS_MAX_BYTES`); a run's:
   at most 50 MB (`RUN_OUTPUTS_MAX_BYTES`), as GitHub documents. An output over
   the limit fails its job with an error naming the output, and is not passed
-  on to dependent jobs.
+  on to dependent jobs. The run's limit is the store's to check, inside the
+  completion's transaction (`preloop.control.types.RUN_OUTPUTS_MAX_BYTES`).
 - Linux refuses to start a process whose single argument or environment
   string exceeds 128 KiB, or whose arguments and environment together exceed
   its `ARG_MAX` (`E2BIG`). `explain_e2big` names the largest offender, so the
@@ -13,6 +14,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+
+from preloop.control.types import RUN_OUTPUTS_MAX_BYTES
 
 __all__ = [
     "JOB_OUTPUTS_MAX_BYTES",
@@ -24,7 +27,6 @@ __all__ = [
 ]
 
 JOB_OUTPUTS_MAX_BYTES = 1024 * 1024
-RUN_OUTPUTS_MAX_BYTES = 50 * 1024 * 1024
 #: Linux's limit on one argument or environment string (32 pages).
 MAX_ARG_STRLEN = 32 * 4096
 

@@ -135,9 +135,16 @@ class LogShipper:
         self._thread.start()
 
     def add(self, line: str) -> None:
+        self.add_many([line])
+
+    def add_many(self, lines: list[str]) -> None:
+        """`add` for each of `lines`, under one lock."""
+        if not lines:
+            return
         with self._cond:
-            self._pending.append(line)
-            if len(self._pending) == 1 or len(self._pending) >= self.MAX_BATCH:
+            before = len(self._pending)
+            self._pending.extend(lines)
+            if before == 0 or len(self._pending) >= self.MAX_BATCH:
                 self._cond.notify()
 
     def _loop(self) -> None:
@@ -203,11 +210,17 @@ class JobLog:
         self._shipper = None if remote is None else LogShipper(remote, int(run_id), job_id)
 
     def write(self, line: str) -> None:
+        self.write_lines([line])
+
+    def write_lines(self, lines: list[str]) -> None:
+        """Appends `lines` with one write and one flush."""
+        if not lines:
+            return
         if self._file is not None:
-            self._file.write(line + "\n")
+            self._file.write("\n".join(lines) + "\n")
             self._file.flush()
         if self._shipper is not None:
-            self._shipper.add(line)
+            self._shipper.add_many(lines)
 
     def save_result(self, result: JobResult) -> None:
         path = result_path(self.state_dir, self.run_id, self.job_id)

@@ -1,5 +1,5 @@
 """Runs one step's process through `preloop.process` and streams its merged
-stdout/stderr line by line while it runs.
+stdout/stderr in batches of lines while it runs.
 
 The child writes into a pipe we read without blocking. When the step's main
 process exits, whatever is already in the pipe is read and the stream ends,
@@ -36,24 +36,30 @@ MAX_LINE_CHARS = 1 << 20
 
 
 class LineSplitter:
-    """Turns a byte stream into lines, in time linear in its length.
+    """Turns a byte stream into lines, in time linear in its length, and hands
+    them on in batches: `on_lines` gets the lines each `feed` completed, in
+    one list (one call per chunk, not per line: a step printing a million
+    short lines costs a million list items, not a million calls down the
+    pipeline).
 
     Each chunk is decoded once (UTF-8, invalid bytes replaced; a character
     split across chunks is completed by the next one) and only the new text
     is scanned for newlines, never the pending text again. A line longer than
     `max_line` characters is handed on in pieces of `max_line` characters."""
 
-    def __init__(self, on_line: Callable[[str], None], max_line: int = MAX_LINE_CHARS) -> None:
+    def __init__(
+        self, on_lines: Callable[[list[str]], None], max_line: int = MAX_LINE_CHARS
+    ) -> None:
         if max_line < 1:
             raise ValueError("max_line must be at least 1 character")
-        self._on_line = on_line
+        self._on_lines = on_lines
         self._max = max_line
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._parts: list[str] = []
         self._size = 0
         self._split = False  # a piece of the current line was handed on
 
-    def _pending(self, text: str) -> None:
+    def _pending(self, text: str, out: list[str]) -> None:
         if not text:
             return
         self._parts.append(text)
@@ -63,51 +69,60 @@ class LineSplitter:
         buf = "".join(self._parts)
         start = 0
         while len(buf) - start > self._max:
-            self._on_line(buf[start : start + self._max])
+            out.append(buf[start : start + self._max])
             self._split = True
             start += self._max
         rest = buf[start:]
         self._parts = [rest] if rest else []
         self._size = len(rest)
 
-    def _end_line(self, text: str) -> None:
+    def _end_line(self, text: str, out: list[str]) -> None:
         """Ends the pending line with `text`."""
-        self._pending(text)
+        self._pending(text, out)
         tail = "".join(self._parts)
         self._parts = []
         self._size = 0
         if tail or not self._split:
-            self._on_line(tail)
+            out.append(tail)
         self._split = False
 
-    def _text(self, text: str) -> None:
+    def _text(self, text: str) -> list[str]:
+        """The lines `text` completes (pieces of a long line included)."""
+        out: list[str] = []
         if "\n" not in text:  # part of a long line
-            self._pending(text)
-            return
+            self._pending(text, out)
+            return out
         lines = text.split("\n")
         last = lines.pop()
         if self._parts or self._split:
-            self._end_line(lines[0])
+            self._end_line(lines[0], out)
             lines = lines[1:]
-        on_line = self._on_line
         limit = self._max
-        for line in lines:
-            if len(line) <= limit:
-                on_line(line)
-            else:
-                self._end_line(line)
-        self._pending(last)
+        if len(text) <= limit:
+            out.extend(lines)  # the common case: no line of this chunk can be too long
+        else:
+            for line in lines:
+                if len(line) <= limit:
+                    out.append(line)
+                else:
+                    self._end_line(line, out)
+        self._pending(last, out)
+        return out
 
     def feed(self, data: bytes) -> None:
-        self._text(self._decoder.decode(data))
+        out = self._text(self._decoder.decode(data))
+        if out:
+            self._on_lines(out)
 
     def close(self) -> None:
-        self._text(self._decoder.decode(b"", final=True))
+        out = self._text(self._decoder.decode(b"", final=True))
         if self._parts:
-            self._on_line("".join(self._parts))
+            out.append("".join(self._parts))
         self._parts = []
         self._size = 0
         self._split = False
+        if out:
+            self._on_lines(out)
 
 
 def _read_available(fd: int, lines: LineSplitter) -> bool:
@@ -132,17 +147,17 @@ async def run_streaming(
     cwd: str,
     env: Mapping[str, str],
     timeout: float | None,
-    on_line: Callable[[str], None],
+    on_lines: Callable[[list[str]], None],
 ) -> CommandResult:
     """Runs `argv` (its own process group; killed whole on cancellation or
-    `timeout`, which raises `CommandTimeout`) and calls `on_line` for each
-    line of its combined output."""
+    `timeout`, which raises `CommandTimeout`) and calls `on_lines` with the
+    lines of its combined output, in order, a batch per read."""
     read_fd, write_fd = os.pipe()
     with contextlib.suppress(OSError):
         # A larger pipe: fewer wake-ups of the reader for chatty steps.
         fcntl.fcntl(read_fd, _F_SETPIPE_SZ, _PIPE_SIZE)
     os.set_blocking(read_fd, False)
-    lines = LineSplitter(on_line)
+    lines = LineSplitter(on_lines)
     try:
 
         async def pump() -> None:

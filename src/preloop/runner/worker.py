@@ -53,7 +53,6 @@ from preloop.runner.job import (
     masked_result,
     tracking_prefix,
 )
-from preloop.runner.limits import RUN_OUTPUTS_MAX_BYTES, output_bytes
 from preloop.runner.logs import JobLog, mark_run
 from preloop.runner.masking import Masker
 from preloop.runner.sandbox import bubblewrap_wrapper
@@ -349,6 +348,14 @@ class Runner:
             if self.events.on_line is not None:
                 self.events.on_line(lease, text)
 
+        def lines(texts: list[str]) -> None:
+            # A step's output, a batch per read of its pipe: one write.
+            log.write_lines(texts)
+            on_line = self.events.on_line
+            if on_line is not None:
+                for text in texts:
+                    on_line(lease, text)
+
         if self.events.on_start is not None:
             self.events.on_start(lease)
         result: JobResult | None = None
@@ -361,7 +368,9 @@ class Runner:
                 tg.start_soon(self._heartbeat, lease, control)
                 try:
                     if result is None:
-                        result = await self._execute(lease, control, job_dir, line, masker, where)
+                        result = await self._execute(
+                            lease, control, job_dir, line, lines, masker, where
+                        )
                 except Exception as exc:
                     # A bug or a spec this runner cannot read: the job fails
                     # (it must not read as cancelled, nor stay running).
@@ -375,8 +384,6 @@ class Runner:
         finally:
             with anyio.CancelScope(shield=True):
                 final = result or JobResult("cancelled", {}, [], [], "", "cancelled")
-                if final.outputs:
-                    final = await self._within_run_limit(lease, final, line)
                 try:
                     if report is not None:
                         done = await report(lease, final)
@@ -388,6 +395,12 @@ class Runner:
                 except StoreError as exc:
                     line(masker.mask(f"preloop: the result could not be recorded: {exc}"))
                 else:
+                    if done.outputs_refused is not None:
+                        # Checked by the store as it completed the job, atomically
+                        # with the other jobs of the run completing.
+                        why = masker.mask(done.outputs_refused)
+                        line(f"✖ {why}")
+                        final = self._outputs_refused(lease, final, why)
                     if done.conclusion != final.conclusion:
                         # The store's word is final (a job told to stop, by
                         # fail-fast or a cancel, stays cancelled): show that.
@@ -406,25 +419,11 @@ class Runner:
                     self.events.on_end(lease, final)
         return final
 
-    async def _within_run_limit(
-        self, lease: Lease, result: JobResult, line: Callable[[str], None]
-    ) -> JobResult:
-        """`result`, or a failure without outputs when they would take the
-        run's outputs over GitHub's 50 MB (an error naming each output)."""
-        try:
-            used = await store_call(self.store, lambda: self.store.run_outputs_bytes(lease.run_id))
-        except StoreError:
-            return result  # the completion will report the store's trouble
-        size = sum(output_bytes(k, v) for k, v in result.outputs.items())
-        if used + size <= RUN_OUTPUTS_MAX_BYTES:
-            return result
-        names = ", ".join(repr(k) for k in result.outputs)
-        why = (
-            f"job outputs {names} ({size:,} bytes) would take run {lease.run_id}'s outputs "
-            f"over GitHub's limit of {RUN_OUTPUTS_MAX_BYTES:,} bytes ({used:,} used); they "
-            "are not passed on: pass large data as an artifact or a file instead"
-        )
-        line(f"✖ {why}")
+    @staticmethod
+    def _outputs_refused(lease: Lease, result: JobResult, why: str) -> JobResult:
+        """`result` as the store recorded it when it refused the job's outputs
+        (they would take the run's over GitHub's 50 MB): a failure without
+        them, with an error naming them."""
         return JobResult(
             "failure",
             {},
@@ -440,6 +439,7 @@ class Runner:
         control: JobControl,
         job_dir: Path,
         line: Callable[[str], None],
+        lines: Callable[[list[str]], None],
         masker: Masker,
         where: str,
     ) -> JobResult:
@@ -530,6 +530,7 @@ class Runner:
                 contexts,
                 host,
                 log=line,
+                log_lines=lines,
                 secrets=secrets,
                 timeout_minutes=lease.timeout_minutes,
                 control=control,

@@ -13,7 +13,11 @@ process start time and host, `preloop.snapshot.owner`) *before* the capture
 starts, and removes it *after* the repository (`release_run_repository`).
 `sweep_abandoned_run_repositories` removes the repository and the marker when
 the holder is dead (same host; pid and start time no longer match) and no
-unfinished run the caller knows of uses it. It runs in `preloop sweep`, at
+unfinished run the caller knows of uses it: a same-host `preloop runner` may
+still be running a dead submitter's run from it. A process with a store at
+hand (`preloop run`) says which with `keep_run_repositories` before it
+sweeps, and every sweep of that state directory in the process (the
+post-capture prune's too) keeps them. It runs in `preloop sweep`, at
 `preloop run` start (`sweep_workspace_snapshots`) and at the start of every
 object-cache prune, so the prune then evicts the entry. Run repositories
 without a holder marker (`preloop snapshot`) are never touched.
@@ -25,6 +29,7 @@ import contextlib
 import os
 import shutil
 import socket
+import threading
 from collections.abc import Collection
 from pathlib import Path
 
@@ -35,6 +40,7 @@ __all__ = [
     "HOLDERS_DIR_NAME",
     "hold_run_repository",
     "holder_marker_path",
+    "keep_run_repositories",
     "release_run_repository",
     "sweep_abandoned_run_repositories",
 ]
@@ -68,13 +74,28 @@ def release_run_repository(state_dir: Path, run_id: str) -> None:
         holder_marker_path(state_dir, run_id).unlink()
 
 
+# Run ids that sweeps in this process keep, by absolute state directory.
+_kept: dict[Path, frozenset[str]] = {}
+_kept_lock = threading.Lock()
+
+
+def keep_run_repositories(state_dir: Path, run_ids: Collection[str]) -> None:
+    """From now on, sweeps of `state_dir` in this process keep the run
+    repositories `run_ids` (those unfinished runs in the caller's store
+    reference) although their holder died. Replaces what an earlier call gave."""
+    with _kept_lock:
+        _kept[Path(state_dir).absolute()] = frozenset(run_ids)
+
+
 def sweep_abandoned_run_repositories(
     state_dir: Path, in_use: Collection[str] = ()
 ) -> tuple[list[Path], list[str]]:
     """Removes run repositories whose holder died on this host, unless their
-    run id is in `in_use` (unfinished runs a caller with a store knows of).
-    Returns (removed paths, errors)."""
+    run id is in `in_use` or was given to `keep_run_repositories` (unfinished
+    runs a caller with a store knows of). Returns (removed paths, errors)."""
     state_dir = Path(state_dir).absolute()
+    with _kept_lock:
+        in_use = set(in_use) | _kept.get(state_dir, frozenset())
     root = holders_dir(state_dir)
     removed: list[Path] = []
     errors: list[str] = []

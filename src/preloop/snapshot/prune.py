@@ -33,7 +33,8 @@ closed); only ENOENT means "absent".
 **Removal** unlinks the sidecars and renames `<key>.git` to a private
 `.evicting-<key>-<pid>-<nonce>` directory while the lock is held, then deletes
 the renamed tree after the lock is released, in one native GIL-free `unlinkat`
-walk (`preloop.fs.remove_tree`) that counts the bytes it removes. A crash leaves at worst an intact
+walk (`preloop.fs.remove_tree`) that counts the bytes it removes; the trees of a
+batch are removed by up to four threads at once. A crash leaves at worst an intact
 repository without sidecars or that private directory, which the next prune
 removes once its process is gone. Only bytes really removed
 are subtracted from the total; a removal that fails part-way is reported as
@@ -64,6 +65,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -208,7 +210,8 @@ class PruneHooks:
     """Test and instrumentation hooks, each called in the prune's worker thread:
     `before_size(key)` before an entry is walked, `locked(key)` right after its
     lock was taken (before the pin and reference checks), `before_remove(key,
-    trash)` after `<key>.git` was renamed aside and the lock released."""
+    trash)` after `<key>.git` was renamed aside and the lock released (in one of
+    the threads removing a batch's trees)."""
 
     before_size: Callable[[str], None] | None = None
     locked: Callable[[str], None] | None = None
@@ -649,6 +652,24 @@ def _move_aside(run: _Run, usage: CacheEntryUsage) -> _Aside:
     return aside
 
 
+_REMOVERS = 4
+
+
+def _remove_aside(hooks: PruneHooks, aside: _Aside) -> None:
+    """Deletes one renamed-aside repository (its lock already released)."""
+    assert aside.trash is not None
+    try:
+        if hooks.before_remove is not None:
+            hooks.before_remove(aside.usage.key, aside.trash)
+        n, err = _delete_tree(aside.trash)
+    finally:
+        with _active_trash_lock:
+            _active_trash.discard(str(aside.trash))
+    aside.freed += n
+    if err:
+        aside.errors.append(err)
+
+
 def _retire_batch(run: _Run, usages: list[CacheEntryUsage]) -> None:
     """Evicts candidates, in order, whose lock is free and which nothing uses,
     until the projected total is at or below the cap. The pin and reference
@@ -687,18 +708,15 @@ def _retire_batch(run: _Run, usages: list[CacheEntryUsage]) -> None:
                 run.total -= usage.total_bytes
                 continue
             asides.append(_move_aside(run, usage))
+    # The trees go in parallel: removal is native and GIL-free, and unlinks wait
+    # on the filesystem (its journal), so a few of them overlap well.
+    trashed = [a for a in asides if a.trash is not None]
+    if len(trashed) > 1:
+        with ThreadPoolExecutor(min(_REMOVERS, len(trashed)), "preloop-prune-rm") as pool:
+            list(pool.map(functools.partial(_remove_aside, run.hooks), trashed))
+    elif trashed:
+        _remove_aside(run.hooks, trashed[0])
     for aside in asides:
-        if aside.trash is not None:
-            try:
-                if run.hooks.before_remove is not None:
-                    run.hooks.before_remove(aside.usage.key, aside.trash)
-                n, err = _delete_tree(aside.trash)
-            finally:
-                with _active_trash_lock:
-                    _active_trash.discard(str(aside.trash))
-            aside.freed += n
-            if err:
-                aside.errors.append(err)
         run.total -= aside.freed
         run.evicted.append(
             EvictedEntry(

@@ -253,6 +253,29 @@ def test_reference_published_after_the_prescan_is_seen_under_the_lock(state: Pat
     fsck(layout.snapshots_dir(state) / "late")
 
 
+def test_a_pin_taken_before_a_later_entry_of_the_batch_is_locked_is_seen(state: Path) -> None:
+    """Candidates are locked in batches: a capture that pins `b` while the prune
+    already holds `a`'s lock (before `b`'s) still keeps `b`, and the batch after
+    it evicts `c` instead."""
+    a, b, c, d = four_entries(state)
+    sizes = {k: entry_bytes(state, k) for k in (a, b, c, d)}
+    locked: list[str] = []
+    pins: list[CachePin] = []
+
+    def pin_b_while_a_is_locked(key: str) -> None:
+        locked.append(key)
+        if key == a:
+            pins.append(CachePin.create(state, b, run_id="run-late"))
+
+    cap = sizes[b] + sizes[d]  # with b pinned, a and c must go
+    report = prune(state, cap, hooks=PruneHooks(locked=pin_b_while_a_is_locked))
+    assert locked[:2] == [a, b]  # one batch: both locked before any check
+    assert [e.key for e in report.evicted] == [a, c]
+    assert [(s.key, s.reason) for s in report.skipped] == [(b, SkipReason.PINNED)]
+    assert present(state, b) and present(state, d) and pins[0].path.exists()
+    assert report.total_bytes_after <= cap
+
+
 LOCK_HOLDER = textwrap.dedent(
     """
     import fcntl, os, sys

@@ -198,6 +198,35 @@ def test_a_free_slot_with_a_parked_waiter_is_left_to_that_waiter(tmp_path: Path)
         slot.release()
 
 
+def test_a_full_cap_waiter_parks_on_its_slot_while_admission_is_held(tmp_path: Path) -> None:
+    """A held admission lock (its holder may be preempted) never makes a waiter
+    queue behind it: the waiter parks on its slot and gets it when it is freed."""
+    directory = prepare_host_coordination(tmp_path / "c")
+    admission = Holder(directory, ["admission"])
+    slot_1 = Holder(directory, ["slot-1"])
+    others = Holder(directory, ["slot-0", "slot-2", "slot-3"])
+    parked = threading.Event()
+    paths: list[str] = []
+
+    def on_park(path: str) -> None:
+        paths.append(path)
+        parked.set()
+
+    _native.set_test_hooks(full_scan=on_park)
+    got: list[Slot] = []
+    thread = threading.Thread(target=lambda: got.append(HostSlots(directory, pid=5).acquire()))
+    thread.start()
+    assert parked.wait(30)
+    assert paths == [str(directory / "slot-1")]  # 5 % 4
+    slot_1.stop()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert got[0].index == 1
+    got[0].release()
+    others.stop()
+    admission.stop()
+
+
 def test_waiters_spread_over_slots_nobody_waits_on(tmp_path: Path) -> None:
     directory = prepare_host_coordination(tmp_path / "c")
     holder = Holder(directory, ALL_SLOTS)

@@ -503,9 +503,8 @@ int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot 
     out->dir_dev = h->dir_dev;
     out->dir_ino = h->dir_ino;
     char name[32];
-    /* Fast path, before admission: LOCK_NB alone decides who gets a free slot, so
-     * an uncontended acquire is one flock and one lock query. Admission orders the
-     * scans of processes that may have to wait, and their choice of slot. */
+    /* Fast path: LOCK_NB alone decides who gets a free slot, so an uncontended
+     * acquire is one flock and one lock query. */
     int got = scan(h, error);
     if (got != -1 || !blocking) {
         pthread_mutex_unlock(&h->mu);
@@ -517,36 +516,20 @@ int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot 
         }
         return got == -2 ? -1 : PL_SLOTS_BUSY;
     }
-    int admfd = h->admfd;
-    pthread_mutex_unlock(&h->mu);
-
-    /* Admission, outside the mutex (a holder in another process may keep it for
-     * long), within the same deadline as the slot. */
-    if (timed_lock(admfd, deadline < 0 ? -1 : remaining(deadline)) != 0) {
+    /* Admission orders the choice of where to park, so two waiters do not pick
+     * the same place; it is taken only if free, never waited for. Waiting on it
+     * would be a second queue (flock wakes every waiter and the fastest wins) in
+     * which one waiter could lose every race, and a preempted scanner holding it
+     * would stall every waiter; without it two waiters may at worst share a queue
+     * position. */
+    int admitted = flock(h->admfd, LOCK_EX | LOCK_NB) == 0;
+    if (!admitted && errno != EWOULDBLOCK) {
         int err = errno;
-        if (err == ETIMEDOUT)
-            return PL_SLOTS_TIMEOUT;
+        pthread_mutex_unlock(&h->mu);
         return lock_error(error, err, h->dir, "admission");
     }
-    int rc = pthread_mutex_lock(&h->mu);
-    if (rc != 0) {
-        (void)flock(admfd, LOCK_UN);
-        return lock_error(error, rc, h->dir, NULL);
-    }
-    got = scan(h, error);
-    if (got != -1) {
-        (void)flock(admfd, LOCK_UN);
-        pthread_mutex_unlock(&h->mu);
-        if (got == -2)
-            return -1;
-        out->fd = h->slotfd[got];
-        out->slot = got;
-        out->cached = 1;
-        return PL_SLOTS_TAKEN;
-    }
     /* Full cap. Park on slot pid % N, or on the next slot with the shortest queue
-     * of waiters, so waiters spread over the slots; the choice and the mark are
-     * made under admission, so two waiters do not pick the same place. */
+     * of waiters, so waiters spread over the slots. */
     if (pid <= 0)
         pid = (long)getpid();
     int slot = (int)(pid % h->nslots), level = 0, chosen = 0;
@@ -570,7 +553,26 @@ int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot 
         close(fd);
         fd = lock_error(error, err, h->dir, name);
     }
-    (void)flock(admfd, LOCK_UN);
+    if (fd >= 0) {
+        /* A slot freed between the first scan and the mark has nobody parked on
+         * it: take it rather than wait a whole hold on the chosen one. From here
+         * on, the mark keeps the chosen slot for this waiter. */
+        got = scan(h, error);
+        if (got != -1) {
+            close(fd);
+            if (admitted)
+                (void)flock(h->admfd, LOCK_UN);
+            pthread_mutex_unlock(&h->mu);
+            if (got == -2)
+                return -1;
+            out->fd = h->slotfd[got];
+            out->slot = got;
+            out->cached = 1;
+            return PL_SLOTS_TAKEN;
+        }
+    }
+    if (admitted)
+        (void)flock(h->admfd, LOCK_UN);
     pthread_mutex_unlock(&h->mu);
     if (fd < 0)
         return -1;

@@ -5,9 +5,9 @@
  * read-only bind mount (a sandbox) shares the same locks and closing the
  * descriptor, or dying, releases the slot. Waiting blocks in the kernel.
  *
- * Admission is held only while scanning for a free slot; at full cap the waiter
- * releases admission and blocks on slot `pid % N`, so waiters spread over the
- * slots instead of queueing on admission behind slot 0.
+ * At full cap the waiter blocks on slot `pid % N` (or the next slot with the
+ * shortest queue of waiters), so waiters spread over the slots. Admission, taken
+ * only when free and never waited for, orders that choice.
  */
 #ifndef PRELOOP_SLOTS_H
 #define PRELOOP_SLOTS_H

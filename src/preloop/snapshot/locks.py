@@ -22,6 +22,7 @@ import fcntl
 import os
 import secrets
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -40,6 +41,7 @@ __all__ = [
     "acquire_cache_lock",
     "acquire_cache_lock_async",
     "list_pins",
+    "list_pins_of",
     "read_pin",
     "try_acquire_cache_lock",
 ]
@@ -220,6 +222,27 @@ def list_pins(state_dir: Path, key: str) -> list[Path]:
     except FileNotFoundError:
         return []
     return sorted(layout.cache_dir(state_dir) / n for n in names if n.startswith(prefix))
+
+
+def list_pins_of(state_dir: Path, keys: Iterable[str]) -> dict[str, list[Path]]:
+    """Every pin file of each of `keys`, from one listing of the cache directory
+    (a prune checks a batch of locked entries at once). Raises OSError like
+    `list_pins`; a missing cache directory means no pins."""
+    prefixes = {layout.cache_pin_prefix(key): key for key in keys}
+    found: dict[str, list[Path]] = {key: [] for key in prefixes.values()}
+    cache = layout.cache_dir(state_dir)
+    try:
+        names = os.listdir(cache)
+    except FileNotFoundError:
+        return found
+    for name in names:
+        cut = name.find(".pin-")
+        key = prefixes.get(name[: cut + 5]) if cut > 0 else None
+        if key is not None:
+            found[key].append(cache / name)
+    for pins in found.values():
+        pins.sort()
+    return found
 
 
 def read_pin(path: Path) -> PinInfo | None:

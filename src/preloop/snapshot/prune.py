@@ -24,13 +24,17 @@ only after, with that lock held: no pin `<key>.pin-*` exists (pins older than
 `STALE_PIN_AGE`, the capture deadline plus the cleanup grace, are crash
 leftovers and are removed under the lock) and no run repository's
 `objects/info/alternates` references the entry, re-scanned under the lock
-(see `preloop.snapshot.references`). Anything unreadable in that state aborts
-the whole eviction (fail closed); only ENOENT means "absent".
+(see `preloop.snapshot.references`). Candidates are locked in batches (as
+many as the cap needs, at most 64) and one listing of the cache directory and
+one reference scan, made once every lock of the batch is held, serve the whole
+batch. Anything unreadable in that state aborts the whole eviction (fail
+closed); only ENOENT means "absent".
 
 **Removal** unlinks the sidecars and renames `<key>.git` to a private
 `.evicting-<key>-<pid>-<nonce>` directory while the lock is held, then deletes
 the renamed tree after the lock is released, in one native GIL-free `unlinkat`
-walk (`preloop.fs.remove_tree`) that counts the bytes it removes. A crash leaves at worst an intact
+walk (`preloop.fs.remove_tree`) that counts the bytes it removes; the trees of a
+batch are removed by up to four threads at once. A crash leaves at worst an intact
 repository without sidecars or that private directory, which the next prune
 removes once its process is gone. Only bytes really removed
 are subtracted from the total; a removal that fails part-way is reported as
@@ -61,6 +65,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -75,7 +80,7 @@ from preloop.snapshot import layout
 from preloop.snapshot.holders import sweep_abandoned_run_repositories
 from preloop.snapshot.hooks import register_after_capture
 from preloop.snapshot.limits import STALE_PIN_AGE
-from preloop.snapshot.locks import list_pins, try_acquire_cache_lock
+from preloop.snapshot.locks import list_pins_of, try_acquire_cache_lock
 from preloop.snapshot.owner import pid_exists
 from preloop.snapshot.references import (
     CacheReferenceError,
@@ -205,7 +210,8 @@ class PruneHooks:
     """Test and instrumentation hooks, each called in the prune's worker thread:
     `before_size(key)` before an entry is walked, `locked(key)` right after its
     lock was taken (before the pin and reference checks), `before_remove(key,
-    trash)` after `<key>.git` was renamed aside and the lock released."""
+    trash)` after `<key>.git` was renamed aside and the lock released (in one of
+    the threads removing a batch's trees)."""
 
     before_size: Callable[[str], None] | None = None
     locked: Callable[[str], None] | None = None
@@ -542,15 +548,10 @@ class _Run:
     stale_pins: list[str] = field(default_factory=list)
 
 
-def _check_pins(run: _Run, key: str, now: float) -> str | None:
-    """With the entry's lock held: removes stale pins and returns the name of a
-    live one, if any. A listing or lstat error other than ENOENT raises."""
-    try:
-        pins = list_pins(run.state_dir, key)
-    except OSError as exc:
-        raise CacheReferenceError(
-            exc.filename or layout.cache_dir(run.state_dir), exc.strerror or str(exc)
-        ) from None
+def _check_pins(run: _Run, pins: list[Path], now: float) -> str | None:
+    """With the entry's lock held: removes stale pins among `pins` (listed under
+    the lock) and returns the name of a live one, if any. An lstat error other
+    than ENOENT raises."""
     live: str | None = None
     for pin in pins:
         try:
@@ -575,88 +576,157 @@ def _check_pins(run: _Run, key: str, now: float) -> str | None:
     return live
 
 
-def _retire(run: _Run, usage: CacheEntryUsage) -> None:
-    """Evicts one candidate if its lock is free and nothing uses it."""
-    key = usage.key
-    try:
-        lock = try_acquire_cache_lock(run.state_dir, key)
-    except OSError as exc:
-        # Without the lock nothing proves the entry idle: keep it.
-        detail = f"cannot open its lock file {exc.filename}: {exc.strerror or exc}"
-        run.skipped.append(SkippedEntry(key, SkipReason.BUSY, detail))
-        return
-    if lock is None:
-        run.skipped.append(SkippedEntry(key, SkipReason.BUSY, "its cache lock is held"))
-        return
-    trash: Path | None = None
-    freed = 0
-    errors: list[str] = []
-    with lock:
+# Entries locked and checked together: one listing of the cache directory and one
+# reference scan serve the whole batch (per entry, both were O(cache size), which
+# made an eviction quadratic). Bounded so the lock descriptors stay few.
+_BATCH = 64
+
+
+@dataclass
+class _Aside:
+    """An entry whose repository was renamed aside under its lock: `trash` is
+    deleted once every lock of the batch is released."""
+
+    usage: CacheEntryUsage
+    trash: Path | None
+    freed: int
+    errors: list[str]
+
+
+def _lock_batch(
+    run: _Run, usages: list[CacheEntryUsage], stack: contextlib.ExitStack
+) -> list[CacheEntryUsage]:
+    """Takes the lock of each candidate that is free (busy ones are skipped) and
+    returns the locked ones; `stack` releases the locks."""
+    locked: list[CacheEntryUsage] = []
+    for usage in usages:
+        try:
+            lock = try_acquire_cache_lock(run.state_dir, usage.key)
+        except OSError as exc:
+            # Without the lock nothing proves the entry idle: keep it.
+            detail = f"cannot open its lock file {exc.filename}: {exc.strerror or exc}"
+            run.skipped.append(SkippedEntry(usage.key, SkipReason.BUSY, detail))
+            continue
+        if lock is None:
+            run.skipped.append(SkippedEntry(usage.key, SkipReason.BUSY, "its cache lock is held"))
+            continue
+        stack.enter_context(lock)
         if run.hooks.locked is not None:
-            run.hooks.locked(key)
-        live_pin = _check_pins(run, key, time.time())
-        if live_pin is not None:
-            run.skipped.append(SkippedEntry(key, SkipReason.PINNED, live_pin))
+            run.hooks.locked(usage.key)
+        locked.append(usage)
+    return locked
+
+
+def _move_aside(run: _Run, usage: CacheEntryUsage) -> _Aside:
+    """With the entry's lock held: unlinks its sidecars and renames `<key>.git`
+    to a private trash name."""
+    key = usage.key
+    aside = _Aside(usage, None, 0, [])
+    # Sidecars first: if we die before the repository is moved aside, what
+    # remains is an intact repository without sidecars, which the next
+    # capture simply refreshes (a cold index, a fetch check).
+    for sidecar in (
+        layout.cache_index_path(run.state_dir, key),
+        layout.cache_last_head_path(run.state_dir, key),
+    ):
+        n, err = _unlink_counted(sidecar)
+        aside.freed += n
+        if err:
+            aside.errors.append(err)
+    repo = layout.cache_repository(run.state_dir, key)
+    candidate = layout.cache_dir(run.state_dir) / (
+        f"{TRASH_PREFIX}{key}-{os.getpid()}-{secrets.token_hex(4)}"
+    )
+    with _active_trash_lock:
+        _active_trash.add(str(candidate))
+    try:
+        os.rename(repo, candidate)
+        aside.trash = candidate
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        aside.errors.append(f"{repo}: {exc.strerror or exc}")
+    if aside.trash is None:
+        with _active_trash_lock:
+            _active_trash.discard(str(candidate))
+    return aside
+
+
+_REMOVERS = 4
+
+
+def _remove_aside(hooks: PruneHooks, aside: _Aside) -> None:
+    """Deletes one renamed-aside repository (its lock already released)."""
+    assert aside.trash is not None
+    try:
+        if hooks.before_remove is not None:
+            hooks.before_remove(aside.usage.key, aside.trash)
+        n, err = _delete_tree(aside.trash)
+    finally:
+        with _active_trash_lock:
+            _active_trash.discard(str(aside.trash))
+    aside.freed += n
+    if err:
+        aside.errors.append(err)
+
+
+def _retire_batch(run: _Run, usages: list[CacheEntryUsage]) -> None:
+    """Evicts candidates, in order, whose lock is free and which nothing uses,
+    until the projected total is at or below the cap. The pin and reference
+    checks run after every lock of the batch is held, so each sees any capture
+    that published or pinned before its entry was locked."""
+    asides: list[_Aside] = []
+    with contextlib.ExitStack() as stack:
+        locked = _lock_batch(run, usages, stack)
+        if not locked:
             return
+        try:
+            pins = list_pins_of(run.state_dir, [u.key for u in locked])
+        except OSError as exc:
+            raise CacheReferenceError(
+                exc.filename or layout.cache_dir(run.state_dir), exc.strerror or str(exc)
+            ) from None
         # The pre-scan may predate a publication whose pin is gone by now.
         refs = snapshot_object_cache_references(run.state_dir)
-        if key in refs:
-            run.skipped.append(
-                SkippedEntry(key, SkipReason.REFERENCED, ", ".join(refs.referrers(key)))
+        now = time.time()
+        projected = run.total
+        for usage in locked:
+            if projected <= run.max_bytes:
+                break
+            key = usage.key
+            live_pin = _check_pins(run, pins[key], now)
+            if live_pin is not None:
+                run.skipped.append(SkippedEntry(key, SkipReason.PINNED, live_pin))
+                continue
+            if key in refs:
+                detail = ", ".join(refs.referrers(key))
+                run.skipped.append(SkippedEntry(key, SkipReason.REFERENCED, detail))
+                continue
+            projected -= usage.total_bytes
+            if run.dry_run:
+                run.evicted.append(EvictedEntry(key, usage.total_bytes, usage.total_bytes))
+                run.total -= usage.total_bytes
+                continue
+            asides.append(_move_aside(run, usage))
+    # The trees go in parallel: removal is native and GIL-free, and unlinks wait
+    # on the filesystem (its journal), so a few of them overlap well.
+    trashed = [a for a in asides if a.trash is not None]
+    if len(trashed) > 1:
+        with ThreadPoolExecutor(min(_REMOVERS, len(trashed)), "preloop-prune-rm") as pool:
+            list(pool.map(functools.partial(_remove_aside, run.hooks), trashed))
+    elif trashed:
+        _remove_aside(run.hooks, trashed[0])
+    for aside in asides:
+        run.total -= aside.freed
+        run.evicted.append(
+            EvictedEntry(
+                aside.usage.key,
+                aside.usage.total_bytes,
+                aside.freed,
+                partial=bool(aside.errors),
+                error="; ".join(aside.errors) if aside.errors else None,
             )
-            return
-        if run.dry_run:
-            run.evicted.append(EvictedEntry(key, usage.total_bytes, usage.total_bytes))
-            run.total -= usage.total_bytes
-            return
-        # Sidecars first: if we die before the repository is moved aside, what
-        # remains is an intact repository without sidecars, which the next
-        # capture simply refreshes (a cold index, a fetch check).
-        for sidecar in (
-            layout.cache_index_path(run.state_dir, key),
-            layout.cache_last_head_path(run.state_dir, key),
-        ):
-            n, err = _unlink_counted(sidecar)
-            freed += n
-            if err:
-                errors.append(err)
-        repo = layout.cache_repository(run.state_dir, key)
-        candidate = layout.cache_dir(run.state_dir) / (
-            f"{TRASH_PREFIX}{key}-{os.getpid()}-{secrets.token_hex(4)}"
         )
-        with _active_trash_lock:
-            _active_trash.add(str(candidate))
-        try:
-            os.rename(repo, candidate)
-            trash = candidate
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            errors.append(f"{repo}: {exc.strerror or exc}")
-        if trash is None:
-            with _active_trash_lock:
-                _active_trash.discard(str(candidate))
-    if trash is not None:
-        try:
-            if run.hooks.before_remove is not None:
-                run.hooks.before_remove(key, trash)
-            n, err = _delete_tree(trash)
-        finally:
-            with _active_trash_lock:
-                _active_trash.discard(str(trash))
-        freed += n
-        if err:
-            errors.append(err)
-    run.total -= freed
-    run.evicted.append(
-        EvictedEntry(
-            key,
-            usage.total_bytes,
-            freed,
-            partial=bool(errors),
-            error="; ".join(errors) if errors else None,
-        )
-    )
 
 
 def _prune_pass(
@@ -692,16 +762,25 @@ def _prune_pass(
                 leftovers_removed=tuple(leftovers),
             )
         refs: CacheReferences = snapshot_object_cache_references(state_dir)
-        for usage in usages:
-            if run.total <= max_bytes:
-                break
+        pending = iter(usages)
+        while run.total > max_bytes:
             if should_stop():
                 raise _Stopped
-            if usage.key in refs:
-                detail = ", ".join(refs.referrers(usage.key))
-                run.skipped.append(SkippedEntry(usage.key, SkipReason.REFERENCED, detail))
-                continue
-            _retire(run, usage)
+            # The next candidates, enough to reach the cap if all are evicted.
+            batch: list[CacheEntryUsage] = []
+            need = run.total - max_bytes
+            for usage in pending:
+                if usage.key in refs:
+                    detail = ", ".join(refs.referrers(usage.key))
+                    run.skipped.append(SkippedEntry(usage.key, SkipReason.REFERENCED, detail))
+                    continue
+                batch.append(usage)
+                need -= usage.total_bytes
+                if need <= 0 or len(batch) == _BATCH:
+                    break
+            if not batch:
+                break
+            _retire_batch(run, batch)
         outcome, error = PruneOutcome.COMPLETED, None
     except CacheReferenceError as exc:
         outcome, error = PruneOutcome.ABORTED, str(exc)

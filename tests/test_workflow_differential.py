@@ -469,3 +469,24 @@ def test_insert_placements_match_github_parser(repo: Path) -> None:
     ]
     for (_, error_at), errs in zip(INSERT_PLACEMENTS, theirs(texts), strict=True):
         assert (min((e["line"], e["column"]) for e in errs) if errs else None) == error_at, errs
+
+
+def test_expressions_in_event_filters_match_github_parser(repo: Path) -> None:
+    """An event filter has no context: GitHub folds a lone literal and refuses
+    any other expression, at the value's line:col; so do we."""
+    values = [
+        "'${{ github.sha }}'",
+        "\"${{ 'main' }}\"",
+        "'main-${{ 1 }}'",
+        "'release/*'",
+        "\"${{ 'v*' }}\"",
+    ]
+    texts = [
+        f"on:\n  push:\n    {key}: [{v}]\njobs:\n  a:\n    runs-on: x\n    steps: [{{run: echo}}]\n"
+        for key in ("branches", "tags", "paths")
+        for v in values
+    ]
+    for text, errs in zip(texts, theirs(texts), strict=True):
+        their = sorted((e["line"], e["column"]) for e in errs)
+        mine = sorted((line, col) for line, col, _ in ours(repo, text))
+        assert mine == their, text

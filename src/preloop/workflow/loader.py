@@ -382,6 +382,13 @@ class _Reader:
             and not self.functions
             and not (len(segments) == 1 and segments[0][0] and _LITERAL.fullmatch(segments[0][1]))
         ):
+            if len(segments) == 1 and segments[0][0]:
+                # A lone expression is read as one: GitHub names what it uses
+                # (no context is available), where its `${{` is.
+                before = len(self.errors)
+                self.check_expression(node, segments[0][1], 0)
+                if len(self.errors) > before:
+                    return
             self.err(node, "a template expression (${{ }}) is not allowed here")
             return
         k = 0
@@ -618,6 +625,10 @@ class _Reader:
             for item in items:
                 if not (isinstance(item, YScalar) and isinstance(item.value, str)):
                     self.err(item, f"event '{event}' `{k.value}` must be strings")
+                elif "${{" in item.value:
+                    # No context here: a lone literal is folded, anything else refused.
+                    with self.at(f"on.{event}.{k.value}"):
+                        self.check_template(item, item.value)
                 elif k.value == "types" and types and item.value not in types:
                     self.err(
                         item,

@@ -174,9 +174,17 @@ def _patterns(filters: Mapping[str, Any], key: str) -> list[str] | None:
     value = filters.get(key)
     if value is None:
         return None
-    if isinstance(value, str):
-        return [value]
-    return [str(v) for v in value]
+    return [_folded(str(v)) for v in ([value] if isinstance(value, str) else value)]
+
+
+def _folded(pattern: str) -> str:
+    """A pattern as GitHub reads it: a lone literal expression (`${{ 'main' }}`,
+    the only one the loader lets through here) folded into its value."""
+    if "${{" not in pattern:
+        return pattern
+    from preloop.workflow import expressions as ex
+
+    return ex.coerce_string(ex.evaluate_template(pattern, {}))
 
 
 def _fmt(patterns: Iterable[str]) -> str:

@@ -408,6 +408,7 @@ def enrich(doc: Doc) -> Doc:
                     ("services", f"\n  db:\n    image: i\n    {insert}"),
                     ("services", f"\n  db:\n    image: i\n    env:\n      {insert}"),
                     ("strategy", f"\n  matrix:\n    a: [1]\n    {insert}"),
+                    ("strategy", f"\n  {insert}\n  fail-fast: false"),
                 ]
             )
             job.drop(key)

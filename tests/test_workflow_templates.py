@@ -10,7 +10,7 @@ import pytest
 from tests.actions_support import JS_ACTION, publish_action
 from tests.run_support import make_repo, results, run_engine, workflow
 
-from preloop.workflow import WorkflowError, load_workflow, plan
+from preloop.workflow import PlanError, WorkflowError, load_workflow, plan
 from preloop.workflow.templates import WHOLE, evaluate_data, is_insert, mapping_items, overlay
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
@@ -135,6 +135,110 @@ def test_insert_in_step_with_and_defaults_run_runs(
     assert "envs=wf-wi-from-job-ji" in h.lines["use"], h.lines["use"]
 
 
+STRATEGY_INSERT = """\
+on:
+  workflow_dispatch:
+    inputs:
+      strategy: {type: string, required: true}
+jobs:
+  gen:
+    runs-on: ubuntu-latest
+    outputs:
+      strategy: ${{ steps.s.outputs.strategy }}
+    steps:
+      - id: s
+        run: echo 'strategy={"matrix":{"n":[1,2]},"max-parallel":1}' >> "$GITHUB_OUTPUT"
+  known:
+    runs-on: ubuntu-latest
+    strategy:
+      ${{ insert }}: ${{ fromJSON(inputs.strategy) }}
+      fail-fast: false
+    steps:
+      - run: echo "known ${{ matrix.os }} ${{ strategy.fail-fast }} ${{ strategy.max-parallel }}"
+  later:
+    needs: gen
+    runs-on: ubuntu-latest
+    strategy:
+      ${{ insert }}: ${{ fromJSON(needs.gen.outputs.strategy) }}
+      fail-fast: false
+    steps:
+      - run: echo "later ${{ matrix.n }} ${{ strategy.job-index }}/${{ strategy.job-total }}"
+  bad:
+    needs: gen
+    runs-on: ubuntu-latest
+    strategy:
+      ${{ insert }}: ${{ needs.gen.outputs.strategy }}
+    steps: [{run: echo never}]
+"""
+
+
+def test_insert_in_strategy_runs(tmp_path: Path, store_url: str) -> None:
+    """`${{ insert }}` directly under `strategy:` (as GitHub takes it): from
+    `inputs` it is expanded when planning, from `needs` when the job's needs
+    end (as a deferred matrix is), each merged with what is written beside
+    it. An insert that is not a mapping (a string here) fails its job with
+    the reason."""
+    repo = make_repo(tmp_path / "repo", workflow(STRATEGY_INSERT))
+    given = '{"matrix":{"os":["l","m"]},"max-parallel":1}'
+    outcome, h = run_engine(
+        repo,
+        store_url,
+        tmp_path / "state",
+        event="workflow_dispatch",
+        inputs={"strategy": given},
+    )
+    # The deferred job itself (`later`) stays as the place its legs came from.
+    r = {k: v for k, v in results(outcome).items() if k != "later"}
+    assert {k: v for k, v in r.items() if k != "bad"} == {
+        "gen": "success",
+        "known#0": "success",
+        "known#1": "success",
+        "later#0": "success",
+        "later#1": "success",
+    }, h.all_text()
+    assert r["bad"] == "failure", r
+    text = h.all_text()
+    assert "known l false 1" in text and "known m false 1" in text, text
+    assert "later 1 0/2" in text and "later 2 1/2" in text, text
+    reason = next(j.reason for j in outcome.jobs if j.id == "bad")
+    assert reason is not None and "`${{ insert }}` needs a mapping" in reason, reason
+    assert "\n" not in reason, reason
+
+
+def test_insert_in_strategy_plans(tmp_path: Path) -> None:
+    """Known when planning: the cohort takes the inserted `max-parallel` and
+    the written `fail-fast`; an inserted non-mapping or unknown key is a
+    one-line plan error naming the job."""
+    wf = tmp_path / ".github" / "workflows" / "w.yml"
+    wf.parent.mkdir(parents=True)
+    wf.write_text(STRATEGY_INSERT)
+    loaded = load_workflow(wf)
+    p = plan(
+        loaded,
+        "workflow_dispatch",
+        inputs={"strategy": '{"matrix":{"a":[1,2,3]},"max-parallel":2}'},
+    )
+    known = [j for j in p.jobs if j.base_id == "known"]
+    assert [j.matrix for j in known] == [{"a": 1}, {"a": 2}, {"a": 3}]
+    assert [(c.id, c.max_parallel, c.fail_fast, c.total) for c in p.cohorts] == [
+        ("known", 2, False, 3)
+    ]
+    assert {j.id: j.kind for j in p.jobs if j.base_id != "known"} == {
+        "gen": "job",
+        "later": "deferred",
+        "bad": "deferred",
+    }
+    for given, message in [
+        ('"x"', "needs a mapping"),
+        ('{"matrix":{"a":[1]},"bogus":1}', "unknown key 'bogus' in `strategy`"),
+        ('{"max-parallel":0}', "`max-parallel` is 0"),
+    ]:
+        with pytest.raises(PlanError) as info:
+            plan(loaded, "workflow_dispatch", inputs={"strategy": given})
+        assert message in str(info.value) and "job 'known'" in str(info.value)
+        assert "\n" not in str(info.value)
+
+
 def test_static_parts_plan_without_needs(tmp_path: Path) -> None:
     wf = tmp_path / ".github" / "workflows" / "w.yml"
     wf.parent.mkdir(parents=True)
@@ -196,6 +300,10 @@ INSERT_PLACEMENTS = [
     (f"    services:\n      db:\n        image: i\n        {INSERT}", None),
     (f"    services:\n      db:\n        image: i\n        env:\n          {INSERT}", None),
     (f"    strategy:\n      matrix:\n        a: [1]\n        {INSERT}", None),
+    (f"    strategy:\n      {INSERT}\n      fail-fast: false", None),
+    (f"    strategy:\n      {INSERT}\n      matrix:\n        a: [1]", None),
+    ("    strategy:\n      ${{ insert }}: ${{ fromJSON(steps.s.outputs.x) }}", (6, 22)),
+    ("    strategy:\n      ${{ insert }}: ${{ matrix.x }}", (6, 22)),
     (f"    env:\n      {INSERT}", None),
     (f"    outputs:\n      {INSERT}", (6, 7)),
     (f"    defaults:\n      {INSERT}", (6, 7)),

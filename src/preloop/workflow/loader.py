@@ -1114,7 +1114,12 @@ class _Reader:
         m = self.mapping(node, "`strategy`")
         if m is None:
             return None
-        self.keys(m, frozenset({"matrix", "fail-fast", "max-parallel"}), "`strategy`")
+        # GitHub takes `${{ insert }}` (or an expression key) here too: the
+        # schema gives `strategy` its contexts, and its converter keeps the
+        # mapping whole. What is written beside it is still checked below.
+        self.keys(
+            m, frozenset({"matrix", "fail-fast", "max-parallel"}), "`strategy`", "jobs.*.strategy"
+        )
         fail_fast = self.bool_or_expr(m.get("fail-fast"), "`fail-fast`", True)
         max_parallel: int | str | None = None
         mp = m.get("max-parallel")
@@ -1138,6 +1143,7 @@ class _Reader:
             fail_fast=fail_fast,
             max_parallel=max_parallel,
             max_parallel_at=(mp.line, mp.column) if mp is not None else (0, 0),
+            template=plain(m) if any(_is_expression_key(k) for k, _ in m.items) else None,
         )
 
     def matrix(self, node: YNode | None, job_id: str) -> Matrix | None:

@@ -92,10 +92,16 @@ class Matrix:
 
 @dataclass(frozen=True, slots=True)
 class Strategy:
+    """`strategy`. One written with `${{ insert }}` (or an expression key)
+    directly under it is also kept whole as `template` (plain data with
+    `${{ }}` strings): the planner evaluates that, once its contexts are
+    known, instead of the other fields (which hold what was written)."""
+
     matrix: Matrix | None = None
     fail_fast: bool | str = True
     max_parallel: int | str | None = None
     max_parallel_at: tuple[int, int] = (0, 0)  # line, column of its value
+    template: Any = None  # set when `strategy` itself has an insert or expression key
 
 
 @dataclass(frozen=True, slots=True)

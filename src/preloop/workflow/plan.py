@@ -40,7 +40,9 @@ Deferred matrices in detail
 - `deferred_matrix` is the matrix as written: an expression (no `${{ }}`) when
   the whole matrix is one `${{ ... }}`, otherwise the JSON of the matrix
   mapping with `${{ }}` strings inside (it then starts with `{`, which no
-  expression does). `spec["deferred"]` carries what expansion needs.
+  expression does); for a `strategy` written with `${{ insert }}` from
+  `needs`, the JSON of the whole strategy. `spec["deferred"]` carries what
+  expansion needs.
 - `expand_deferred(job: PlannedJob, contexts: Mapping[str, Any]) ->
   DeferredExpansion(jobs: tuple[PlannedJob, ...], cohort: Cohort | None)`.
   `contexts` holds `needs` (direct needs: result, outputs) and optionally

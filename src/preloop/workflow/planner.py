@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from preloop.errors import PreloopError
@@ -182,9 +182,12 @@ class _Scope:
 
 
 class _Planner:
-    def __init__(self, workflow_path: str, seq: int = 0) -> None:
+    def __init__(self, workflow_path: str, seq: int = 0, *, expanding: bool = False) -> None:
         self.path = workflow_path
         self.seq = seq
+        # Expanding a deferred job: a matrix with no legs skips it (GitHub
+        # does the same for one known only then) instead of failing the plan.
+        self.expanding = expanding
         self.jobs: list[PlannedJob] = []
         self.cohorts: list[Cohort] = []
 
@@ -214,16 +217,22 @@ class _Planner:
         directly to this scope (legs or the job itself)."""
         base = scope.prefix + job.id
         strategy = job.strategy
+        if strategy is not None and strategy.template is not None:
+            # `strategy` with an insert: evaluated whole, once its contexts are known.
+            if not _evaluable(strategy.template, scope.available):
+                return [self.plan_deferred(job, scope, strategy.template)]
+            strategy, matrix_value = self.resolve_strategy(job, scope, strategy)
+            job = replace(job, strategy=strategy)
         matrix = strategy.matrix if strategy else None
         combos: list[dict[str, Any]] | None = None
         if matrix_value is not None:
             try:
-                combos = expand_matrix(_matrix_from_data(matrix_value), allow_empty=True)
+                combos = expand_matrix(_matrix_from_data(matrix_value), allow_empty=self.expanding)
             except MatrixError as exc:
                 raise self.fail(job, scope, str(exc)) from exc
         elif matrix is not None and matrix.template is not None:
             if not _evaluable(matrix.template, scope.available):
-                return [self.plan_deferred(job, scope, matrix)]
+                return [self.plan_deferred(job, scope, matrix.template)]
             try:
                 value = _eval_data(matrix.template, scope.contexts)
                 combos = expand_matrix(_matrix_from_data(value))
@@ -255,6 +264,28 @@ class _Planner:
             ids.append(self.plan_leg(job, scope, base, f"{base}#{i}", combo, strat))
         return ids
 
+    def resolve_strategy(self, job: Job, scope: _Scope, strategy: Strategy) -> tuple[Strategy, Any]:
+        """A `strategy` written with an insert, evaluated: (the strategy with
+        its fail-fast and max-parallel known, the matrix's value or None).
+        Raises PlanError for what GitHub would refuse (an insert that is not
+        a mapping, an unknown key, a bad `max-parallel`)."""
+        try:
+            data = _eval_data(strategy.template, scope.contexts)
+        except ex.ExpressionError as exc:
+            raise self.fail(job, scope, f"invalid strategy: {exc}") from exc
+        unknown = [k for k in data if k not in ("matrix", "fail-fast", "max-parallel")]
+        if unknown:
+            raise self.fail(job, scope, f"unknown key '{unknown[0]}' in `strategy`")
+        fail_fast = data.get("fail-fast", True)
+        max_parallel = data.get("max-parallel")
+        if max_parallel is not None:
+            max_parallel = self.max_parallel_value(job, scope, max_parallel)
+        resolved = Strategy(
+            fail_fast=fail_fast if isinstance(fail_fast, bool) else ex.truthy(fail_fast),
+            max_parallel=max_parallel,
+        )
+        return resolved, data.get("matrix")
+
     def eval_max_parallel(self, job: Job, strategy: Strategy, scope: _Scope) -> int | None:
         mp = strategy.max_parallel
         if isinstance(mp, str):
@@ -264,15 +295,19 @@ class _Planner:
                     job, scope, "`max-parallel` may only use github, inputs and vars", at
                 )
             value = ex.evaluate_template(mp, scope.contexts)
-            n = ex.to_number(value)
-            if not (math.isfinite(n) and n.is_integer() and n > 0):
-                # As GitHub prints values: `Infinity`, a string quoted.
-                shown = ex.to_json(value) if isinstance(value, str) else ex.coerce_string(value)
-                raise self.fail(
-                    job, scope, f"`max-parallel` is {shown}, not a positive integer", at
-                )
-            return int(n)
+            return self.max_parallel_value(job, scope, value, at)
         return mp
+
+    def max_parallel_value(
+        self, job: Job, scope: _Scope, value: Any, at: tuple[int, int] = (0, 0)
+    ) -> int:
+        """An evaluated `max-parallel` as a positive integer, else PlanError."""
+        n = ex.to_number(value)
+        if not (math.isfinite(n) and n.is_integer() and n > 0):
+            # As GitHub prints values: `Infinity`, a string quoted.
+            shown = ex.to_json(value) if isinstance(value, str) else ex.coerce_string(value)
+            raise self.fail(job, scope, f"`max-parallel` is {shown}, not a positive integer", at)
+        return int(n)
 
     def eval_bool(self, v: bool | str, ctx: Mapping[str, Any], scope: _Scope, dflt: bool) -> bool:
         if isinstance(v, bool):
@@ -530,9 +565,10 @@ class _Planner:
         return str(caller_id)
 
     # -- deferred matrices ---------------------------------------------------
-    def plan_deferred(self, job: Job, scope: _Scope, matrix: Matrix) -> str:
+    def plan_deferred(self, job: Job, scope: _Scope, template: Any) -> str:
+        """A job whose matrix (`template`: the matrix, or the whole strategy
+        written with an insert) waits for its needs."""
         base = scope.prefix + job.id
-        template = matrix.template
         if isinstance(template, str):
             deferred = template_expression(template)
         else:
@@ -605,7 +641,10 @@ def _inner_count(job: Job) -> int:
         return 0
     n = 0
     for inner in job.callee.jobs:
-        legs = MAX_MATRIX_LEGS if inner.strategy and inner.strategy.matrix else 1
+        strategy = inner.strategy
+        # A strategy with an insert may bring a matrix too.
+        matrix = strategy is not None and (strategy.matrix or strategy.template is not None)
+        legs = MAX_MATRIX_LEGS if matrix else 1
         n += legs * (1 + _inner_count(inner))
     return n
 
@@ -715,17 +754,22 @@ def expand_deferred(job: PlannedJob, contexts: Mapping[str, Any]) -> DeferredExp
         ctx["_caller_name"] = d["caller_name"]
     available = frozenset(d["available"]) | {"needs"} | (frozenset(contexts) & _PLAN_CONTEXTS)
     scope = _Scope(workflow, d["prefix"], d["caller"], ctx, available, tuple(d.get("chain") or ()))
-    planner = _Planner(workflow.path, seq=job.seq)
+    planner = _Planner(workflow.path, seq=job.seq, expanding=True)
     strategy = model.strategy
-    assert strategy is not None and strategy.matrix is not None
-    template = strategy.matrix.template
-    try:
-        value = _eval_data(template, ctx)
-    except ex.ExpressionError as exc:
-        raise PlanError(f"job '{job.id}': the matrix cannot be evaluated: {exc}") from exc
-    if isinstance(value, str):
-        raise PlanError(f"job '{job.id}': the matrix evaluated to a string, not an object")
-    planner.plan_job(model, scope, matrix_value=value)
+    assert strategy is not None
+    if strategy.template is not None:
+        # `strategy` written with an insert: `plan_job` evaluates it whole.
+        planner.plan_job(model, scope)
+    else:
+        assert strategy.matrix is not None
+        template = strategy.matrix.template
+        try:
+            value = _eval_data(template, ctx)
+        except ex.ExpressionError as exc:
+            raise PlanError(f"job '{job.id}': the matrix cannot be evaluated: {exc}") from exc
+        if isinstance(value, str):
+            raise PlanError(f"job '{job.id}': the matrix evaluated to a string, not an object")
+        planner.plan_job(model, scope, matrix_value=value)
     legs = tuple(sorted(planner.jobs, key=lambda j: j.seq))
     if planner.seq > job.seq + int(d["seq_block"]):
         raise PlanError(f"job '{job.id}': the expansion does not fit the plan's seq block")
@@ -771,7 +815,7 @@ def _from_data(cls: type, data: Mapping[str, Any]) -> Any:
             kwargs[f.name] = tuple((k, tuple(vals)) for k, vals in v)
         elif cls is Matrix and f.name in ("include", "exclude"):
             kwargs[f.name] = tuple(frozen_map(e) for e in v)
-        elif cls is Matrix and f.name == "template":
+        elif cls in (Matrix, Strategy) and f.name == "template":
             kwargs[f.name] = v
         elif isinstance(v, Mapping):
             kwargs[f.name] = frozen_map(v)

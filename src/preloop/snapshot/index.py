@@ -133,6 +133,11 @@ async def changed_entries(
         args.append("-t")
     if only_added_dropped:
         args.append("--diff-filter=AD")
+    # git 2.39's diff-tree reads the index although a tree-to-tree raw diff
+    # never uses it (12 ms at 50k entries): point it next to the capture's
+    # private index, at a name nothing creates (a missing index reads as empty).
+    if "GIT_INDEX_FILE" in env:
+        env = {**env, "GIT_INDEX_FILE": env["GIT_INDEX_FILE"] + ".absent"}
     out = (await git([*args, old, new], env=env)).stdout.decode("utf-8", "surrogateescape")
     fields = out.split("\0")
     entries = []

@@ -103,6 +103,20 @@ def copy_if_exists(src: Path, dst: Path) -> bool:
     return True
 
 
+def link_if_exists(src: Path, dst: Path) -> bool:
+    """Hard-links `src` (an index only preloop writes) at `dst`, copying it
+    when a link is impossible (another filesystem). Safe because git never
+    writes an index in place: it writes `<index>.lock` and renames it, so the
+    linked original stays as it was. Keeps the mtime (racy-git) either way."""
+    try:
+        os.link(src, dst)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return copy_if_exists(src, dst)
+    return True
+
+
 def remove_if_exists(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         path.unlink()

@@ -61,6 +61,7 @@ from preloop.snapshot.index import (
     TreeChange,
     changed_entries,
     copy_if_exists,
+    link_if_exists,
     read_trailer,
     remove_if_exists,
 )
@@ -248,22 +249,36 @@ async def _fix_up(
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _Base:
+    """What the capture's index starts from, read in one blocking step: the
+    workspace index's checksum and, when there is a persisted index (now
+    linked as the capture's index), its checksum and memo."""
+
+    ws_checksum: str | None
+    persisted: bool
+    checksum: str | None = None
+    memo: IndexBase | None = None
+
+
+def _read_base(ws_index: Path, persisted: Path, index: Path, memo_path: Path, fmt: str) -> _Base:
+    ws_checksum = read_trailer(ws_index, fmt)
+    if not link_if_exists(persisted, index):
+        return _Base(ws_checksum, False)
+    return _Base(ws_checksum, True, read_trailer(index, fmt), IndexBase.load(memo_path))
+
+
 async def _prepare_index(
-    cap: CaptureState,
-    repo: Repository,
-    env: dict[str, str],
-    persisted: Path,
-    memo_path: Path,
-    ws_checksum: str | None,
+    cap: CaptureState, repo: Repository, env: dict[str, str], base: _Base
 ) -> tuple[str | None, list[str]]:
-    """Fills the capture's index (see `preloop.snapshot.index`); returns the
-    workspace index's tree when it was computed (else None) and the paths
-    the last capture added, which must leave the index if they are ignored now."""
+    """Fills the capture's index from `base` (see `preloop.snapshot.index`);
+    returns the workspace index's tree when it was computed (else None) and the
+    paths the last capture added, which must leave the index if they are
+    ignored now."""
     index = Path(env["GIT_INDEX_FILE"])
-    fmt = repo.object_format
-    if await cap.work.run("copy-index", copy_if_exists, persisted, index):
-        memo = await cap.work.run("read-memo", IndexBase.load, memo_path)
-        checksum = await cap.work.run("read-index", read_trailer, index, fmt)
+    ws_checksum = base.ws_checksum
+    if base.persisted:
+        memo, checksum = base.memo, base.checksum
         ws_tree: str | None = None
         if memo is not None and checksum is not None and memo.index_checksum == checksum:
             if ws_checksum is not None and memo.ws_index_checksum == ws_checksum:
@@ -439,22 +454,28 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
         work=cap.work,
     )
     cap.pins.append(entry.pin)
-    await cap.work.run(
-        "create-repository",
-        lambda: create_run_repository(
+    index = cap.staging / "index"
+    persisted = layout.cache_index_path(state_dir, key)
+    memo_path = entry.repository / MEMO_NAME
+    fmt = repo.object_format
+
+    def stage() -> _Base:
+        # One blocking step (one thread hop) for the repository and the index base.
+        create_run_repository(
             cap.staging_repository,
             [entry.objects],
-            object_format=repo.object_format,
+            object_format=fmt,
             run_id=cap.run_id,
             nonce=cap.nonce,
             kind="workspace",
             namespace=cap.namespace,
             source=str(repo.toplevel),
-        ),
-    )
+        )
+        return _read_base(repo.git_dir / "index", persisted, index, memo_path, fmt)
+
+    base = await cap.work.run("create-repository", stage)
     entry.pin.drop()  # the staging alternates protect the entry from here on
 
-    index = cap.staging / "index"
     env = git_env(
         {
             "GIT_DIR": str(repo.git_dir),
@@ -464,11 +485,8 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
             "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(repo.objects),
         }
     )
-    persisted = layout.cache_index_path(state_dir, key)
-    memo_path = entry.repository / MEMO_NAME
-    fmt = repo.object_format
-    ws_checksum = await cap.work.run("read-index", read_trailer, repo.git_dir / "index", fmt)
-    ws_tree, recheck = await _prepare_index(cap, repo, env, persisted, memo_path, ws_checksum)
+    ws_checksum = base.ws_checksum
+    ws_tree, recheck = await _prepare_index(cap, repo, env, base)
     await _add_all_keeping(env, repo, recheck)
     tree = (await git(["write-tree"], env=env)).stdout_text().strip()
     parents = (repo.head,) if repo.head else ()

@@ -122,14 +122,25 @@ def test_timeout_during_cache_clone_leaves_no_temporary(
     assert not layout.cache_repository(state, key_of(ws)).exists()
 
 
-def test_timeout_after_publication_removes_only_this_run(
-    tmp_path: Path, ws: Path, fake_git: FakeGit
-) -> None:
+def test_timeout_after_publication_removes_only_this_run(tmp_path: Path, ws: Path) -> None:
+    """The deadline fires once the run repository is published (the capture
+    is persisting its index): the blocking step drains, so this run's
+    repository goes and another run's stays."""
     state = tmp_path / "state"
     other = anyio.run(lambda: capture_workspace(state, ws, "other-run"))
-    fake_git.hang_on(r"rev-parse --verify --quiet refs/heads/snapshot")
-    timed_out_capture(state, ws, "late", LONG, CaptureFaults(deadline_gate=fake_git.wait_for_hang))
-    assert fake_git.grandchild_exited()
+    stall = Stall("persist-index")  # runs after publication
+
+    async def published() -> None:
+        await stall.wait_entered()
+        assert layout.run_repository(state, "late").is_dir()
+        stall.release()  # the deadline fires before the capture resumes
+
+    try:
+        timed_out_capture(
+            state, ws, "late", LONG, CaptureFaults(stall=stall, deadline_gate=published)
+        )
+    finally:
+        stall.release()
     assert not layout.run_repository(state, "late").exists()
     assert staging_entries(state) == []
     # Another run's snapshot and the shared cache survive, and nothing pins it.

@@ -364,3 +364,34 @@ def test_sha256_repository(tmp_path: Path) -> None:
     git("fsck", "--strict", "--no-dangling", cwd=snap.repository)
     again = capture(tmp_path / "state", ws, "sha256-warm")
     assert again.commit == snap.commit
+
+
+def test_published_tree_is_checked_without_git_only_when_the_commit_is_loose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publication check reads the loose commit through the published
+    repository's alternates; a packed commit (or a ref naming another commit)
+    is left to git, so a damaged cache entry is still refused."""
+    from preloop.snapshot.capture import _published_tree
+
+    ws = make_repo(tmp_path / "ws", {"f.txt": "f\n"})
+    (ws / "f.txt").write_text("changed\n")
+    state = tmp_path / "state"
+    fake = FakeGit(tmp_path, monkeypatch)
+    log = tmp_path / "git-calls.log"
+    fake.log_to(log)
+    snap = capture(state, ws, "loose")
+    assert "rev-parse --verify --quiet refs/heads/snapshot" not in log.read_text()
+    assert _published_tree(snap.repository, snap.commit) == snap.tree
+    assert _published_tree(snap.repository, "0" * 40) is None
+    fake.close()
+    cache = layout.cache_repository(state, snap.cache_key)
+    # Pack the commit and drop its loose copy.
+    git("update-ref", "refs/preloop/test-keep", snap.commit, cwd=cache)
+    git("repack", "-a", "-d", "-q", cwd=cache)
+    git("prune-packed", cwd=cache)
+    assert _published_tree(snap.repository, snap.commit) is None
+    # Packed: git resolves the ref, and the next capture of the same content
+    # (same commit) is verified that way.
+    again = capture(state, ws, "packed")
+    assert again.commit == snap.commit and again.tree == snap.tree

@@ -61,6 +61,7 @@ from preloop.snapshot.index import (
     TreeChange,
     changed_entries,
     copy_if_exists,
+    link_if_exists,
     read_trailer,
     remove_if_exists,
 )
@@ -200,6 +201,24 @@ def _existing(toplevel: Path, paths: list[str]) -> list[str]:
     return [p for p in paths if os.path.lexists(toplevel / p)]
 
 
+async def _ignored(env: dict[str, str], toplevel: Path, paths: list[str]) -> list[str]:
+    """Those of `paths` that the workspace's ignore rules ignore now."""
+    if not paths:
+        return []
+    ignored = await git(
+        ["check-ignore", "--no-index", "-z", "--stdin"],
+        env=env,
+        cwd=toplevel,
+        stdin="".join(f"{p}\0" for p in paths).encode("utf-8", "surrogateescape"),
+        check=False,
+    )
+    if ignored.returncode not in (0, 1):
+        raise SnapshotError(
+            f"git check-ignore failed in {toplevel}: {ignored.stderr_text().strip()}"
+        )
+    return [p for p in ignored.stdout.decode("utf-8", "surrogateescape").split("\0") if p]
+
+
 async def _fix_up(
     cap: CaptureState, repo: Repository, env: dict[str, str], memo: IndexBase
 ) -> None:
@@ -208,27 +227,13 @@ async def _fix_up(
 
     - Paths the last capture added (untracked then) may stay: `git add -A`
       updates or removes them as it would untracked files, unless they are
-      ignored now; those (found with `check-ignore --no-index`) are removed.
+      ignored now; those are removed after `git add -A` (`_add_all_keeping`
+      asks `check-ignore` while `git add -A` runs: same index, one process
+      off the critical path).
     - Paths the last capture dropped (deleted then) are restored only if they
       exist again: if they are still missing, `git add -A` would drop them anyway.
     """
     info: list[str] = []
-    if memo.added:
-        ignored = await git(
-            ["check-ignore", "--no-index", "-z", "--stdin"],
-            env=env,
-            cwd=repo.toplevel,
-            stdin="".join(f"{p}\0" for p in memo.added).encode("utf-8", "surrogateescape"),
-            check=False,
-        )
-        if ignored.returncode not in (0, 1):
-            raise SnapshotError(
-                f"git check-ignore failed in {repo.toplevel}: {ignored.stderr_text().strip()}"
-            )
-        zero = "0" * (2 * HASH_BYTES[repo.object_format])
-        for path in ignored.stdout.decode("utf-8", "surrogateescape").split("\0"):
-            if path:
-                info.append(f"0 {zero}\t{path}\0")
     if memo.dropped:
         back = set(
             await cap.work.run(
@@ -244,21 +249,36 @@ async def _fix_up(
         )
 
 
+@dataclass(frozen=True, slots=True)
+class _Base:
+    """What the capture's index starts from, read in one blocking step: the
+    workspace index's checksum and, when there is a persisted index (now
+    linked as the capture's index), its checksum and memo."""
+
+    ws_checksum: str | None
+    persisted: bool
+    checksum: str | None = None
+    memo: IndexBase | None = None
+
+
+def _read_base(ws_index: Path, persisted: Path, index: Path, memo_path: Path, fmt: str) -> _Base:
+    ws_checksum = read_trailer(ws_index, fmt)
+    if not link_if_exists(persisted, index):
+        return _Base(ws_checksum, False)
+    return _Base(ws_checksum, True, read_trailer(index, fmt), IndexBase.load(memo_path))
+
+
 async def _prepare_index(
-    cap: CaptureState,
-    repo: Repository,
-    env: dict[str, str],
-    persisted: Path,
-    memo_path: Path,
-    ws_checksum: str | None,
-) -> str | None:
-    """Fills the capture's index (see `preloop.snapshot.index`); returns the
-    workspace index's tree when it was computed, else None."""
+    cap: CaptureState, repo: Repository, env: dict[str, str], base: _Base
+) -> tuple[str | None, list[str]]:
+    """Fills the capture's index from `base` (see `preloop.snapshot.index`);
+    returns the workspace index's tree when it was computed (else None) and the
+    paths the last capture added, which must leave the index if they are
+    ignored now."""
     index = Path(env["GIT_INDEX_FILE"])
-    fmt = repo.object_format
-    if await cap.work.run("copy-index", copy_if_exists, persisted, index):
-        memo = await cap.work.run("read-memo", IndexBase.load, memo_path)
-        checksum = await cap.work.run("read-index", read_trailer, index, fmt)
+    ws_checksum = base.ws_checksum
+    if base.persisted:
+        memo, checksum = base.memo, base.checksum
         ws_tree: str | None = None
         if memo is not None and checksum is not None and memo.index_checksum == checksum:
             if ws_checksum is not None and memo.ws_index_checksum == ws_checksum:
@@ -267,16 +287,16 @@ async def _prepare_index(
                 ws_tree = await _workspace_index_tree(cap, repo, env)
             if ws_tree is not None and ws_tree == memo.ws_tree:
                 await _fix_up(cap, repo, env, memo)
-                return ws_tree
+                return ws_tree, memo.added
         if ws_tree is None:
             ws_tree = await _workspace_index_tree(cap, repo, env)
         if ws_tree is not None:
             reset = await git(["read-tree", "--reset", ws_tree], env=env, check=False)
             if reset.returncode == 0:
-                return ws_tree
+                return ws_tree, []
     await cap.work.run("remove-index", remove_if_exists, index)
     await cap.work.run("copy-index", copy_if_exists, repo.git_dir / "index", index)
-    return None
+    return None, []
 
 
 _NO_COMMIT = re.compile(r"^error: '(.+)/' does not have a commit checked out$", re.M)
@@ -303,19 +323,41 @@ async def _add_all(env: dict[str, str], toplevel: Path) -> CommandResult:
     return added
 
 
-async def _drop_unregistered_repositories(
-    added_stderr: str, env: dict[str, str], toplevel: Path
-) -> list[str]:
-    paths = [
-        line[len(_EMBEDDED) :] for line in added_stderr.splitlines() if line.startswith(_EMBEDDED)
+async def _add_all_keeping(
+    env: dict[str, str], repo: Repository, recheck: list[str]
+) -> CommandResult:
+    """`_add_all`, then drops from the index the nested repositories it added
+    as gitlinks (unregistered) and those of `recheck` that are ignored now;
+    the ignore check runs alongside `git add -A` (it reads no index)."""
+    done: dict[str, object] = {}
+
+    async def add() -> None:
+        done["added"] = await _add_all(env, repo.toplevel)
+
+    async def check() -> None:
+        done["ignored"] = await _ignored(env, repo.toplevel, recheck)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(add)
+            tg.start_soon(check)
+    except ExceptionGroup as group:
+        raise group.exceptions[0] from None
+    added = cast(CommandResult, done["added"])
+    drop = cast(list[str], done["ignored"]) + [
+        line[len(_EMBEDDED) :]
+        for line in added.stderr_text().splitlines()
+        if line.startswith(_EMBEDDED)
     ]
-    if paths:
+    if drop:
+        # Mode 0 removes the entry; paths are index paths, never pathspecs.
+        zero = "0" * (2 * HASH_BYTES[repo.object_format])
         await git(
-            ["update-index", "--force-remove", "--", *paths],
-            env={**env, "GIT_LITERAL_PATHSPECS": "1"},
-            cwd=toplevel,
+            ["update-index", "-z", "--index-info"],
+            env=env,
+            stdin="".join(f"0 {zero}\t{p}\0" for p in drop).encode("utf-8", "surrogateescape"),
         )
-    return paths
+    return added
 
 
 def _not_loose(objects: Path, oids: set[str]) -> set[str]:
@@ -412,22 +454,28 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
         work=cap.work,
     )
     cap.pins.append(entry.pin)
-    await cap.work.run(
-        "create-repository",
-        lambda: create_run_repository(
+    index = cap.staging / "index"
+    persisted = layout.cache_index_path(state_dir, key)
+    memo_path = entry.repository / MEMO_NAME
+    fmt = repo.object_format
+
+    def stage() -> _Base:
+        # One blocking step (one thread hop) for the repository and the index base.
+        create_run_repository(
             cap.staging_repository,
             [entry.objects],
-            object_format=repo.object_format,
+            object_format=fmt,
             run_id=cap.run_id,
             nonce=cap.nonce,
             kind="workspace",
             namespace=cap.namespace,
             source=str(repo.toplevel),
-        ),
-    )
+        )
+        return _read_base(repo.git_dir / "index", persisted, index, memo_path, fmt)
+
+    base = await cap.work.run("create-repository", stage)
     entry.pin.drop()  # the staging alternates protect the entry from here on
 
-    index = cap.staging / "index"
     env = git_env(
         {
             "GIT_DIR": str(repo.git_dir),
@@ -437,13 +485,9 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
             "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(repo.objects),
         }
     )
-    persisted = layout.cache_index_path(state_dir, key)
-    memo_path = entry.repository / MEMO_NAME
-    fmt = repo.object_format
-    ws_checksum = await cap.work.run("read-index", read_trailer, repo.git_dir / "index", fmt)
-    ws_tree = await _prepare_index(cap, repo, env, persisted, memo_path, ws_checksum)
-    added = await _add_all(env, repo.toplevel)
-    await _drop_unregistered_repositories(added.stderr_text(), env, repo.toplevel)
+    ws_checksum = base.ws_checksum
+    ws_tree, recheck = await _prepare_index(cap, repo, env, base)
+    await _add_all_keeping(env, repo, recheck)
     tree = (await git(["write-tree"], env=env)).stdout_text().strip()
     parents = (repo.head,) if repo.head else ()
     commit_args = ["commit-tree", "--no-gpg-sign", tree, "-m", "preloop snapshot"]

@@ -270,3 +270,36 @@ def test_a_runner_with_slots_told_to_stop_during_its_claim_returns(
     finally:
         runner.templates.close()
     assert claims == 1
+
+
+def test_the_settle_lock_is_counted_once_per_batch_that_takes_it(pg_url: str) -> None:
+    """PostgreSQL: a batch completed in one statement holds the run lock once
+    (its hold as the server measured it, `Tx.note_lock_hold`); a claim alone
+    never takes it."""
+    with open_store(pg_url) as store:
+        b = PlanBuilder()
+        b.job("setup")
+        b.matrix("leg", 40, needs=["setup"])
+        b.job("merge", needs=["leg"], if_expr="always()")
+        run_id = store.submit_run(b.plan())
+        _, held = store.complete_and_claim(
+            [(lease, "success", None) for lease in store.claim_jobs("r", [], limit=1)],
+            "r",
+            [],
+            limit=8,
+        )
+        before = store.counters.snapshot()
+        claimed = store.claim_jobs("r", [], limit=8)
+        assert store.counters.snapshot().settle_lock_holds == before.settle_lock_holds
+        done, more = store.complete_and_claim(
+            [(lease, "success", None) for lease in [*held, *claimed]], "r", [], limit=8
+        )
+        after = store.counters.snapshot()
+        assert all(c.changed for c in done) and len(more) == 8
+        fallback = "complete_and_claim.fallback"
+        assert after.operations.get(fallback) == before.operations.get(fallback)  # one statement
+        assert after.settle_lock_holds == before.settle_lock_holds + 1
+        assert after.settle_lock_hold_ns >= before.settle_lock_hold_ns
+        # The claims come in (run, seq) order off the index, however many are queued.
+        assert [lease.job_id for lease in more] == [f"leg#{i}" for i in range(16, 24)]
+        assert store.get_run(run_id).status == "running"

@@ -3,7 +3,9 @@
 Both expose the same `Tx` (one transaction): SQL is written once with `?`
 placeholders; the pg backend rewrites them to `%s`. Every statement is counted
 against the operation that runs it; `lock_run` is timed on PostgreSQL (wait),
-and so is the time from taking the run lock to commit (settle lock hold).
+and so is the time from taking the run lock to commit (settle lock hold): by
+the server for a one-statement operation whose function reports it
+(`Tx.note_lock_hold`), here otherwise.
 
 lite: one connection per store object, WAL, `synchronous=NORMAL`, a busy
 timeout, every transaction `BEGIN IMMEDIATE` (SQLite has one writer, so
@@ -87,7 +89,7 @@ _LOST_STATES = frozenset({"57P01", "57P02", "57P03"})
 class Tx:
     """One transaction. `op` names the operation its statements count against."""
 
-    __slots__ = ("_backend", "_cur", "_pg", "lock_taken_ns", "op", "statements")
+    __slots__ = ("_backend", "_cur", "_pg", "lock_held_ns", "lock_taken_ns", "op", "statements")
 
     def __init__(self, backend: Backend, cur: Any, op: str) -> None:
         self._backend = backend
@@ -96,6 +98,8 @@ class Tx:
         self.op = op
         self.statements = 0
         self.lock_taken_ns = 0
+        #: The run lock's hold as the server measured it (None: timed here).
+        self.lock_held_ns: int | None = None
 
     @property
     def dialect(self) -> Dialect:
@@ -157,6 +161,13 @@ class Tx:
         self._backend.counters.add_lock_run_wait(wait_ns)
         self.lock_taken_ns = self.lock_taken_ns or call_start_ns + wait_ns
 
+    def note_lock_hold(self, hold_ns: int) -> None:
+        """For a server-side function that took the run lock and committed in
+        the same statement: the hold as it measured it, from taking the lock
+        to its end (the commit). Timed here instead, it would also count the
+        answer's way back and its decoding, after the server let go."""
+        self.lock_held_ns = (self.lock_held_ns or 0) + hold_ns
+
     def try_lock_run(self, run_id: int) -> Row | None:
         """The run row if it can be locked without waiting (pg `SKIP LOCKED`):
         used only when the caller already holds a different run's lock, so no
@@ -212,7 +223,13 @@ class Backend(ABC):
 
     def _finish(self, tx: Tx, committed_ns: int) -> None:
         self.counters.add_statements(tx.op, tx.statements)
-        if tx.lock_taken_ns and self.dialect == "pg":
+        if self.dialect != "pg":
+            return
+        if tx.lock_held_ns is not None and tx.statements == 1:
+            # One statement in autocommit: its end was the commit.
+            self.counters.add_settle_lock_hold(tx.lock_held_ns)
+        elif tx.lock_taken_ns:
+            # More statements after the lock: the round trips to commit hold it too.
             self.counters.add_settle_lock_hold(committed_ns - tx.lock_taken_ns)
 
 

@@ -520,6 +520,7 @@ class Store:
         assert row is not None
         if results:
             tx.note_lock_run_wait(t0, int(row["wait_us"]) * 1000)
+            tx.note_lock_hold(int(row["hold_us"]) * 1000)
         conclusions = {job_id: conclusion for job_id, conclusion in row["settled"] or []}
         done = [
             Completion(lease.run_id, lease.job_id, conclusions[lease.job_id], True)

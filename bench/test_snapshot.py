@@ -24,7 +24,7 @@ import anyio
 import pytest
 
 from preloop.snapshot import capture_workspace
-from preloop.testing.trees import TreeSpec, cached_tree
+from preloop.testing.trees import TreeSpec, cached_repo
 
 SIZES = [100, 1_000, 10_000, 50_000]
 PLUMBING = Path(__file__).with_name("snapshot_plumbing.sh")
@@ -40,27 +40,9 @@ GIT_ENV = {
 MEDIANS: dict[tuple[str, int], float] = {}
 
 
-def _git(*args: str, cwd: Path) -> None:
-    subprocess.run(["git", "-c", "gc.auto=0", *args], cwd=cwd, check=True, env=GIT_ENV)
-
-
 def _bench_repo(files: int) -> Path:
     """A committed repository of `files` generated files (built once)."""
-    spec = TreeSpec(f"snapshot-bench-{files}", files, max(1, files // 25), 200, 4000)
-    tree = cached_tree(spec)
-    repo = tree.with_name(tree.name + ".repo")
-    ready = repo.with_name(repo.name + ".ready")
-    if not ready.exists():
-        if repo.exists():
-            shutil.rmtree(repo)
-        shutil.copytree(tree, repo)
-        _git("init", "-q", "-b", "main", cwd=repo)
-        (repo / "bench-modified.txt").write_text("base\n")
-        _git("add", "-A", cwd=repo)
-        _git("commit", "-q", "-m", "base", cwd=repo)
-        _git("gc", "-q", cwd=repo)
-        ready.write_text("ready\n")
-    _git("checkout", "-q", "--", "bench-modified.txt", cwd=repo)
+    repo = cached_repo(TreeSpec(f"snapshot-bench-{files}", files, max(1, files // 25), 200, 4000))
     (repo / "bench-untracked.txt").unlink(missing_ok=True)
     subprocess.run(["git", "status", "--porcelain"], cwd=repo, check=True, capture_output=True)
     return repo
@@ -71,7 +53,7 @@ def repo(request: pytest.FixtureRequest) -> Iterator[tuple[int, Path]]:
     files: int = request.param
     path = _bench_repo(files)
     yield files, path
-    _git("checkout", "-q", "--", "bench-modified.txt", cwd=path)
+    subprocess.run(["git", "checkout", "-q", "--", "bench-modified.txt"], cwd=path, check=True)
     (path / "bench-untracked.txt").unlink(missing_ok=True)
 
 

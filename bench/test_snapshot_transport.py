@@ -33,48 +33,22 @@ from preloop.snapshot.bundles import BUNDLE_KIND, SnapshotBundles
 from preloop.snapshot.gitcmd import git_env
 from preloop.snapshot.transport import publish_snapshot
 from preloop.testing.pg import scratch_schema
-from preloop.testing.trees import TreeSpec, cached_tree
+from preloop.testing.trees import TreeSpec, cached_repo
 
 FILES = 50_000
 ROUNDS = 10
 TARGET_SECONDS = 0.050
 TARGET_BYTES = 64 * 1024
-GIT_ENV = {
-    **os.environ,
-    "GIT_AUTHOR_NAME": "bench",
-    "GIT_AUTHOR_EMAIL": "bench@example.com",
-    "GIT_COMMITTER_NAME": "bench",
-    "GIT_COMMITTER_EMAIL": "bench@example.com",
-}
 CARRIED = "bench-carried.bin"
 VARIANTS = ["clean", "carried"]
 # (variant, impl) -> (median seconds, median bytes)
 RESULTS: dict[tuple[str, str], tuple[float, float]] = {}
 
 
-def _git(*args: str, cwd: Path) -> None:
-    subprocess.run(["git", "-c", "gc.auto=0", *args], cwd=cwd, check=True, env=GIT_ENV)
-
-
 def _repo() -> Path:
     """The committed 50k-file repository of bench/test_snapshot.py (built once)."""
     spec = TreeSpec(f"snapshot-bench-{FILES}", FILES, max(1, FILES // 25), 200, 4000)
-    tree = cached_tree(spec)
-    repo = tree.with_name(tree.name + ".repo")
-    ready = repo.with_name(repo.name + ".ready")
-    if not ready.exists():
-        import shutil
-
-        if repo.exists():
-            shutil.rmtree(repo)
-        shutil.copytree(tree, repo)
-        _git("init", "-q", "-b", "main", cwd=repo)
-        (repo / "bench-modified.txt").write_text("base\n")
-        _git("add", "-A", cwd=repo)
-        _git("commit", "-q", "-m", "base", cwd=repo)
-        _git("gc", "-q", cwd=repo)
-        ready.write_text("ready\n")
-    _git("checkout", "-q", "--", "bench-modified.txt", cwd=repo)
+    repo = cached_repo(spec)
     (repo / CARRIED).unlink(missing_ok=True)
     return repo
 

@@ -3,7 +3,8 @@
 `TreeSpec` describes a tree by counts and size ranges; `make_tree` writes it
 from a seeded PRNG, so the same spec always gives the same bytes. Benchmarks
 use `cached_tree`, which builds a named tree once under a cache directory and
-reuses it while its completion marker is present.
+reuses it while its completion marker is present; `cached_repo` makes a
+committed git repository of one, once, beside it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MIXED_TREE", "TINY_TREE", "TreeSpec", "cached_tree", "make_tree"]
+__all__ = ["MIXED_TREE", "TINY_TREE", "TreeSpec", "cached_repo", "cached_tree", "make_tree"]
 
 MiB = 1024 * 1024
 
@@ -103,3 +104,41 @@ def cached_tree(spec: TreeSpec, cache_dir: Path | None = None) -> Path:
         make_tree(root, spec)
         marker.write_text("complete\n")
     return root
+
+
+#: The file `cached_repo` commits beside the tree, for benchmarks to edit.
+MODIFIED_FILE = "bench-modified.txt"
+
+
+def cached_repo(spec: TreeSpec, cache_dir: Path | None = None) -> Path:
+    """A git repository (branch main) whose one commit holds `spec`'s tree and
+    `MODIFIED_FILE`, built once beside `cached_tree`'s copy. Each call puts
+    `MODIFIED_FILE` back as committed; other leftovers are the caller's."""
+    import subprocess
+
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "bench",
+        "GIT_AUTHOR_EMAIL": "bench@example.com",
+        "GIT_COMMITTER_NAME": "bench",
+        "GIT_COMMITTER_EMAIL": "bench@example.com",
+    }
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "gc.auto=0", *args], cwd=repo, check=True, env=env)
+
+    tree = cached_tree(spec, cache_dir)
+    repo = tree.with_name(tree.name + ".repo")
+    ready = repo.with_name(repo.name + ".ready")
+    if not ready.exists():
+        if repo.exists():
+            shutil.rmtree(repo)
+        shutil.copytree(tree, repo)
+        git("init", "-q", "-b", "main")
+        (repo / MODIFIED_FILE).write_text("base\n")
+        git("add", "-A")
+        git("commit", "-q", "-m", "base")
+        git("gc", "-q")
+        ready.write_text("ready\n")
+    git("checkout", "-q", "--", MODIFIED_FILE)
+    return repo

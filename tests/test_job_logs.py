@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from tests.run_support import make_repo, workflow
-from tests.test_run_cli import PRELOOP, _env, _start_runner, preloop
+from tests.test_run_cli import PRELOOP, _env, _start_runner, preloop, spawn
 from tests.test_store_faults import _terminate, _with_app_name
 
 from preloop.control import Store, open_store
@@ -142,25 +142,14 @@ def test_remote_jobs_are_shown_live_and_their_logs_read_from_any_machine(
     submitter = tmp_path / "submitter"
     elsewhere = tmp_path / "elsewhere"
     _start_runner(runners, pg_url, tmp_path / "runner-state", "far-runner")
-    run = subprocess.Popen(
-        [*PRELOOP, "run", "-j", "0", "--store", pg_url],
-        cwd=repo,
-        env=_env(submitter),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = spawn([*PRELOOP, "run", "-j", "0", "--store", pg_url], _env(submitter), cwd=repo)
     runners.append(run)
     shown = _read_until(run, "hello from far-runner")
     assert "[first] hello from far-runner" in shown
     run_id = int(shown.split("run ", 1)[1].split(":", 1)[0])
     # Another machine follows the job while it waits on the gate.
-    follow = subprocess.Popen(
-        [*PRELOOP, "logs", str(run_id), "first", "-f", "--store", pg_url],
-        env=_env(elsewhere),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    follow = spawn(
+        [*PRELOOP, "logs", str(run_id), "first", "-f", "--store", pg_url], _env(elsewhere)
     )
     runners.append(follow)
     _read_until(follow, "hello from far-runner")
@@ -206,24 +195,11 @@ def test_follow_on_the_lite_store_reads_the_files_until_the_run_ends(tmp_path: P
         ),
     )
     state = tmp_path / "state"
-    run = subprocess.Popen(
-        [*PRELOOP, "run"],
-        cwd=repo,
-        env=_env(state),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = spawn([*PRELOOP, "run"], _env(state), cwd=repo)
     try:
         shown = _read_until(run, "before")
         run_id = int(shown.split("run ", 1)[1].split(":", 1)[0])
-        follow = subprocess.Popen(
-            [*PRELOOP, "logs", str(run_id), "-f"],
-            env=_env(state),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        follow = spawn([*PRELOOP, "logs", str(run_id), "-f"], _env(state))
         _read_until(follow, "before")
         with open(gate, "w") as fh:
             fh.write("go\n")

@@ -34,6 +34,14 @@ def preloop(
     return proc
 
 
+def spawn(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen[str]:
+    """`argv` started with its output piped as text (the caller reads or
+    communicates, and kills it if the test fails first)."""
+    return subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
 def _exited(pidfd: int, wait: float = 30.0) -> bool:
     readable, _, _ = select.select([pidfd], [], [], wait)
     return bool(readable)
@@ -132,14 +140,7 @@ def test_sigint_cancels_and_leaves_no_process(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     repo = make_repo(tmp_path / "repo", workflow(HANG.format(fifo=fifo)))
     state = tmp_path / "state"
-    proc = subprocess.Popen(
-        [*PRELOOP, "run", "--json"],
-        cwd=repo,
-        env=_env(state),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = spawn([*PRELOOP, "run", "--json"], _env(state), cwd=repo)
     try:
         shell_pid, grandchild = (int(x) for x in read_fifo(fifo, [proc]).split())
         pidfds = [os.pidfd_open(shell_pid), os.pidfd_open(grandchild)]
@@ -165,14 +166,7 @@ def test_cancel_command_stops_a_running_job(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     repo = make_repo(tmp_path / "repo", workflow(HANG.format(fifo=fifo)))
     state = tmp_path / "state"
-    proc = subprocess.Popen(
-        [*PRELOOP, "run", "--json"],
-        cwd=repo,
-        env=_env(state),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = spawn([*PRELOOP, "run", "--json"], _env(state), cwd=repo)
     try:
         _, grandchild = (int(x) for x in read_fifo(fifo, [proc]).split())
         pidfd = os.pidfd_open(grandchild)
@@ -210,12 +204,9 @@ def _start_runner(
     name: str,
     *extra: str,
 ) -> subprocess.Popen[str]:
-    p = subprocess.Popen(
+    p = spawn(
         [*PRELOOP, "runner", "--store", pg_url, "--name", name, "--labels", "big", *extra],
-        env=_env(state),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        _env(state),
     )
     procs.append(p)
     return p
@@ -302,14 +293,7 @@ def test_runner_sigterm_cancels_its_job_and_exits_zero(
     repo = make_repo(tmp_path / "repo", workflow(HANG.format(fifo=fifo)))
     state = tmp_path / "state"
     runner = _start_runner(runners, pg_url, state, "runner-x")
-    run = subprocess.Popen(
-        [*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"],
-        cwd=repo,
-        env=_env(state),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = spawn([*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"], _env(state), cwd=repo)
     runners.append(run)
     shell_pid, grandchild = (int(x) for x in read_fifo(fifo, [runner, run]).split())
     pidfds = [os.pidfd_open(shell_pid), os.pidfd_open(grandchild)]

@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 from tests.run_support import make_repo, workflow
+from tests.test_run_cli import spawn
 
 from preloop.control import Lease
 from preloop.control.urls import check_store_url
@@ -308,13 +309,8 @@ def test_a_silent_step_prints_a_still_running_line(tmp_path: Path) -> None:
             """
         ),
     )
-    proc = subprocess.Popen(
-        [*PRELOOP, "run"],
-        cwd=repo,
-        env=_env(tmp_path / "state", PRELOOP_SILENT_STEP_NOTICE="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = spawn(
+        [*PRELOOP, "run"], _env(tmp_path / "state", PRELOOP_SILENT_STEP_NOTICE="1"), cwd=repo
     )
     try:
         assert proc.stdout is not None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from tests.run_support import make_repo, workflow
-from tests.test_run_cli import PRELOOP, _env, read_fifo
+from tests.test_run_cli import PRELOOP, _env, read_fifo, spawn
 
 from preloop.control import open_store
 
@@ -52,12 +52,8 @@ def _runner(
     url: str, submitter: Path, state: Path, name: str, label: str, *flags: str, **env: str
 ) -> subprocess.Popen[str]:
     argv = [*PRELOOP, "runner", "--store", url, "--name", name, "--labels", label, *flags]
-    return subprocess.Popen(
-        ["bwrap", *_hidden(submitter), "--die-with-parent", "--", *argv],
-        env=_env(state, **env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    return spawn(
+        ["bwrap", *_hidden(submitter), "--die-with-parent", "--", *argv], _env(state, **env)
     )
 
 
@@ -121,14 +117,7 @@ def test_artifacts_and_caches_pass_between_jobs_on_different_runners(
     repo = make_repo(tmp_path / "repo", workflow(PASS_ON.replace("@MARKER@", str(marker))))
     procs.append(_runner(pg_url, state, tmp_path / "ra", "ra", "a", "--once"))
     procs.append(_runner(pg_url, state, tmp_path / "rb", "rb", "b", "--once"))
-    run = subprocess.Popen(
-        [*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"],
-        cwd=repo,
-        env=_env(state),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = spawn([*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"], _env(state), cwd=repo)
     procs.append(run)
     out, err = run.communicate(timeout=300)
     jobs_logs = {p.name: p.read_text() for p in tmp_path.glob("r[ab]/logs/*/*.log")}
@@ -257,14 +246,7 @@ def test_a_local_job_and_a_remote_job_of_one_run_share_artifacts(
     repo = make_repo(tmp_path / "repo", workflow(MIXED))
     runner = _runner(pg_url, state, tmp_path / "rb", "rb", "b", "--once")
     procs.append(runner)
-    run = subprocess.Popen(
-        [*PRELOOP, "run", "-j", "1", "--store", pg_url, "--json"],
-        cwd=repo,
-        env=_env(state),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = spawn([*PRELOOP, "run", "-j", "1", "--store", pg_url, "--json"], _env(state), cwd=repo)
     procs.append(run)
     out, err = run.communicate(timeout=300)
     logs = {p.name: p.read_text() for p in tmp_path.glob("rb/logs/*/*.log")}
@@ -317,13 +299,10 @@ def test_a_runner_killed_mid_upload_leaves_nothing_visible(
     # the lease is the claimer's: a short one, so the dead runner's job fails soon
     runner = _runner(pg_url, state, tmp_path / "ra", "ra", "a", PRELOOP_LEASE_SECONDS="3")
     procs.append(runner)
-    run = subprocess.Popen(
+    run = spawn(
         [*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"],
+        _env(state, PRELOOP_LEASE_SECONDS="3"),
         cwd=repo,
-        env=_env(state, PRELOOP_LEASE_SECONDS="3"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
     procs.append(run)
     assert read_fifo(fifo, [runner, run]) == "staged"

@@ -15,7 +15,7 @@ import anyio
 import pytest
 from anyio.from_thread import start_blocking_portal
 from tests.run_support import make_repo, workflow
-from tests.test_run_cli import PRELOOP, _env, read_fifo
+from tests.test_run_cli import PRELOOP, _env, read_fifo, spawn
 
 from preloop.control import Store, open_store
 from preloop.runner.checkout import CheckoutTemplates, SnapshotLocation
@@ -239,14 +239,7 @@ def _bwrapped_runner(pg_url: str, hidden: Path, state: Path) -> subprocess.Popen
 
 
 def _run_remote(repo: Path, state: Path, pg_url: str, runner_state: Path) -> str:
-    run = subprocess.Popen(
-        [*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"],
-        cwd=repo,
-        env=_env(state),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = spawn([*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"], _env(state), cwd=repo)
     runner = _bwrapped_runner(pg_url, state, runner_state)
     try:
         rout, rerr = runner.communicate(timeout=180)
@@ -288,13 +281,10 @@ def test_a_runner_that_cannot_see_the_submitter_runs_its_jobs_from_the_store(
 def test_path_transport_still_works_on_postgresql(tmp_path: Path, pg_url: str) -> None:
     repo = _repo(tmp_path / "repo", _CHECK.replace("[self-hosted, remote]", "ubuntu-latest"))
     state = tmp_path / "state"
-    run = subprocess.Popen(
+    run = spawn(
         [*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"],
+        _env(state, PRELOOP_SNAPSHOT_TRANSPORT="path"),
         cwd=repo,
-        env=_env(state, PRELOOP_SNAPSHOT_TRANSPORT="path"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
     try:
         runner = subprocess.run(

@@ -13,7 +13,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 from tests.run_support import make_repo, workflow
-from tests.test_run_cli import PRELOOP, _env, read_fifo
+from tests.test_run_cli import PRELOOP, _env, read_fifo, spawn
 
 from preloop.control import open_store
 from preloop.control.db import PgBackend, Tx
@@ -180,23 +180,13 @@ def test_run_survives_three_rounds_of_terminated_connections(
     try:
         if where == "remote":
             procs.append(
-                subprocess.Popen(
+                spawn(
                     [*PRELOOP, "runner", "--store", url, "--name", "r1", "--labels", "big"],
-                    env=_env(state / "runner"),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
+                    _env(state / "runner"),
                 )
             )
         args = ["run", "--store", url, "--json"] + (["-j", "0"] if where == "remote" else [])
-        run = subprocess.Popen(
-            [*PRELOOP, *args],
-            cwd=repo,
-            env=_env(state),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        run = spawn([*PRELOOP, *args], _env(state), cwd=repo)
         procs.append(run)
         for job in ("a", "b", "c"):
             assert read_fifo(fifo, procs) == job
@@ -244,14 +234,7 @@ def test_runner_once_and_max_jobs(tmp_path: Path, pg_url: str) -> None:
     }
     repo = make_repo(tmp_path / "repo", workflow(json.dumps({"on": "push", "jobs": jobs})))
     state = tmp_path / "state"
-    run = subprocess.Popen(
-        [*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"],
-        cwd=repo,
-        env=_env(state),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = spawn([*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"], _env(state), cwd=repo)
     try:
         for flags, ran in (
             (["--once"], 1),
@@ -304,20 +287,11 @@ def test_sigkilled_runner_leaves_no_step_process_and_its_dir_is_swept(
     repo = make_repo(tmp_path / "repo", workflow(text))
     state = tmp_path / "state"
     rstate = tmp_path / "runner-state"
-    runner = subprocess.Popen(
-        [*PRELOOP, "runner", "--store", pg_url, "--labels", "big"],
-        env=_env(rstate),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    run = subprocess.Popen(
+    runner = spawn([*PRELOOP, "runner", "--store", pg_url, "--labels", "big"], _env(rstate))
+    run = spawn(
         [*PRELOOP, "run", "-j", "0", "--store", pg_url, "--json"],
+        _env(state, PRELOOP_LEASE_SECONDS="3"),
         cwd=repo,
-        env=_env(state, PRELOOP_LEASE_SECONDS="3"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
     )
     try:
         pids = [int(p) for p in read_fifo(fifo, [runner, run]).split()]
@@ -412,21 +386,15 @@ def test_a_job_is_never_executed_twice_at_the_same_moment(
         runner_args = ["--store", url, "--labels", "big", "--capacity", "2"]
         for n in range(3):
             procs.append(
-                subprocess.Popen(
+                spawn(
                     [*PRELOOP, "runner", "--name", f"r{n}", *runner_args],
-                    env=_env(tmp_path / f"runner{n}"),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
+                    _env(tmp_path / f"runner{n}"),
                 )
             )
-        run = subprocess.Popen(
+        run = spawn(
             [*PRELOOP, "run", "-j", "0", "--store", url, "--json"],
+            _env(tmp_path / "state"),
             cwd=repo,
-            env=_env(tmp_path / "state"),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
         )
         procs.append(run)
         started = 0

@@ -9,12 +9,10 @@ import os
 import select
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from tests.run_support import make_repo, workflow
-from tests.test_run_cli import PRELOOP, _env, _start_runner, preloop, spawn
+from tests.test_run_cli import PRELOOP, _env, _start_runner, preloop, runners, spawn
 from tests.test_store_faults import _terminate, _with_app_name
 
 from preloop.control import Store, open_store
@@ -22,7 +20,7 @@ from preloop.control.joblogs import JobLogStore
 from preloop.runner.logs import JobLog
 from preloop.testing.control_fixtures import store, store_url
 
-__all__ = ["store", "store_url"]
+__all__ = ["runners", "store", "store_url"]
 
 
 def test_batches_are_idempotent_and_read_in_order_after_what_was_printed(store: Store) -> None:
@@ -80,18 +78,6 @@ def test_lines_survive_the_connections_being_terminated(
         assert cuts >= 1
         lines = [line for b in logs.read(4) for line in b.lines]
         assert lines == [f"line {i}" for i in range(300)]
-
-
-@pytest.fixture
-def runners(pg_url: str) -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
 
 
 def _read_until(proc: subprocess.Popen[str], needle: str, limit: float = 120.0) -> str:

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 from preloop.control.wakeups import LOGS
 
 if TYPE_CHECKING:
-    from preloop.control.db import Tx
     from preloop.control.store import Store
 
 __all__ = ["JobElsewhere", "JobLogStore", "LogBatch"]
@@ -52,44 +51,37 @@ class JobElsewhere:
 
 class JobLogStore:
     """Job logs and results of one open `Store` (lite or PostgreSQL).
-    Thread-safe as the store is; every method is one short transaction."""
+    Thread-safe as the store is; every method is one statement."""
 
     def __init__(self, store: Store) -> None:
         self._db = store.backend
         self._pg = store.dialect == "pg"
 
-    def _notify(self, tx: Tx) -> None:
+    def _write(self, op: str, sql: str, params: Sequence[Any]) -> None:
+        """One write as one statement (on PostgreSQL one round trip, the
+        NOTIFY in the same statement: a CTE around the write)."""
         if self._pg:
-            tx.execute(f"SELECT pg_notify('{LOGS}', '')")
+            sql = f"WITH w AS ({sql} RETURNING 1) SELECT pg_notify('{LOGS}', '') FROM w"
+        self._db.statement(op, lambda tx: tx.execute(sql, params))
 
     def append(self, run_id: int, job_id: str, seq: int, lines: Sequence[str]) -> None:
         """Stores batch `seq` of the job's lines (a rerun of the same batch is a no-op)."""
-        text = "\n".join(lines)
-
-        def fn(tx: Tx) -> None:
-            tx.execute(
-                "INSERT INTO preloop_job_logs (run_id, job_id, seq, lines, at) "
-                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id, job_id, seq) DO NOTHING",
-                (run_id, job_id, seq, text, time.time()),
-            )
-            self._notify(tx)
-
-        self._db.transaction("log_append", fn)
+        self._write(
+            "log_append",
+            "INSERT INTO preloop_job_logs (run_id, job_id, seq, lines, at) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id, job_id, seq) DO NOTHING",
+            (run_id, job_id, seq, "\n".join(lines), time.time()),
+        )
 
     def save_result(self, run_id: int, job_id: str, result: dict[str, Any]) -> None:
         """Stores the job's result (`JobResult` as a dict), replacing an older one."""
-        doc = json.dumps(result, sort_keys=True)
-
-        def fn(tx: Tx) -> None:
-            tx.execute(
-                "INSERT INTO preloop_job_results (run_id, job_id, result, at) "
-                "VALUES (?, ?, ?, ?) ON CONFLICT (run_id, job_id) "
-                "DO UPDATE SET result = excluded.result, at = excluded.at",
-                (run_id, job_id, doc, time.time()),
-            )
-            self._notify(tx)
-
-        self._db.transaction("log_result", fn)
+        self._write(
+            "log_result",
+            "INSERT INTO preloop_job_results (run_id, job_id, result, at) "
+            "VALUES (?, ?, ?, ?) ON CONFLICT (run_id, job_id) "
+            "DO UPDATE SET result = excluded.result, at = excluded.at",
+            (run_id, job_id, json.dumps(result, sort_keys=True), time.time()),
+        )
 
     def read(
         self, run_id: int, job_id: str | None = None, after: dict[str, int] | None = None
@@ -101,7 +93,7 @@ class JobLogStore:
         if job_id is not None:
             sql += " AND job_id = ?"
             params.append(job_id)
-        rows = self._db.transaction(
+        rows = self._db.statement(
             "log_read", lambda tx: tx.execute(sql + " ORDER BY job_id, seq", params)
         )
         seen = after or {}
@@ -112,7 +104,7 @@ class JobLogStore:
         ]
 
     def jobs_with_logs(self, run_id: int) -> set[str]:
-        rows = self._db.transaction(
+        rows = self._db.statement(
             "log_jobs",
             lambda tx: tx.execute(
                 "SELECT DISTINCT job_id FROM preloop_job_logs WHERE run_id = ?", (run_id,)
@@ -122,7 +114,7 @@ class JobLogStore:
 
     def results(self, run_id: int) -> dict[str, dict[str, Any]]:
         """The stored results of the run's jobs, by job id."""
-        rows = self._db.transaction(
+        rows = self._db.statement(
             "log_results",
             lambda tx: tx.execute(
                 "SELECT job_id, result FROM preloop_job_results WHERE run_id = ?", (run_id,)
@@ -141,7 +133,7 @@ class JobLogStore:
     def jobs_elsewhere(self, run_id: int, runner_prefix: str) -> list[JobElsewhere]:
         """The run's jobs claimed by runners whose names do not start with
         `runner_prefix` (the caller's own): what a submitter follows."""
-        rows = self._db.transaction(
+        rows = self._db.statement(
             "log_elsewhere",
             lambda tx: tx.execute(
                 "SELECT id, name, status, conclusion, runner, started_at, completed_at "

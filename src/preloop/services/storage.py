@@ -42,10 +42,10 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 __all__ = [
     "ArtifactRecord",
@@ -106,6 +106,30 @@ class CacheEntry:
 class CacheMatch:
     entry: CacheEntry
     matched_key: str
+
+
+T = TypeVar("T")
+
+
+def lookup_cache(
+    refs: Sequence[str],
+    key: str,
+    restore_keys: Sequence[str],
+    exact: Callable[[str, str], T | None],
+    newest_with_prefix: Callable[[str, str], T | None],
+) -> T | None:
+    """GitHub's cache lookup order, for every `ServiceStorage`: in each of
+    `refs` in turn (the run's, then its fallbacks), the exact `key`, then
+    each of `restore_keys` as a prefix (the newest entry that has it)."""
+    for ref in dict.fromkeys(refs):
+        found = exact(ref, key)
+        for prefix in restore_keys:
+            if found is not None:
+                break
+            found = newest_with_prefix(ref, prefix)
+        if found is not None:
+            return found
+    return None
 
 
 class ServiceStorage(Protocol):
@@ -708,27 +732,27 @@ class LocalStorage(StagedUploads):
         default branch): the exact key, then each restore key as a prefix,
         newest entry first."""
         with self._tx() as db:
-            for ref in dict.fromkeys(refs):
-                row = db.execute(
+            row = lookup_cache(
+                refs,
+                key,
+                restore_keys,
+                lambda ref, k: db.execute(
                     "SELECT * FROM entries WHERE repo=? AND ref=? AND key=? AND version=? "
                     "AND state='ready'",
-                    (repo, ref, key, version),
-                ).fetchone()
-                if row is None:
-                    for prefix in restore_keys:
-                        row = db.execute(
-                            "SELECT * FROM entries WHERE repo=? AND ref=? AND version=? "
-                            "AND state='ready' AND substr(key, 1, ?) = ? "
-                            "ORDER BY created DESC, id DESC LIMIT 1",
-                            (repo, ref, version, len(prefix), prefix),
-                        ).fetchone()
-                        if row is not None:
-                            break
-                if row is not None:
-                    entry = _entry(row)
-                    db.execute("UPDATE entries SET last_used=? WHERE id=?", (time.time(), entry.id))
-                    return CacheMatch(entry, entry.key)
-        return None
+                    (repo, ref, k, version),
+                ).fetchone(),
+                lambda ref, prefix: db.execute(
+                    "SELECT * FROM entries WHERE repo=? AND ref=? AND version=? "
+                    "AND state='ready' AND substr(key, 1, ?) = ? "
+                    "ORDER BY created DESC, id DESC LIMIT 1",
+                    (repo, ref, version, len(prefix), prefix),
+                ).fetchone(),
+            )
+            if row is None:
+                return None
+            entry = _entry(row)
+            db.execute("UPDATE entries SET last_used=? WHERE id=?", (time.time(), entry.id))
+        return CacheMatch(entry, entry.key)
 
     def cache_entries(self) -> list[CacheEntry]:
         if not (self.cache_dir / "index.db").exists():

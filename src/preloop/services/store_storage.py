@@ -52,6 +52,7 @@ from preloop.services.storage import (
     StagedUploads,
     StorageConflict,
     StorageError,
+    lookup_cache,
 )
 
 if TYPE_CHECKING:
@@ -480,30 +481,29 @@ class StoreStorage(StagedUploads):
         newest entry first."""
 
         def fn(tx: Tx) -> Row | None:
-            for ref in dict.fromkeys(refs):
-                row = tx.one(
+            row = lookup_cache(
+                refs,
+                key,
+                restore_keys,
+                lambda ref, k: tx.one(
                     f"SELECT {_CACHE_COLS} FROM preloop_cache_entries WHERE repo = ? AND "
                     "ref = ? AND key = ? AND version = ? AND state = 'ready'",
-                    (repo, ref, key, version),
+                    (repo, ref, k, version),
+                ),
+                lambda ref, prefix: tx.one(
+                    f"SELECT {_CACHE_COLS} FROM preloop_cache_entries WHERE repo = ? "
+                    "AND ref = ? AND version = ? AND state = 'ready' AND "
+                    "substr(key, 1, CAST(? AS INTEGER)) = ? "
+                    "ORDER BY created DESC, id DESC LIMIT 1",
+                    (repo, ref, version, len(prefix), prefix),
+                ),
+            )
+            if row is not None:
+                tx.execute(
+                    "UPDATE preloop_cache_entries SET last_used = ? WHERE id = ?",
+                    (time.time(), row["id"]),
                 )
-                if row is None:
-                    for prefix in restore_keys:
-                        row = tx.one(
-                            f"SELECT {_CACHE_COLS} FROM preloop_cache_entries WHERE repo = ? "
-                            "AND ref = ? AND version = ? AND state = 'ready' AND "
-                            "substr(key, 1, CAST(? AS INTEGER)) = ? "
-                            "ORDER BY created DESC, id DESC LIMIT 1",
-                            (repo, ref, version, len(prefix), prefix),
-                        )
-                        if row is not None:
-                            break
-                if row is not None:
-                    tx.execute(
-                        "UPDATE preloop_cache_entries SET last_used = ? WHERE id = ?",
-                        (time.time(), row["id"]),
-                    )
-                    return row
-            return None
+            return row
 
         row = self._db.transaction("cache_match", fn)
         if row is None:

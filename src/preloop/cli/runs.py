@@ -4,7 +4,6 @@ their logs under the state directory."""
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -253,17 +252,7 @@ def _logs_from_store(
         if token is None or not db.listening:
             time.sleep(_FOLLOW_POLL)
         else:
-            listener_wait(db, token, _FOLLOW_POLL * 10)
-
-
-def listener_wait(db: Store, token: int, timeout: float) -> None:
-    """Blocks until the store's next LOGS wake-up after `token`, or `timeout`."""
-    woke = threading.Event()
-    unsubscribe = db.on_work(token, woke.set, LOGS)
-    try:
-        woke.wait(timeout)
-    finally:
-        unsubscribe()
+            db.wait_work(token, _FOLLOW_POLL * 10, LOGS)
 
 
 def _logs_from_files(

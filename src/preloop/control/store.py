@@ -202,6 +202,13 @@ class Store:
         assert listener is not None, "on_work needs a token from work_token()"
         return listener.subscribe(token, callback, channel)
 
+    def wait_work(self, token: int, timeout: float, channel: str = JOBS) -> bool:
+        """Blocks this thread until a wake-up on `channel` newer than `token`
+        (True) or `timeout` seconds (False); `token` from `work_token()`."""
+        listener = self._db.listener()
+        assert listener is not None, "wait_work needs a token from work_token()"
+        return listener.wait(token, timeout, channel)
+
     def __enter__(self) -> Store:
         return self
 

@@ -27,6 +27,7 @@ from preloop.fingerprint import (
 )
 
 SLOT_NAMES = ["admission", "slot-0", "slot-1", "slot-2", "slot-3"]
+QUEUE_NAMES = [f"slot-{i}.queue-{level}" for i in range(4) for level in range(8)]
 
 
 @pytest.fixture(autouse=True)
@@ -86,9 +87,9 @@ def test_twelve_cold_start_processes_under_umask_077(tmp_path: Path) -> None:
         assert child.returncode == 0
         assert int(out) in range(4)
     assert sorted(os.listdir(tmp_path)) == ["coordination"]
-    assert sorted(os.listdir(directory)) == SLOT_NAMES
+    assert sorted(os.listdir(directory)) == sorted(SLOT_NAMES + QUEUE_NAMES)
     assert mode_of(directory) == 0o1777
-    for name in SLOT_NAMES:
+    for name in SLOT_NAMES + QUEUE_NAMES:
         assert mode_of(directory / name) == 0o666
         assert (directory / name).stat().st_size == 0
 
@@ -329,8 +330,17 @@ def python_binds_under_tmp() -> list[str]:
 
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
-def test_sandboxed_process_shares_the_cap_through_a_read_only_bind(tmp_path: Path) -> None:
+@pytest.mark.parametrize("queues", [True, False], ids=["queues", "older-directory"])
+def test_sandboxed_process_shares_the_cap_through_a_read_only_bind(
+    tmp_path: Path, queues: bool
+) -> None:
+    """A waiter inside the sandbox queues on the host's queue files; in a directory
+    an older version made (no queue files, and the read-only bind cannot add them)
+    it still waits in the kernel and gets the slot."""
     directory = prepare_host_coordination(tmp_path / "coordination")
+    if not queues:
+        for name in QUEUE_NAMES:
+            (directory / name).unlink()
     assert str(directory).startswith("/tmp/")  # hidden by the sandbox's private /tmp
     host = held(HostSlots(directory), 4)
     sandboxed = subprocess.Popen(
@@ -368,6 +378,7 @@ def test_sandboxed_process_shares_the_cap_through_a_read_only_bind(tmp_path: Pat
         slot.release()
     line = sandboxed.stdout.readline()
     assert line.startswith("acquired ")
+    assert sorted(os.listdir(directory)) == sorted(SLOT_NAMES + (QUEUE_NAMES if queues else []))
     # Now the sandbox holds one: the host gets exactly three.
     again = [s for s in (HostSlots(directory).try_acquire() for _ in range(4)) if s]
     assert len(again) == 3

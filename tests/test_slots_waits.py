@@ -9,6 +9,7 @@ import fcntl
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -375,3 +376,98 @@ def test_fingerprint_timeout_knob_is_validated(tmp_path: Path) -> None:
     )
     assert r.returncode == 2
     assert r.stderr.startswith("preloop: error: PRELOOP_FINGERPRINT_SLOT_TIMEOUT: ")
+
+
+QUEUED = """
+    import sys
+    from preloop import _native
+    from preloop.fingerprint import HostSlots
+    _native.set_test_hooks(full_scan=lambda path: print("parked", path, flush=True))
+    slot = HostSlots(sys.argv[1], slots=1).acquire()
+    print("got", slot.index, flush=True)
+    sys.stdin.readline()  # hold until the test says release
+"""
+
+
+def test_a_slots_waiters_are_served_in_the_order_they_queued(tmp_path: Path) -> None:
+    """The first waiter is stopped when the slot is freed: the second, awake and
+    woken, still does not take the slot ahead of it (flock alone lets the fastest
+    waiter win, so a waiter could lose every release)."""
+    directory = prepare_host_coordination(tmp_path / "c", slots=1)
+    holder = Holder(directory, ["slot-0"])
+    first = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(QUEUED), str(directory)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert first.stdout is not None and first.stdin is not None
+    try:
+        assert first.stdout.readline() == f"parked {directory / 'slot-0'}\n"
+        parked = threading.Event()
+        _native.set_test_hooks(full_scan=lambda path: parked.set())
+        order: list[str] = []
+
+        def second() -> None:
+            with HostSlots(directory, slots=1).acquire():
+                order.append("second")
+
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert parked.wait(30)
+        first.send_signal(signal.SIGSTOP)
+        holder.stop()  # the slot is free; its first waiter cannot run
+        first.send_signal(signal.SIGCONT)
+        assert first.stdout.readline() == "got 0\n"
+        order.append("first")
+        first.stdin.write("release\n")
+        first.stdin.flush()
+        thread.join(30)
+        assert not thread.is_alive()
+        assert order == ["first", "second"]
+    finally:
+        first.kill()
+        first.wait(30)
+
+
+def test_a_long_wait_keeps_its_place_while_it_logs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The holders are logged while the waiter stays queued: a waiter that queued
+    behind it before the report still gets the slot after it."""
+    directory = prepare_host_coordination(tmp_path / "c", slots=1)
+    holder = Holder(directory, ["slot-0"])
+    parked = threading.Semaphore(0)
+    reported = threading.Event()
+    _native.set_test_hooks(full_scan=lambda path: parked.release())
+
+    def on_report(record: logging.LogRecord) -> bool:
+        if "waiting" in record.getMessage():
+            reported.set()
+        return True
+
+    logger = logging.getLogger("preloop.fingerprint")
+    logger.addFilter(on_report)
+    order: list[str] = []
+
+    def wait(name: str, report_after: float) -> None:
+        with HostSlots(directory, slots=1, report_after=report_after).acquire():
+            order.append(name)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="preloop.fingerprint"):
+            first = threading.Thread(target=wait, args=("first", 1.0))
+            first.start()
+            assert parked.acquire(timeout=30)
+            second = threading.Thread(target=wait, args=("second", 3600.0))
+            second.start()
+            assert parked.acquire(timeout=30)
+            assert reported.wait(30)  # the first waiter logged the holder
+            holder.stop()
+            for t in (first, second):
+                t.join(30)
+                assert not t.is_alive()
+    finally:
+        logger.removeFilter(on_report)
+    assert order == ["first", "second"]
+    assert any(f"held by pid {holder.pid} (slot-0" in r.getMessage() for r in caplog.records)

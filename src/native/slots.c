@@ -18,6 +18,10 @@ void (*pl_slots_full_hook)(const char *slot_path) = NULL;
 #define DIR_MODE 01777
 #define FILE_MODE 0666
 
+/* Places in one slot's FIFO queue of waiters (one queue file each); a waiter that
+ * finds all of them taken races for the slot as every waiter once did. */
+#define QUEUE_DEPTH 8
+
 static unsigned long tmp_counter;
 
 static int fail(pl_slots_error *e, int kind, int err, const char *a, const char *b) {
@@ -48,16 +52,24 @@ static char *tmp_name(const char *prefix) {
     return s;
 }
 
-static char *slot_name(int i) {
-    char *s = malloc(32);
+/* Coordination file k: -1 admission, [0, nslots) slot-k, then the queue files
+ * slot-<i>.queue-<l> of each slot (QUEUE_DEPTH per slot). */
+static char *slot_name(int k, int nslots) {
+    char *s = malloc(48);
     if (s) {
-        if (i < 0)
-            snprintf(s, 32, "admission");
+        if (k < 0)
+            snprintf(s, 48, "admission");
+        else if (k < nslots)
+            snprintf(s, 48, "slot-%d", k);
         else
-            snprintf(s, 32, "slot-%d", i);
+            snprintf(s, 48, "slot-%d.queue-%d", (k - nslots) / QUEUE_DEPTH,
+                     (k - nslots) % QUEUE_DEPTH);
     }
     return s;
 }
+
+/* Every coordination file: admission, the slots and their queue files. */
+static int file_count(int nslots) { return nslots * (1 + QUEUE_DEPTH); }
 
 /* Creates `name` in dirfd with mode 0666 regardless of umask, by a temporary
  * file and a no-replace link: a contender never sees it with narrower bits. */
@@ -86,28 +98,43 @@ static int publish_file(int dirfd, const char *dir, const char *name, pl_slots_e
     return rc;
 }
 
-/* Makes sure every coordination file exists as a regular file. Existing files
- * are adopted as they are: never truncated, never replaced. */
-static int ensure_files(int dirfd, const char *dir, int nslots, pl_slots_error *e) {
-    for (int i = -1; i < nslots; i++) {
-        char *name = slot_name(i);
-        if (!name)
-            return fail(e, PL_SLOTS_E_NOMEM, ENOMEM, dir, NULL);
-        struct stat st;
-        int rc = 0;
-        if (fstatat(dirfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
-            if (S_ISLNK(st.st_mode))
-                rc = fail(e, PL_SLOTS_E_SYMLINK, ELOOP, dir, name);
-            else if (!S_ISREG(st.st_mode))
-                rc = fail(e, PL_SLOTS_E_NOTREG, EINVAL, dir, name);
-        } else if (errno == ENOENT) {
-            rc = publish_file(dirfd, dir, name, e);
-        } else {
-            rc = fail(e, PL_SLOTS_E_OPEN, errno, dir, name);
+/* Makes sure coordination file k exists as a regular file. An existing file is
+ * adopted as it is: never truncated, never replaced. */
+static int ensure_file(int dirfd, const char *dir, int k, int nslots, pl_slots_error *e) {
+    char *name = slot_name(k, nslots);
+    if (!name)
+        return fail(e, PL_SLOTS_E_NOMEM, ENOMEM, dir, NULL);
+    struct stat st;
+    int rc = 0;
+    if (fstatat(dirfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+        if (S_ISLNK(st.st_mode))
+            rc = fail(e, PL_SLOTS_E_SYMLINK, ELOOP, dir, name);
+        else if (!S_ISREG(st.st_mode))
+            rc = fail(e, PL_SLOTS_E_NOTREG, EINVAL, dir, name);
+    } else if (errno == ENOENT) {
+        rc = publish_file(dirfd, dir, name, e);
+    } else {
+        rc = fail(e, PL_SLOTS_E_OPEN, errno, dir, name);
+    }
+    free(name);
+    return rc;
+}
+
+/* Admission and the slots, which the cap needs; with `queues` also the queue
+ * files, which only order waiters: a directory that cannot get them (a read-only
+ * mount of one made by an older version) still caps, without the FIFO. */
+static int ensure_files(int dirfd, const char *dir, int nslots, int queues, pl_slots_error *e) {
+    for (int k = -1; k < nslots; k++)
+        if (ensure_file(dirfd, dir, k, nslots, e) != 0)
+            return -1;
+    for (int k = nslots; queues && k < file_count(nslots); k++) {
+        if (ensure_file(dirfd, dir, k, nslots, e) != 0) {
+            if (e->kind == PL_SLOTS_E_SYMLINK || e->kind == PL_SLOTS_E_NOTREG)
+                return -1;
+            free(e->path);
+            memset(e, 0, sizeof *e);
+            break;
         }
-        free(name);
-        if (rc != 0)
-            return rc;
     }
     return 0;
 }
@@ -115,8 +142,8 @@ static int ensure_files(int dirfd, const char *dir, int nslots, pl_slots_error *
 static void remove_tmp_dir(const char *tmp, int nslots) {
     int fd = open(tmp, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (fd >= 0) {
-        for (int i = -1; i < nslots; i++) {
-            char *name = slot_name(i);
+        for (int k = -1; k < file_count(nslots); k++) {
+            char *name = slot_name(k, nslots);
             if (name)
                 (void)unlinkat(fd, name, 0);
             free(name);
@@ -143,7 +170,7 @@ static int publish_dir(const char *dir, int nslots, pl_slots_error *e) {
         rc = fail(e, PL_SLOTS_E_CREATE, errno, dir, NULL);
     } else if ((fd = open(tmp, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)) < 0) {
         rc = fail(e, PL_SLOTS_E_CREATE, errno, dir, NULL);
-    } else if (ensure_files(fd, tmp, nslots, e) != 0) {
+    } else if (ensure_files(fd, tmp, nslots, 1, e) != 0) {
         rc = -1;
     } else if (renameat2(AT_FDCWD, tmp, AT_FDCWD, dir, RENAME_NOREPLACE) == 0) {
         close(fd);
@@ -207,7 +234,7 @@ int pl_slots_prepare(const char *dir, int nslots, pl_slots_error *error) {
     int fd = open_dir(dir, nslots, 1, error);
     if (fd < 0)
         return -1;
-    int rc = ensure_files(fd, dir, nslots, error);
+    int rc = ensure_files(fd, dir, nslots, 1, error);
     close(fd);
     return rc;
 }
@@ -396,7 +423,7 @@ static int open_handle(pl_slots *h, pl_slots_error *e) {
             /* A directory made by hand or an older run: add the missing files. */
             free(e->path);
             memset(e, 0, sizeof *e);
-            if (ensure_files(h->dirfd, h->dir, h->nslots, e) == 0)
+            if (ensure_files(h->dirfd, h->dir, h->nslots, 0, e) == 0)
                 fd = open_lock_file(h->dirfd, h->dir, name, e);
         }
         if (fd < 0) {
@@ -434,24 +461,43 @@ static int enter(pl_slots *h, pl_slots_error *e) {
     return 0;
 }
 
-/* Waiters mark the slot they park on with an OFD read lock on one byte, which
- * flock never sees: byte 0 for the first waiter of a slot, byte 1 for a second
- * one, and so on, so a new waiter can find the shortest queue. */
+/* A slot's waiters form a FIFO queue. Place l of slot i is the queue file
+ * slot-<i>.queue-<l>, held (flock) by the waiter standing there. The waiter at
+ * place l > 0 waits for place l - 1, then moves up into it and lets its own go,
+ * so the one behind follows; the waiter at place 0 waits for the slot and lets
+ * place 0 go once it holds the slot. Every waiter blocks on a lock only the one
+ * ahead of it releases: flock wakes every waiter of a lock and the fastest wins,
+ * but here each lock has one waiter, so none starves.
+ *
+ * Waiters also mark the places they stand on with an OFD read lock on byte l of
+ * the slot file (byte QUEUE_DEPTH when no place was left), which flock never
+ * sees: scanners leave a free slot with marks to its waiters, and a newcomer
+ * joins behind the last marked place of the slot with the shortest queue. */
 
-/* True when a waiter holds a mark on byte `level` of fd (level < 0: any byte). */
-static int marked(int fd, int level) {
+/* True when a waiter holds a mark on fd's slot at byte `from` or after it.
+ * Marks held through fd itself do not count. */
+static int marked_from(int fd, int from) {
     struct flock fl;
     memset(&fl, 0, sizeof fl);
     fl.l_type = F_WRLCK;
     fl.l_whence = SEEK_SET;
-    fl.l_start = level < 0 ? 0 : level;
-    fl.l_len = level < 0 ? 0 : 1;
+    fl.l_start = from;
+    fl.l_len = 0;
     if (fcntl(fd, F_OFD_GETLK, &fl) != 0)
         return 0; /* cannot tell: behave as before marks existed */
     return fl.l_type != F_UNLCK;
 }
 
-static int has_waiter(int fd) { return marked(fd, -1); }
+static int has_waiter(int fd) { return marked_from(fd, 0); }
+
+/* The place after the last marked one: the length of the slot's queue, counting
+ * gaps a waiter is moving up from. QUEUE_DEPTH + 1 when it overflowed. */
+static int queue_tail(int fd) {
+    int l = 0;
+    while (l <= QUEUE_DEPTH && marked_from(fd, l))
+        l++;
+    return l;
+}
 
 static int set_marker(int fd, short type, int level) {
     struct flock fl;
@@ -459,8 +505,110 @@ static int set_marker(int fd, short type, int level) {
     fl.l_type = type;
     fl.l_whence = SEEK_SET;
     fl.l_start = level;
-    fl.l_len = type == F_UNLCK ? 0 : 1;
+    fl.l_len = type == F_UNLCK ? 0 : 1; /* unlocking: every mark */
     return fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+static void clear_mark(int fd, int level) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_UNLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = level;
+    fl.l_len = 1;
+    (void)fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+/* Opens place `level` of `slot`'s queue; a missing file is created when the
+ * directory allows it. -1 with *e when it cannot be opened. */
+static int open_place(pl_slots *h, int slot, int level, pl_slots_error *e) {
+    char name[48];
+    snprintf(name, sizeof name, "slot-%d.queue-%d", slot, level);
+    int fd = open_lock_file(h->dirfd, h->dir, name, e);
+    if (fd < 0 && e->kind == PL_SLOTS_E_OPEN && e->err == ENOENT) {
+        free(e->path);
+        memset(e, 0, sizeof *e);
+        int k = h->nslots + slot * QUEUE_DEPTH + level;
+        if (ensure_file(h->dirfd, h->dir, k, h->nslots, e) == 0)
+            fd = open_lock_file(h->dirfd, h->dir, name, e);
+    }
+    return fd;
+}
+
+/* Takes a place at the end of the queue of the slot fd opens, marking it, with
+ * h->mu held: the place's descriptor (*level set), or -1 with *level set to
+ * QUEUE_DEPTH when none is left or the queue files are missing (the waiter then
+ * races for the slot, marked), or -2 with *e on an error. */
+static int join_queue(pl_slots *h, int slot, int fd, int *level, pl_slots_error *e) {
+    int l = queue_tail(fd);
+    while (l < QUEUE_DEPTH) {
+        int qfd = open_place(h, slot, l, e);
+        if (qfd < 0) {
+            if (e->kind == PL_SLOTS_E_SYMLINK || e->kind == PL_SLOTS_E_NOTREG)
+                return -2;
+            free(e->path);
+            memset(e, 0, sizeof *e);
+            break; /* no queue files here: race as before */
+        }
+        if (flock(qfd, LOCK_EX | LOCK_NB) == 0) {
+            if (set_marker(fd, F_RDLCK, l) != 0) {
+                int err = errno;
+                close(qfd);
+                lock_error(e, err, h->dir, "queue mark");
+                return -2;
+            }
+            *level = l;
+            return qfd;
+        }
+        int err = errno;
+        close(qfd);
+        if (err != EWOULDBLOCK) {
+            lock_error(e, err, h->dir, "queue");
+            return -2;
+        }
+        l++; /* a newcomer took it a moment ago and is about to mark it */
+    }
+    *level = QUEUE_DEPTH;
+    if (set_marker(fd, F_RDLCK, QUEUE_DEPTH) != 0) {
+        lock_error(e, errno, h->dir, "queue mark");
+        return -2;
+    }
+    return -1;
+}
+
+/* Waits at place `level` (qfd) until this waiter holds the slot through fd:
+ * moves up one place at a time, then takes the slot and lets place 0 go. 0 ok,
+ * -1 with errno (ETIMEDOUT when the deadline passed). Closes qfd in every case. */
+static int wait_in_queue(pl_slots *h, int slot, int fd, int qfd, int level, long deadline,
+                         pl_slots_error *e) {
+    while (qfd >= 0 && level > 0) {
+        int ahead = open_place(h, slot, level - 1, e);
+        if (ahead < 0) {
+            close(qfd);
+            errno = e->err ? e->err : ENOENT;
+            return -1;
+        }
+        if (timed_lock(ahead, deadline < 0 ? -1 : remaining(deadline)) != 0) {
+            int err = errno;
+            close(ahead);
+            close(qfd);
+            errno = err;
+            return -1;
+        }
+        /* Mark the new place before letting the old one go, so the queue never
+         * looks shorter than it is to a newcomer. */
+        (void)set_marker(fd, F_RDLCK, level - 1);
+        close(qfd);
+        clear_mark(fd, level);
+        qfd = ahead;
+        level--;
+    }
+    int rc = timed_lock(fd, deadline < 0 ? -1 : remaining(deadline));
+    int err = errno;
+    if (qfd >= 0)
+        close(qfd); /* the next waiter moves up to place 0 and waits for the slot */
+    errno = err;
+    return rc;
 }
 
 /* One pass over the slots this handle does not hold, with h->mu held: the index
@@ -528,37 +676,45 @@ int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot 
         pthread_mutex_unlock(&h->mu);
         return lock_error(error, err, h->dir, "admission");
     }
-    /* Full cap. Park on slot pid % N, or on the next slot with the shortest queue
+    /* Full cap. Queue on slot pid % N, or on the next slot with a shorter queue
      * of waiters, so waiters spread over the slots. */
     if (pid <= 0)
         pid = (long)getpid();
-    int slot = (int)(pid % h->nslots), level = 0, chosen = 0;
-    for (int l = 0; l < 64 && !chosen; l++) {
-        for (int k = 0; k < h->nslots; k++) {
-            int s = (int)((pid + k) % h->nslots);
-            if (!marked(h->slotfd[s], l == 0 ? -1 : l)) {
-                slot = s;
-                level = l;
-                chosen = 1;
-                break;
-            }
+    int slot = (int)(pid % h->nslots), best = QUEUE_DEPTH + 2;
+    for (int k = 0; k < h->nslots && best > 0; k++) {
+        int s = (int)((pid + k) % h->nslots);
+        int tail = queue_tail(h->slotfd[s]);
+        /* Free with waiters: its first waiter is about to hold it, and the queue
+         * behind the slot is one shorter than its marks say. */
+        if (tail > 0 && flock(h->slotfd[s], LOCK_EX | LOCK_NB) == 0) {
+            (void)flock(h->slotfd[s], LOCK_UN);
+            tail--;
+        }
+        if (tail < best) {
+            best = tail;
+            slot = s;
         }
     }
     snprintf(name, sizeof name, "slot-%d", slot);
     /* A descriptor of its own: its lock conflicts with this process's other
      * holders of the same slot, which the cached descriptor's would not. */
     int fd = open_lock_file(h->dirfd, h->dir, name, error);
-    if (fd >= 0 && set_marker(fd, F_RDLCK, level) != 0) {
-        int err = errno;
-        close(fd);
-        fd = lock_error(error, err, h->dir, name);
+    int qfd = -1, level = 0;
+    if (fd >= 0) {
+        qfd = join_queue(h, slot, fd, &level, error);
+        if (qfd == -2) {
+            close(fd);
+            fd = -1;
+        }
     }
     if (fd >= 0) {
-        /* A slot freed between the first scan and the mark has nobody parked on
-         * it: take it rather than wait a whole hold on the chosen one. From here
-         * on, the mark keeps the chosen slot for this waiter. */
+        /* A slot freed between the first scan and joining the queue has nobody
+         * queued on it: take it rather than wait a whole hold on the chosen one.
+         * From here on, the mark keeps the chosen slot for this waiter. */
         got = scan(h, error);
         if (got != -1) {
+            if (qfd >= 0)
+                close(qfd);
             close(fd);
             if (admitted)
                 (void)flock(h->admfd, LOCK_UN);
@@ -585,11 +741,13 @@ int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot 
             free(p);
         }
     }
-    if (timed_lock(fd, deadline < 0 ? -1 : remaining(deadline)) != 0) {
+    if (wait_in_queue(h, slot, fd, qfd, level, deadline, error) != 0) {
         int err = errno;
         close(fd);
         if (err == ETIMEDOUT)
             return PL_SLOTS_TIMEOUT;
+        if (error->kind != 0)
+            return -1;
         return lock_error(error, err, h->dir, name);
     }
     (void)set_marker(fd, F_UNLCK, 0); /* holding now, not waiting */

@@ -3,7 +3,8 @@
 The semaphore itself is native (`src/native/slots.c`): exclusive `flock(2)` on
 read-only descriptors of `slot-0..N-1` in one fixed host directory, so processes
 in separate mount namespaces (sandboxes with a read-only bind of the directory)
-share one cap, and a dead holder's slot is free at once.
+share one cap, and a dead holder's slot is free at once. A slot's waiters queue
+in order on `slot-<i>.queue-<l>` (see `slots.c`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from types import TracebackType
 
 from preloop import _native, config
 from preloop.errors import CoordinationError
+from preloop.fingerprint.wait_reports import WaitReports
 
 __all__ = [
     "HOST_SLOTS",
@@ -25,6 +27,8 @@ __all__ = [
     "prepare_host_coordination",
     "sandbox_bind_args",
 ]
+
+_REPORTS = WaitReports()
 
 HOST_SLOTS: int = _native.HOST_SLOTS
 """Cooperating fingerprint walks allowed per host, independent of CPU count."""
@@ -127,42 +131,28 @@ class HostSlots:
     def acquire(self, timeout: float | None = None) -> Slot:
         """Takes a slot, waiting in the kernel while all are held: without bound
         when `timeout` is None, else raising `SlotWaitTimeout` after `timeout`
-        seconds. A wait longer than `report_after` logs the holders' pids."""
-        first = self.report_after if timeout is None else min(timeout, self.report_after)
-        got = self._set.take(True, first, self._pid)
+        seconds. A wait longer than `report_after` logs the holders' pids (then
+        every `report_every`) without leaving its place in the slot's queue."""
+        got = self._set.take(False, 0.0, self._pid)
         if got is None:
-            got = self._wait(timeout, first)
-        return Slot(got[0], got[1], self._set, got[2])
-
-    def _wait(self, timeout: float | None, waited: float) -> tuple[int, int, bool]:
-        import logging
-        import time
-
-        log = logging.getLogger("preloop.fingerprint")
-        start = time.monotonic() - waited
-        next_report = start + self.report_after
-        while True:
-            now = time.monotonic()
-            if timeout is not None and now - start >= timeout:
+            key = _REPORTS.watch(self.report_after, self.report_every, self._waiting_text)
+            try:
+                got = self._set.take(True, -1.0 if timeout is None else timeout, self._pid)
+            finally:
+                _REPORTS.unwatch(key)
+            if got is None:
                 raise SlotWaitTimeout(
                     f"no fingerprint slot in {self.directory} became free within {timeout:g} s "
                     f"(PRELOOP_FINGERPRINT_SLOT_TIMEOUT); {self.holders_text()}",
                     str(self.directory),
                 )
-            if now >= next_report:
-                log.warning(
-                    "preloop: waiting %.0f s for a fingerprint slot in %s; %s",
-                    now - start,
-                    self.directory,
-                    self.holders_text(),
-                )
-                next_report = now + self.report_every
-            step = next_report - now
-            if timeout is not None:
-                step = min(step, start + timeout - now)
-            got = self._set.take(True, max(step, 0.0), self._pid)
-            if got is not None:
-                return got
+        return Slot(got[0], got[1], self._set, got[2])
+
+    def _waiting_text(self, waited: float) -> str:
+        return (
+            f"preloop: waiting {waited:.0f} s for a fingerprint slot in {self.directory}; "
+            f"{self.holders_text()}"
+        )
 
     @property
     def native(self) -> _native.SlotSet:

@@ -471,3 +471,59 @@ def test_a_long_wait_keeps_its_place_while_it_logs(
         logger.removeFilter(on_report)
     assert order == ["first", "second"]
     assert any(f"held by pid {holder.pid} (slot-0" in r.getMessage() for r in caplog.records)
+
+
+MARKER = """
+    import fcntl, os, struct, sys
+    fd = os.open(sys.argv[1], os.O_RDONLY)
+    # A waiter's mark: an OFD read lock on byte 0 of the slot file.
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("hhqqi", fcntl.F_RDLCK, 0, 0, 1, 0))
+    print("marked", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_choosing_where_to_wait_never_drops_a_slot_the_handle_holds(tmp_path: Path) -> None:
+    directory = prepare_host_coordination(tmp_path / "c")
+    slots = HostSlots(directory, pid=4)  # prefers slot 0
+    mine = [slots.try_acquire() for _ in range(4)]
+    assert all(mine)
+    marker = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(MARKER), str(directory / "slot-0")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert marker.stdout is not None and marker.stdin is not None
+    parked: list[str] = []
+    event = threading.Event()
+
+    def on_park(path: str) -> None:
+        parked.append(path)
+        event.set()
+
+    try:
+        assert marker.stdout.readline() == "marked\n"
+        _native.set_test_hooks(full_scan=on_park)
+        got: list[Slot] = []
+        thread = threading.Thread(target=lambda: got.append(slots.acquire()))
+        thread.start()
+        assert event.wait(30)
+        # Slot 0 (a waiter queued on it, held through this handle) is still held.
+        fd = os.open(directory / "slot-0", os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        assert parked == [str(directory / "slot-1")]  # the shorter queue
+        mine[1].release()  # type: ignore[union-attr]
+        thread.join(30)
+        assert not thread.is_alive()
+        assert got[0].index == 1
+    finally:
+        marker.stdin.close()
+        marker.wait(30)
+    for slot in [*mine, *got]:
+        assert slot is not None
+        slot.release()

@@ -685,8 +685,9 @@ int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot 
         int s = (int)((pid + k) % h->nslots);
         int tail = queue_tail(h->slotfd[s]);
         /* Free with waiters: its first waiter is about to hold it, and the queue
-         * behind the slot is one shorter than its marks say. */
-        if (tail > 0 && flock(h->slotfd[s], LOCK_EX | LOCK_NB) == 0) {
+         * behind the slot is one shorter than its marks say. (A slot this handle
+         * holds is not free; testing it through its own descriptor would drop it.) */
+        if (tail > 0 && !h->held[s] && flock(h->slotfd[s], LOCK_EX | LOCK_NB) == 0) {
             (void)flock(h->slotfd[s], LOCK_UN);
             tail--;
         }

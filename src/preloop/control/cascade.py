@@ -312,6 +312,7 @@ class _Cascade:
         plain: list[str] = []
         parked: dict[str, list[str]] = {}
         gated: list[Row] = []
+        groups: set[str | None] = set()
         for job in jobs:
             simple = (
                 job["kind"] == "job"
@@ -319,11 +320,13 @@ class _Cascade:
                 and not job["anc_fail"]
                 and not job["anc_bad"]
                 and not cancelled
-                and job["conc_group"] is None
                 and job["conc_group_expr"] is None
             )
-            if not simple:
+            if not simple or job["conc_group"] is not None:
                 gated.append(job)
+                # A job that only needs its (named) group: admitted in bulk
+                # below when every gated job is one of those, of one group.
+                groups.add(job["conc_group"] if simple and not job["conc_cancel"] else None)
             elif job["capped"]:
                 parked.setdefault(job["cohort"], []).append(job["id"])
             else:
@@ -332,6 +335,9 @@ class _Cascade:
         for cohort, ids in parked.items():
             self._bulk_status(run_id, ids, "parked")
             self.work.append(("fill_cohort", (run_id, cohort)))
+        if len(gated) > 1 and len(groups) == 1 and None not in groups:
+            self.work.append(("admit_grouped", (run_id, gated)))
+            return
         for job in reversed(gated):
             self.work.append(("gate", (job,)))
 
@@ -703,6 +709,106 @@ class _Cascade:
             self.tx.execute(Q["admit_update_jobs"], (run_id, job["id"]))
             return
         self.through_group(job, holds_slot=True)
+
+    def _do_admit_grouped(self, run_id: int, jobs: list[Row]) -> None:
+        """Gates and admits `jobs` (seq order; each would run on `success()`
+        with clean ancestors, has no `if:`, and goes through the one named
+        concurrency group they share, without cancel-in-progress) as
+        `_do_gate` and `_do_admit` would one by one, in a few statements
+        whatever their number: cohort slots in seq order, the first leg with
+        a slot tries the group, the rest become its waiters in seq order.
+        When that is not all that would happen (the group is free with
+        waiters, or the waiters would go over the group's queue limit, so
+        older ones are replaced), the jobs are admitted one by one."""
+        tx = self.tx
+        if self.run(run_id)["status"] == "completed":
+            return
+        # Cohort rows change only under their run's lock, held here: a read
+        # stays true until the slots taken are written back.
+        free: dict[str, int] = {}
+        for cohort in dict.fromkeys(j["cohort"] for j in jobs if j["capped"]):
+            c = tx.one(Q["fill_cohort_select_cohorts"], (run_id, cohort))
+            free[cohort] = max(0, int(c["free"])) if c is not None else 0
+        through: list[tuple[Row, bool]] = []  # (job, holds a slot), seq order
+        parked: list[str] = []
+        taken: dict[str, int] = {}
+        for job in jobs:
+            if not job["capped"]:
+                through.append((job, False))
+            elif free[job["cohort"]] > taken.get(job["cohort"], 0):
+                taken[job["cohort"]] = taken.get(job["cohort"], 0) + 1
+                through.append((job, True))
+            else:
+                parked.append(job["id"])
+        if not through:
+            self._bulk_status(run_id, parked, "parked")
+            return
+        group = str(jobs[0]["conc_group"])
+        first, first_slot = through[0]
+        got = tx.one(_ACQUIRE, (group, run_id, first["id"], group, group)) is not None
+        waiters = through[1:] if got else through
+        bulk = True
+        if waiters:
+            g = tx.one(Q["admit_grouped_select_conc_groups"], (group, group, group))
+            if g is None or g["holder_run"] is None:
+                bulk = False  # free with waiters: the oldest one is promoted
+            else:
+                have = int(g["waiters"])
+                for k, (job, _) in enumerate(waiters, 1):
+                    if have + k > (QUEUE_MAX if job["conc_queue_max"] else 1):
+                        bulk = False  # an older waiter would be replaced
+                        break
+        if not bulk:
+            rest = jobs
+            if got:
+                # The first leg is through: the others go one by one after it.
+                if first_slot:
+                    tx.execute(Q["fill_cohort_update_cohorts"], (1, run_id, first["cohort"]))
+                self.enqueue(first, first_slot, group)
+                rest = [j for j in jobs if j is not first]
+            for job in reversed(rest):
+                self.work.append(("gate", (job,)))
+            return
+        for cohort, n in taken.items():
+            tx.execute(Q["fill_cohort_update_cohorts"], (n, run_id, cohort))
+        self._bulk_status(run_id, parked, "parked")
+        if got:
+            self.enqueue(first, first_slot, group)
+        if waiters:
+            row = tx.one(Q["admit_grouped_update_wait_seq"], (len(waiters),))
+            assert row is not None
+            seq0 = int(row["value"]) - len(waiters) + 1
+            self._bulk_waiting(
+                run_id,
+                group,
+                [(j["id"], int(slot), seq0 + i) for i, (j, slot) in enumerate(waiters)],
+            )
+
+    def _bulk_waiting(self, run_id: int, group: str, rows: list[tuple[str, int, int]]) -> None:
+        """Jobs `(id, holds_slot, wait_seq)` of `run_id` become waiters of `group`."""
+        if self.tx.dialect == "pg":
+            self.tx.execute(
+                "UPDATE jobs SET status = 'waiting', holds_slot = sel.hs, conc_group = ?, "
+                "wait_seq = sel.ws FROM unnest(?::TEXT[], ?::INT[], ?::BIGINT[]) "
+                "AS sel(jid, hs, ws) WHERE run_id = ? AND id = sel.jid",
+                (
+                    group,
+                    [r[0] for r in rows],
+                    [r[1] for r in rows],
+                    [r[2] for r in rows],
+                    run_id,
+                ),
+            )
+            return
+        for i in range(0, len(rows), 300):
+            chunk = rows[i : i + 300]
+            values = ", ".join("(?, ?, ?)" for _ in chunk)
+            self.tx.execute(
+                "UPDATE jobs SET status = 'waiting', holds_slot = v.column2, conc_group = ?, "
+                f"wait_seq = v.column3 FROM (VALUES {values}) AS v "
+                "WHERE jobs.run_id = ? AND jobs.id = v.column1",
+                (group, *(x for r in chunk for x in r), run_id),
+            )
 
     def _do_release_slot(self, run_id: int, cohort: str) -> None:
         """A leg gave its slot back: hand it to the next parked leg (seq order),

@@ -6,7 +6,7 @@
 
 -- pg_call_select_preloop_complete_claim --
 -- store: Store._pg_call
-SELECT settled, claimed, wait_us, hold_us FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?)
+SELECT settled, claimed, wait_us, hold_us FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?, ?)
 
 -- settle_pg_select_preloop_settle --
 -- store: Store._settle_pg

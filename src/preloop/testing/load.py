@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
         t.join()
     elapsed = time.perf_counter() - t0
     snap = store.counters.snapshot()
-    ops = ("complete_and_claim", "complete_and_claim.fallback")
+    ops = ("complete_and_claim", "complete_and_claim.fallback", "complete_and_claim.lock_first")
     print(
         json.dumps(
             {
@@ -73,6 +73,7 @@ def main(argv: list[str]) -> int:
                 "complete_statements": sum(snap.statements.get(op, 0) for op in ops),
                 "complete_ops": snap.operations.get("complete_and_claim", 0),
                 "fallbacks": snap.operations.get("complete_and_claim.fallback", 0),
+                "lock_first_retries": snap.operations.get("complete_and_claim.lock_first", 0),
                 "claim_statements": snap.statements.get("claim_job", 0),
             }
         ),

@@ -761,3 +761,34 @@ def test_group_legs_over_the_queue_limit_replace_as_one_by_one(store: Store) -> 
     assert jobs["m#1"] == ("completed", "cancelled")
     assert jobs["m#2"] == ("completed", "cancelled")
     assert jobs["m#3"] == ("waiting", None)
+
+
+def test_a_need_that_ends_queues_parks_and_gates_its_dependents_at_once(store: Store) -> None:
+    """One need ending readies plain jobs (queued), capped legs (up to the
+    cap queued, the rest parked), gated jobs (evaluated), and leaves jobs
+    with another need blocked, in one write for the plain and capped ones;
+    with a failed need nothing is queued without its gate."""
+    b = PlanBuilder()
+    b.job("setup")
+    b.job("other")
+    b.job("plain", needs=["setup"])
+    b.matrix("cap", 5, needs=["setup"], max_parallel=2)
+    b.job("gated", needs=["setup"], if_expr="success() && true")
+    b.job("skips", needs=["setup"], if_expr="failure()")
+    b.job("both", needs=["setup", "other"])
+    run_id = store.submit_run(b.plan())
+    leases = {lease.job_id: lease for lease in store.claim_jobs("r", [], limit=2)}
+    assert set(leases) == {"setup", "other"}
+    store.counters.reset()
+    store.complete_job(leases["setup"], "success")
+    assert store.counters.snapshot().graph_loads == 0
+    jobs = {j.id: (j.status, j.conclusion) for j in store.list_jobs(run_id)}
+    assert jobs["plain"] == ("queued", None)
+    assert [jobs[f"cap#{i}"][0] for i in range(5)] == ["queued"] * 2 + ["parked"] * 3
+    assert jobs["gated"] == ("queued", None)
+    assert jobs["skips"] == ("completed", "skipped")
+    assert jobs["both"] == ("blocked", None)
+    claimed = [lease.job_id for lease in store.claim_jobs("r", [], limit=10)]
+    assert claimed == ["plain", "cap#0", "cap#1", "gated"]
+    store.complete_job(leases["other"], "failure")
+    assert store.get_job(run_id, "both").conclusion == "skipped"

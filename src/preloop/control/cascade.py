@@ -287,19 +287,45 @@ class _Cascade:
         # lookups): one join lets a planner without statistics on fresh rows
         # pick a nested loop over every blocked job of the run.
         dependents = [r["job_id"] for r in tx.execute(Q["end_unit_select_deps"], (run_id, base))]
-        ready = []
+        # With clean ancestry in a run not cancelled, a dependent this need
+        # was the last of, that `ready` would queue (or park) without looking
+        # at it, changes status in the same write: one pass over the rows,
+        # and only the others (and a leg per parked cohort) come back.
+        simple = not fail and not bad and not self.run(run_id)["cancel_requested"]
+        status = (
+            ", status = CASE WHEN remaining_needs = 1 AND kind = 'job' AND if_expr IS NULL "
+            "AND anc_fail = 0 AND anc_bad = 0 AND conc_group IS NULL "
+            "AND conc_group_expr IS NULL THEN CASE WHEN capped <> 0 THEN 'parked' "
+            "ELSE 'queued' END ELSE status END"
+            if simple
+            else ""
+        )
+        rows = []
         for sel, sel_args, where, where_args in _id_sets(tx, run_id, dependents):
-            ready += tx.execute(
+            update = (
                 "UPDATE jobs SET remaining_needs = remaining_needs - 1, "
                 "anc_fail = CASE WHEN ? = 1 THEN 1 ELSE anc_fail END, "
-                "anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END "
+                f"anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END{status} "
                 f"{sel} WHERE {where} AND status = 'blocked' "
-                f"RETURNING {_JOB}",
-                (int(fail), int(bad), *sel_args, *where_args),
+                f"RETURNING {_JOB}"
             )
-        ready = [j for j in ready if int(j["remaining_needs"]) == 0]
-        ready.sort(key=lambda j: (j["seq"], j["id"]))
-        self.ready(run_id, ready)
+            if tx.dialect == "pg":
+                update = (
+                    f"WITH u AS ({update}) SELECT * FROM u WHERE remaining_needs = 0 AND "
+                    "status = 'blocked' UNION ALL (SELECT DISTINCT ON (cohort) * FROM u "
+                    "WHERE remaining_needs = 0 AND status = 'parked' ORDER BY cohort, seq)"
+                )
+            rows += tx.execute(update, (int(fail), int(bad), *sel_args, *where_args))
+        rows = [j for j in rows if int(j["remaining_needs"]) == 0 and j["status"] != "queued"]
+        rows.sort(key=lambda j: (j["seq"], j["id"]))
+        if not simple:
+            self.ready(run_id, rows)
+            return
+        # As `ready` orders its work: parked cohorts filled after the gates.
+        parked = [j["cohort"] for j in rows if j["status"] == "parked"]
+        for cohort in dict.fromkeys(parked):
+            self.work.append(("fill_cohort", (run_id, cohort)))
+        self.ready(run_id, [j for j in rows if j["status"] == "blocked"])
 
     # -- gates
 

@@ -67,6 +67,8 @@ def main(argv: list[str]) -> int:
                 "graph_loads": snap.graph_loads,
                 "settle_lock_hold_ns": snap.settle_lock_hold_ns,
                 "settle_lock_holds": snap.settle_lock_holds,
+                "statement_lock_hold_ns": snap.statement_lock_hold_ns,
+                "statement_lock_holds": snap.statement_lock_holds,
                 "lock_run_wait_ns": snap.lock_run_wait_ns,
                 "lock_run_waits": snap.lock_run_waits,
                 "deadlock_retries": snap.deadlock_retries,

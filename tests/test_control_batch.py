@@ -363,3 +363,20 @@ def test_a_batch_waiting_for_its_run_row_gives_way_to_the_holder(pg_url: str) ->
         assert snap.operations.get("complete_and_claim.lock_first") == 1
         assert snap.deadlock_retries == 0
         assert store.get_run(run_id).remaining_jobs == 2
+
+
+def test_a_batch_keeps_outputs_with_quotes_backslashes_and_braces(store: Store) -> None:
+    """The batch path passes its results as arrays: outputs with the array
+    syntax's own characters come back exactly as given."""
+    b = PlanBuilder()
+    b.matrix("leg", 2)
+    b.job("after", needs=["leg"])
+    run_id = store.submit_run(b.plan())
+    held = store.claim_jobs("r", [], limit=2)
+    tricky = {"v": 'a "quoted", {braced} \\ back\\slash \\" NULL', "e": ""}
+    done, _ = store.complete_and_claim(
+        [(held[0], "success", tricky), (held[1], "success", None)], "r", [], limit=0
+    )
+    assert all(c.changed and c.error is None for c in done)
+    assert store.get_job(run_id, held[0].job_id).outputs == tricky
+    assert store.get_job(run_id, held[1].job_id).outputs == {}

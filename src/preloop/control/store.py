@@ -136,6 +136,15 @@ __all__ = [
 USER_CANCEL_REASON = "cancelled by the user (preloop cancel)"
 
 
+def _text_array(items: Sequence[str]) -> str:
+    """`items` as a PostgreSQL array literal (each element quoted), for a
+    `?::TEXT[]` parameter: psycopg's list adapter inspects every element of
+    every list, which the batch path paid per call."""
+    return (
+        "{" + ",".join('"' + x.replace("\\", "\\\\").replace('"', '\\"') + '"' for x in items) + "}"
+    )
+
+
 def open_store(url: str | None = None) -> Store:
     """Opens (creating and migrating) a store.
 
@@ -542,13 +551,13 @@ class Store:
             Q["pg_call_select_preloop_complete_claim"],
             (
                 run_id,
-                [lease.job_id for lease, _, _ in results],
-                [conclusion for _, conclusion, _ in results],
-                [_dumps(outputs or {}) for _, _, outputs in results],
-                [lease.token for lease, _, _ in results],
+                _text_array([lease.job_id for lease, _, _ in results]),
+                _text_array([conclusion for _, conclusion, _ in results]),
+                _text_array([_dumps(outputs) if outputs else "{}" for _, _, outputs in results]),
+                _text_array([lease.token for lease, _, _ in results]),
                 now,
                 claim.runner if claim else "",
-                claim.labels if claim else [],
+                _text_array(claim.labels if claim else []),
                 claim.limit if claim else 0,
                 now + (claim.lease_seconds if claim else 0.0),
                 claim.run_id if claim else None,

@@ -1060,6 +1060,27 @@ _V14_LOCK_LATE: list[Statement] = [
     {"pg": _COMPLETE_CLAIM_V14.replace("@LOCK_WAIT@", COMPLETE_LOCK_WAIT), "lite": None},
 ]
 
+
+# Migration 15, PostgreSQL only: the claim returns each job's spec, matrix and
+# strategy as JSON values inside its answer, not as JSON text in JSON, so the
+# store decodes one document per batch instead of three more per job.
+def _claim_v15() -> str:
+    old = "RETURNING j.run_id, j.id, j.seq, j.name, j.attempt, j.spec, j.matrix,\n"
+    new = (
+        "RETURNING j.run_id, j.id, j.seq, j.name, j.attempt, j.spec::JSON AS spec,\n"
+        "                j.matrix::JSON AS matrix,\n"
+    )
+    text = _CLAIM_FN
+    assert text.count(old) == 2, old
+    text = text.replace(old, new)
+    old = "                j.strategy, j.timeout_minutes, j.lease_token\n"
+    new = "                j.strategy::JSON AS strategy, j.timeout_minutes, j.lease_token\n"
+    assert text.count(old) == 2, old
+    return text.replace(old, new)
+
+
+_V15_CLAIM_JSON: list[Statement] = [{"pg": _claim_v15(), "lite": None}]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -1080,6 +1101,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V12_OUTPUTS_LIMIT,
     _V13_HOLD_MEASURED,
     _V14_LOCK_LATE,
+    _V15_CLAIM_JSON,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

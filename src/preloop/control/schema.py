@@ -1081,6 +1081,50 @@ def _claim_v15() -> str:
 
 _V15_CLAIM_JSON: list[Statement] = [{"pg": _claim_v15(), "lite": None}]
 
+
+# Migration 16, PostgreSQL only: the slots a batch frees go to the next parked
+# plain legs in one write, by the row addresses the read of the parked legs
+# returned (the run row is held, and parked rows change only under it, so
+# they stay put until commit). Written one by one by run and id, the planner,
+# without statistics on a run's fresh rows, could look each leg up through
+# `jobs_run_status` (every row of the run) instead of the primary key.
+def _complete_claim_v16() -> str:
+    edits = [
+        (
+            "    c RECORD; g RECORD; leg RECORD; got INT; lock_was TEXT;\n",
+            "    c RECORD; g RECORD; leg RECORD; got INT; lock_was TEXT; tids TID[];\n",
+        ),
+        (
+            "            got := 0;\n            FOR leg IN SELECT p.id, p.kind,",
+            "            got := 0;\n            tids := '{{}}';\n"
+            "            FOR leg IN SELECT p.ctid AS tid, p.id, p.kind,",
+        ),
+        (
+            "                IF leg.conc_group IS NULL THEN\n"
+            "                    UPDATE jobs SET status = 'queued', holds_slot = 1\n"
+            "                        WHERE run_id = p_run AND id = leg.id;\n",
+            "                IF leg.conc_group IS NULL THEN\n"
+            "                    tids := tids || leg.tid;\n",
+        ),
+        (
+            "            END LOOP;\n            IF got < c.freed THEN\n",
+            "            END LOOP;\n"
+            "            IF cardinality(tids) > 0 THEN\n"
+            "                UPDATE jobs SET status = 'queued', holds_slot = 1\n"
+            "                    WHERE ctid = ANY (tids);\n"
+            "            END IF;\n"
+            "            IF got < c.freed THEN\n",
+        ),
+    ]
+    text = _COMPLETE_CLAIM_V14
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text.replace("@LOCK_WAIT@", COMPLETE_LOCK_WAIT)
+
+
+_V16_SLOTS_AT_ONCE: list[Statement] = [{"pg": _complete_claim_v16(), "lite": None}]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -1102,6 +1146,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V13_HOLD_MEASURED,
     _V14_LOCK_LATE,
     _V15_CLAIM_JSON,
+    _V16_SLOTS_AT_ONCE,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

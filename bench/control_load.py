@@ -170,6 +170,9 @@ def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
             sum(r["complete_statements"] for r in reports) / completions, 3
         ),
         "fast_path_misses": sum(r["fallbacks"] for r in reports),
+        # Batches whose run row stayed taken past COMPLETE_LOCK_WAIT after
+        # their job rows were written, rerun run-row-first (migration 14).
+        "lock_first_retries": sum(r.get("lock_first_retries", 0) for r in reports),
         "deadlock_retries": sum(r["deadlock_retries"] for r in reports),
     }
 

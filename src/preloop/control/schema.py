@@ -833,7 +833,8 @@ _V13_HOLD_MEASURED: list[Statement] = [
 # `lock_timeout` (`COMPLETE_LOCK_WAIT`): a transaction that holds a run row and waits
 # for one of those job rows (cancelling a run, fail-fast, the reaper) would
 # otherwise wait on us while we wait on it. On that timeout (SQLSTATE 55P03)
-# the statement undoes itself and the store reruns it with `p_lock_first`,
+# the statement undoes itself and the store reruns it with `p_lock_first`
+# (migration 17 raises that as SQLSTATE PLLCK),
 # which takes the run row before anything else, as migration 13 did. Under
 # the run row: the run's and the units' counters, the outputs limit,
 # released groups, freed slots, and the claim when it had to wait for them.
@@ -1125,6 +1126,40 @@ def _complete_claim_v16() -> str:
 
 _V16_SLOTS_AT_ONCE: list[Statement] = [{"pg": _complete_claim_v16(), "lite": None}]
 
+
+# Migration 17, PostgreSQL only: the batch's wait for its run row running out
+# is raised as SQLSTATE PLLCK, not as the server's lock timeout (55P03), so
+# the store tells it from a lock timeout of the database's own settings on
+# every path (a retry after a lost connection runs the call in a transaction,
+# which reports those as errors).
+def _complete_claim_v17() -> str:
+    old = (
+        "        UPDATE runs SET remaining_jobs = remaining_jobs - n,\n"
+        "                cancelled_jobs = cancelled_jobs + n_cancelled\n"
+        "            WHERE id = p_run RETURNING remaining_jobs INTO left_jobs;\n"
+    )
+    new = (
+        "        IF p_lock_first THEN\n"
+        "            UPDATE runs SET remaining_jobs = remaining_jobs - n,\n"
+        "                    cancelled_jobs = cancelled_jobs + n_cancelled\n"
+        "                WHERE id = p_run RETURNING remaining_jobs INTO left_jobs;\n"
+        "        ELSE\n"
+        "            BEGIN\n"
+        "                UPDATE runs SET remaining_jobs = remaining_jobs - n,\n"
+        "                        cancelled_jobs = cancelled_jobs + n_cancelled\n"
+        "                    WHERE id = p_run RETURNING remaining_jobs INTO left_jobs;\n"
+        "            EXCEPTION WHEN lock_not_available THEN\n"
+        "                RAISE EXCEPTION 'preloop: run row busy' USING ERRCODE = 'PLLCK';\n"
+        "            END;\n"
+        "        END IF;\n"
+    )
+    text = _complete_claim_v16()
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
+_V17_LOCK_BUSY: list[Statement] = [{"pg": _complete_claim_v17(), "lite": None}]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -1147,6 +1182,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V14_LOCK_LATE,
     _V15_CLAIM_JSON,
     _V16_SLOTS_AT_ONCE,
+    _V17_LOCK_BUSY,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

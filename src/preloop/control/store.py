@@ -74,6 +74,7 @@ from typing import Any
 from preloop import config
 from preloop.control import types as _types
 from preloop.control.batch import (
+    _RUN_ROW_BUSY,
     _SLOW_PATH,
     _check_terminal,
     _Claim,
@@ -505,10 +506,12 @@ class Store:
         try:
             try:
                 return self._db.statement(op, fn)
-            except psycopg.errors.LockNotAvailable:
+            except psycopg.Error as exc:
+                if exc.sqlstate != _RUN_ROW_BUSY:
+                    raise
                 # The run row stayed taken past COMPLETE_LOCK_WAIT while this
-                # batch held its job rows (schema migration 14): undone; again,
-                # taking the run row first.
+                # batch held its job rows (schema migrations 14 and 17):
+                # undone; again, taking the run row first.
                 self.counters.add_statements(op + ".lock_first", 1)
                 if claim is not None:
                     # The server answered: nothing of that attempt (nor of
@@ -531,7 +534,7 @@ class Store:
     ) -> tuple[list[Completion], list[Lease]]:
         """One `preloop_complete_claim` call: `results` (all of one run) and
         `claim`; raises psycopg's error with SQLSTATE PLSLO when the batch
-        needs the Python cascade, and 55P03 when the run row was not had in
+        needs the Python cascade, and PLLCK when the run row was not had in
         time after the batch's job rows (`lock_first`: the run row first,
         waiting as long as it takes)."""
         now = claim.at if claim is not None else time.time()

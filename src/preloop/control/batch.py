@@ -6,7 +6,6 @@ stores share."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ from typing import Any
 
 from preloop.control.db import Row, StoreError, Tx
 from preloop.control.queries import Q
-from preloop.control.rows import _dumps, _plain
+from preloop.control.rows import _dumps, _loads, _plain
 from preloop.control.types import (
     TERMINAL,
     Completion,
@@ -212,12 +211,6 @@ def _lite_fast_body(
     ]
 
 
-def _json(v: Any) -> Any:
-    """A JSON column as read: text (SQLite, a plain select) or, from the
-    PostgreSQL claim's answer, already decoded."""
-    return json.loads(v) if isinstance(v, str) else v
-
-
 def _lease(row: Row, claim: _Claim, now: float) -> Lease:
     return Lease(
         run_id=int(row["run_id"]),
@@ -227,9 +220,9 @@ def _lease(row: Row, claim: _Claim, now: float) -> Lease:
         runner=claim.runner,
         expires_at=now + claim.lease_seconds,
         attempt=int(row["attempt"]),
-        spec=_json(row["spec"]),
-        matrix=_json(row["matrix"]),
-        strategy=_json(row["strategy"]),
+        spec=_loads(row["spec"]),
+        matrix=_loads(row["matrix"]),
+        strategy=_loads(row["strategy"]),
         timeout_minutes=float(row["timeout_minutes"]),
     )
 

@@ -1160,6 +1160,13 @@ def _complete_claim_v17() -> str:
 
 _V17_LOCK_BUSY: list[Statement] = [{"pg": _complete_claim_v17(), "lite": None}]
 
+
+# Migration 18, PostgreSQL only: migration 15 undone. A job's spec, matrix and
+# strategy are the JSON text Python wrote, which may hold numbers JSON has no
+# literal for (`Infinity`, a `timeout-minutes` too big for a float): cast to
+# PostgreSQL's JSON they failed the claim. They come back as text again.
+_V18_CLAIM_TEXT: list[Statement] = [{"pg": _CLAIM_FN, "lite": None}]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -1183,6 +1190,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V15_CLAIM_JSON,
     _V16_SLOTS_AT_ONCE,
     _V17_LOCK_BUSY,
+    _V18_CLAIM_TEXT,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

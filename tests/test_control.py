@@ -686,3 +686,109 @@ def test_settling_a_caller_before_it_starts_ends_its_inner_jobs(store: Store) ->
     drive(store, b.plan(), run_id)
     assert store.get_job(run_id, "after").conclusion == "success"
     assert store.get_run(run_id).status == "completed"
+
+
+def test_group_legs_admitted_together_keep_seq_order(store: Store) -> None:
+    """A need that ends and readies a matrix whose legs share a named group
+    admits them at once: cohort slots in seq order, the first leg holds the
+    group, the others wait in seq order, the rest park; then one runs at a
+    time in seq order. Admitting 60 legs costs a few statements, not a few
+    per leg."""
+    b = PlanBuilder()
+    b.job("setup")
+    conc = ConcurrencySpec("together", queue_max=True)
+    b.matrix("m", 60, needs=["setup"], max_parallel=40, concurrency=conc)
+    plan = b.plan()
+    run_id = store.submit_run(plan)
+    setup = store.claim_job("r", [])
+    assert setup is not None and setup.job_id == "setup"
+    store.counters.reset()
+    store.complete_job(setup, "success")
+    assert store.counters.snapshot().statements["complete_job"] <= 20
+    jobs = {j.id: j.status for j in store.list_jobs(run_id)}
+    assert jobs["m#0"] == "queued"
+    assert [jobs[f"m#{i}"] for i in range(1, 40)] == ["waiting"] * 39
+    assert [jobs[f"m#{i}"] for i in range(40, 60)] == ["parked"] * 20
+    res = drive(store, plan, run_id)
+    assert res.dispatched == [f"m#{i}" for i in range(60)]
+    assert res.max_running_per_group["together"] == 1
+    assert store.get_run(run_id).conclusion == "success"
+
+
+def test_group_legs_wait_behind_another_runs_waiters(store: Store) -> None:
+    """Legs readied together join a group another run holds behind its
+    waiters, in seq order, and run after them."""
+    conc = ConcurrencySpec("shared-legs", queue_max=True)
+    first = PlanBuilder()
+    for i in range(3):
+        first.job(f"a{i}", concurrency=conc)
+    run_a = store.submit_run(first.plan("first"))
+    b = PlanBuilder()
+    b.job("setup")
+    b.matrix("m", 4, needs=["setup"], concurrency=conc)
+    run_b = store.submit_run(b.plan("second"))
+    holder = store.claim_job("r", [], run_id=run_a)
+    setup = store.claim_job("r", [], run_id=run_b)
+    assert holder is not None and holder.job_id == "a0"
+    assert setup is not None and setup.job_id == "setup"
+    store.complete_job(setup, "success")
+    assert {j.id: j.status for j in store.list_jobs(run_b)} == {
+        "setup": "completed",
+        **{f"m#{i}": "waiting" for i in range(4)},
+    }
+    store.complete_job(holder, "success")
+    order = []
+    while (lease := store.claim_job("r", [])) is not None:
+        order.append(lease.job_id)
+        store.complete_job(lease, "success")
+    assert order == ["a1", "a2", "m#0", "m#1", "m#2", "m#3"]
+    assert store.get_run(run_a).conclusion == "success"
+    assert store.get_run(run_b).conclusion == "success"
+
+
+def test_group_legs_over_the_queue_limit_replace_as_one_by_one(store: Store) -> None:
+    """Without `queue: max` a group keeps one waiter: legs readied together
+    are admitted one by one, each newer waiter replacing the older."""
+    b = PlanBuilder()
+    b.job("setup")
+    b.matrix("m", 4, needs=["setup"], concurrency=ConcurrencySpec("one-waiter"))
+    run_id = store.submit_run(b.plan())
+    setup = store.claim_job("r", [])
+    assert setup is not None
+    store.complete_job(setup, "success")
+    jobs = {j.id: (j.status, j.conclusion) for j in store.list_jobs(run_id)}
+    assert jobs["m#0"] == ("queued", None)
+    assert jobs["m#1"] == ("completed", "cancelled")
+    assert jobs["m#2"] == ("completed", "cancelled")
+    assert jobs["m#3"] == ("waiting", None)
+
+
+def test_a_need_that_ends_queues_parks_and_gates_its_dependents_at_once(store: Store) -> None:
+    """One need ending readies plain jobs (queued), capped legs (up to the
+    cap queued, the rest parked), gated jobs (evaluated), and leaves jobs
+    with another need blocked, in one write for the plain and capped ones;
+    with a failed need nothing is queued without its gate."""
+    b = PlanBuilder()
+    b.job("setup")
+    b.job("other")
+    b.job("plain", needs=["setup"])
+    b.matrix("cap", 5, needs=["setup"], max_parallel=2)
+    b.job("gated", needs=["setup"], if_expr="success() && true")
+    b.job("skips", needs=["setup"], if_expr="failure()")
+    b.job("both", needs=["setup", "other"])
+    run_id = store.submit_run(b.plan())
+    leases = {lease.job_id: lease for lease in store.claim_jobs("r", [], limit=2)}
+    assert set(leases) == {"setup", "other"}
+    store.counters.reset()
+    store.complete_job(leases["setup"], "success")
+    assert store.counters.snapshot().graph_loads == 0
+    jobs = {j.id: (j.status, j.conclusion) for j in store.list_jobs(run_id)}
+    assert jobs["plain"] == ("queued", None)
+    assert [jobs[f"cap#{i}"][0] for i in range(5)] == ["queued"] * 2 + ["parked"] * 3
+    assert jobs["gated"] == ("queued", None)
+    assert jobs["skips"] == ("completed", "skipped")
+    assert jobs["both"] == ("blocked", None)
+    claimed = [lease.job_id for lease in store.claim_jobs("r", [], limit=10)]
+    assert claimed == ["plain", "cap#0", "cap#1", "gated"]
+    store.complete_job(leases["other"], "failure")
+    assert store.get_job(run_id, "both").conclusion == "skipped"

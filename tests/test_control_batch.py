@@ -303,3 +303,80 @@ def test_the_settle_lock_is_counted_once_per_batch_that_takes_it(pg_url: str) ->
         # The claims come in (run, seq) order off the index, however many are queued.
         assert [lease.job_id for lease in more] == [f"leg#{i}" for i in range(16, 24)]
         assert store.get_run(run_id).status == "running"
+
+
+def test_a_batch_waiting_for_its_run_row_gives_way_to_the_holder(pg_url: str) -> None:
+    """PostgreSQL: a batch writes its jobs before it takes the run row. A
+    transaction that holds the run row and then needs one of those jobs (as
+    cancelling a run does) is not deadlocked: the batch stops waiting after
+    `COMPLETE_LOCK_WAIT`, undoes itself and runs again taking the run row
+    first, so the holder's change (the job told to stop) is what it ends."""
+    import threading
+
+    import psycopg
+
+    with open_store(pg_url) as store:
+        b = PlanBuilder()
+        b.matrix("leg", 4)
+        run_id = store.submit_run(b.plan())
+        held = store.claim_jobs("r", [], limit=2)
+        victim = held[0]
+        out: dict[str, object] = {}
+        with psycopg.connect(pg_url) as holder:
+            holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (run_id,))
+            (pid,) = holder.execute("SELECT pg_backend_pid()").fetchone() or (0,)
+
+            def batch() -> None:
+                out["result"] = store.complete_and_claim(
+                    [(lease, "success", None) for lease in held], "r", [], limit=2
+                )
+
+            t = threading.Thread(target=batch)
+            t.start()
+            # The batch has written its jobs and waits for the run row.
+            waiting = False
+            while not waiting:
+                row = holder.execute(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_locks h ON h.pid = %s "
+                    "AND h.granted AND h.locktype = l.locktype "
+                    "AND h.database IS NOT DISTINCT FROM l.database "
+                    "AND h.relation IS NOT DISTINCT FROM l.relation "
+                    "AND h.transactionid IS NOT DISTINCT FROM l.transactionid "
+                    "WHERE NOT l.granted AND l.pid <> %s",
+                    (pid, pid),
+                ).fetchone()
+                waiting = bool(row and row[0]) or not t.is_alive()
+            # Now the holder needs the batch's job row (the cancel path's write).
+            holder.execute(
+                "UPDATE jobs SET cancel_requested = 1 WHERE run_id = %s AND id = %s",
+                (run_id, victim.job_id),
+            )
+            holder.commit()
+            t.join(timeout=60)
+        done, claimed = out["result"]  # type: ignore[misc]
+        assert [(c.job_id, c.conclusion) for c in done] == [
+            (held[0].job_id, "cancelled"),
+            (held[1].job_id, "success"),
+        ]
+        assert [lease.job_id for lease in claimed] == ["leg#2", "leg#3"]
+        snap = store.counters.snapshot()
+        assert snap.operations.get("complete_and_claim.lock_first") == 1
+        assert snap.deadlock_retries == 0
+        assert store.get_run(run_id).remaining_jobs == 2
+
+
+def test_a_batch_keeps_outputs_with_quotes_backslashes_and_braces(store: Store) -> None:
+    """The batch path passes its results as arrays: outputs with the array
+    syntax's own characters come back exactly as given."""
+    b = PlanBuilder()
+    b.matrix("leg", 2)
+    b.job("after", needs=["leg"])
+    run_id = store.submit_run(b.plan())
+    held = store.claim_jobs("r", [], limit=2)
+    tricky = {"v": 'a "quoted", {braced} \\ back\\slash \\" NULL', "e": ""}
+    done, _ = store.complete_and_claim(
+        [(held[0], "success", tricky), (held[1], "success", None)], "r", [], limit=0
+    )
+    assert all(c.changed and c.error is None for c in done)
+    assert store.get_job(run_id, held[0].job_id).outputs == tricky
+    assert store.get_job(run_id, held[1].job_id).outputs == {}

@@ -24,6 +24,7 @@ from preloop.control.types import (
 )
 
 _SLOW_PATH = "PLSLO"  # preloop_complete_claim: this batch needs the Python cascade
+_RUN_ROW_BUSY = "PLLCK"  # preloop_complete_claim: the run row was not had in time
 
 
 def _check_terminal(run_id: int, job_id: str, conclusion: str) -> None:

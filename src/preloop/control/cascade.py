@@ -287,19 +287,45 @@ class _Cascade:
         # lookups): one join lets a planner without statistics on fresh rows
         # pick a nested loop over every blocked job of the run.
         dependents = [r["job_id"] for r in tx.execute(Q["end_unit_select_deps"], (run_id, base))]
-        ready = []
+        # With clean ancestry in a run not cancelled, a dependent this need
+        # was the last of, that `ready` would queue (or park) without looking
+        # at it, changes status in the same write: one pass over the rows,
+        # and only the others (and a leg per parked cohort) come back.
+        simple = not fail and not bad and not self.run(run_id)["cancel_requested"]
+        status = (
+            ", status = CASE WHEN remaining_needs = 1 AND kind = 'job' AND if_expr IS NULL "
+            "AND anc_fail = 0 AND anc_bad = 0 AND conc_group IS NULL "
+            "AND conc_group_expr IS NULL THEN CASE WHEN capped <> 0 THEN 'parked' "
+            "ELSE 'queued' END ELSE status END"
+            if simple
+            else ""
+        )
+        rows = []
         for sel, sel_args, where, where_args in _id_sets(tx, run_id, dependents):
-            ready += tx.execute(
+            update = (
                 "UPDATE jobs SET remaining_needs = remaining_needs - 1, "
                 "anc_fail = CASE WHEN ? = 1 THEN 1 ELSE anc_fail END, "
-                "anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END "
+                f"anc_bad = CASE WHEN ? = 1 THEN 1 ELSE anc_bad END{status} "
                 f"{sel} WHERE {where} AND status = 'blocked' "
-                f"RETURNING {_JOB}",
-                (int(fail), int(bad), *sel_args, *where_args),
+                f"RETURNING {_JOB}"
             )
-        ready = [j for j in ready if int(j["remaining_needs"]) == 0]
-        ready.sort(key=lambda j: (j["seq"], j["id"]))
-        self.ready(run_id, ready)
+            if tx.dialect == "pg":
+                update = (
+                    f"WITH u AS ({update}) SELECT * FROM u WHERE remaining_needs = 0 AND "
+                    "status = 'blocked' UNION ALL (SELECT DISTINCT ON (cohort) * FROM u "
+                    "WHERE remaining_needs = 0 AND status = 'parked' ORDER BY cohort, seq)"
+                )
+            rows += tx.execute(update, (int(fail), int(bad), *sel_args, *where_args))
+        rows = [j for j in rows if int(j["remaining_needs"]) == 0 and j["status"] != "queued"]
+        rows.sort(key=lambda j: (j["seq"], j["id"]))
+        if not simple:
+            self.ready(run_id, rows)
+            return
+        # As `ready` orders its work: parked cohorts filled after the gates.
+        parked = [j["cohort"] for j in rows if j["status"] == "parked"]
+        for cohort in dict.fromkeys(parked):
+            self.work.append(("fill_cohort", (run_id, cohort)))
+        self.ready(run_id, [j for j in rows if j["status"] == "blocked"])
 
     # -- gates
 
@@ -312,6 +338,7 @@ class _Cascade:
         plain: list[str] = []
         parked: dict[str, list[str]] = {}
         gated: list[Row] = []
+        groups: set[str | None] = set()
         for job in jobs:
             simple = (
                 job["kind"] == "job"
@@ -319,11 +346,13 @@ class _Cascade:
                 and not job["anc_fail"]
                 and not job["anc_bad"]
                 and not cancelled
-                and job["conc_group"] is None
                 and job["conc_group_expr"] is None
             )
-            if not simple:
+            if not simple or job["conc_group"] is not None:
                 gated.append(job)
+                # A job that only needs its (named) group: admitted in bulk
+                # below when every gated job is one of those, of one group.
+                groups.add(job["conc_group"] if simple and not job["conc_cancel"] else None)
             elif job["capped"]:
                 parked.setdefault(job["cohort"], []).append(job["id"])
             else:
@@ -332,6 +361,9 @@ class _Cascade:
         for cohort, ids in parked.items():
             self._bulk_status(run_id, ids, "parked")
             self.work.append(("fill_cohort", (run_id, cohort)))
+        if len(gated) > 1 and len(groups) == 1 and None not in groups:
+            self.work.append(("admit_grouped", (run_id, gated)))
+            return
         for job in reversed(gated):
             self.work.append(("gate", (job,)))
 
@@ -703,6 +735,106 @@ class _Cascade:
             self.tx.execute(Q["admit_update_jobs"], (run_id, job["id"]))
             return
         self.through_group(job, holds_slot=True)
+
+    def _do_admit_grouped(self, run_id: int, jobs: list[Row]) -> None:
+        """Gates and admits `jobs` (seq order; each would run on `success()`
+        with clean ancestors, has no `if:`, and goes through the one named
+        concurrency group they share, without cancel-in-progress) as
+        `_do_gate` and `_do_admit` would one by one, in a few statements
+        whatever their number: cohort slots in seq order, the first leg with
+        a slot tries the group, the rest become its waiters in seq order.
+        When that is not all that would happen (the group is free with
+        waiters, or the waiters would go over the group's queue limit, so
+        older ones are replaced), the jobs are admitted one by one."""
+        tx = self.tx
+        if self.run(run_id)["status"] == "completed":
+            return
+        # Cohort rows change only under their run's lock, held here: a read
+        # stays true until the slots taken are written back.
+        free: dict[str, int] = {}
+        for cohort in dict.fromkeys(j["cohort"] for j in jobs if j["capped"]):
+            c = tx.one(Q["fill_cohort_select_cohorts"], (run_id, cohort))
+            free[cohort] = max(0, int(c["free"])) if c is not None else 0
+        through: list[tuple[Row, bool]] = []  # (job, holds a slot), seq order
+        parked: list[str] = []
+        taken: dict[str, int] = {}
+        for job in jobs:
+            if not job["capped"]:
+                through.append((job, False))
+            elif free[job["cohort"]] > taken.get(job["cohort"], 0):
+                taken[job["cohort"]] = taken.get(job["cohort"], 0) + 1
+                through.append((job, True))
+            else:
+                parked.append(job["id"])
+        if not through:
+            self._bulk_status(run_id, parked, "parked")
+            return
+        group = str(jobs[0]["conc_group"])
+        first, first_slot = through[0]
+        got = tx.one(_ACQUIRE, (group, run_id, first["id"], group, group)) is not None
+        waiters = through[1:] if got else through
+        bulk = True
+        if waiters:
+            g = tx.one(Q["admit_grouped_select_conc_groups"], (group, group, group))
+            if g is None or g["holder_run"] is None:
+                bulk = False  # free with waiters: the oldest one is promoted
+            else:
+                have = int(g["waiters"])
+                for k, (job, _) in enumerate(waiters, 1):
+                    if have + k > (QUEUE_MAX if job["conc_queue_max"] else 1):
+                        bulk = False  # an older waiter would be replaced
+                        break
+        if not bulk:
+            rest = jobs
+            if got:
+                # The first leg is through: the others go one by one after it.
+                if first_slot:
+                    tx.execute(Q["fill_cohort_update_cohorts"], (1, run_id, first["cohort"]))
+                self.enqueue(first, first_slot, group)
+                rest = [j for j in jobs if j is not first]
+            for job in reversed(rest):
+                self.work.append(("gate", (job,)))
+            return
+        for cohort, n in taken.items():
+            tx.execute(Q["fill_cohort_update_cohorts"], (n, run_id, cohort))
+        self._bulk_status(run_id, parked, "parked")
+        if got:
+            self.enqueue(first, first_slot, group)
+        if waiters:
+            row = tx.one(Q["admit_grouped_update_wait_seq"], (len(waiters),))
+            assert row is not None
+            seq0 = int(row["value"]) - len(waiters) + 1
+            self._bulk_waiting(
+                run_id,
+                group,
+                [(j["id"], int(slot), seq0 + i) for i, (j, slot) in enumerate(waiters)],
+            )
+
+    def _bulk_waiting(self, run_id: int, group: str, rows: list[tuple[str, int, int]]) -> None:
+        """Jobs `(id, holds_slot, wait_seq)` of `run_id` become waiters of `group`."""
+        if self.tx.dialect == "pg":
+            self.tx.execute(
+                "UPDATE jobs SET status = 'waiting', holds_slot = sel.hs, conc_group = ?, "
+                "wait_seq = sel.ws FROM unnest(?::TEXT[], ?::INT[], ?::BIGINT[]) "
+                "AS sel(jid, hs, ws) WHERE run_id = ? AND id = sel.jid",
+                (
+                    group,
+                    [r[0] for r in rows],
+                    [r[1] for r in rows],
+                    [r[2] for r in rows],
+                    run_id,
+                ),
+            )
+            return
+        for i in range(0, len(rows), 300):
+            chunk = rows[i : i + 300]
+            values = ", ".join("(?, ?, ?)" for _ in chunk)
+            self.tx.execute(
+                "UPDATE jobs SET status = 'waiting', holds_slot = v.column2, conc_group = ?, "
+                f"wait_seq = v.column3 FROM (VALUES {values}) AS v "
+                "WHERE jobs.run_id = ? AND jobs.id = v.column1",
+                (group, *(x for r in chunk for x in r), run_id),
+            )
 
     def _do_release_slot(self, run_id: int, cohort: str) -> None:
         """A leg gave its slot back: hand it to the next parked leg (seq order),

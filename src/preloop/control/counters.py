@@ -23,6 +23,10 @@ class CountersSnapshot:
     statements: dict[str, int]
     settle_lock_hold_ns: int
     settle_lock_holds: int
+    #: The part of the two above held by one-statement operations (a batch's
+    #: `preloop_complete_claim`), as the server measured it.
+    statement_lock_hold_ns: int
+    statement_lock_holds: int
     lock_run_wait_ns: int
     lock_run_waits: int
     deadlock_retries: int
@@ -54,6 +58,8 @@ class Counters:
     statements: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     settle_lock_hold_ns: int = 0
     settle_lock_holds: int = 0
+    statement_lock_hold_ns: int = 0
+    statement_lock_holds: int = 0
     lock_run_wait_ns: int = 0
     lock_run_waits: int = 0
     deadlock_retries: int = 0
@@ -73,10 +79,13 @@ class Counters:
             self.lock_run_wait_ns += ns
             self.lock_run_waits += 1
 
-    def add_settle_lock_hold(self, ns: int) -> None:
+    def add_settle_lock_hold(self, ns: int, *, statement: bool = False) -> None:
         with self._lock:
             self.settle_lock_hold_ns += ns
             self.settle_lock_holds += 1
+            if statement:
+                self.statement_lock_hold_ns += ns
+                self.statement_lock_holds += 1
 
     def add_deadlock_retry(self) -> None:
         with self._lock:
@@ -90,6 +99,8 @@ class Counters:
                 statements=dict(self.statements),
                 settle_lock_hold_ns=self.settle_lock_hold_ns,
                 settle_lock_holds=self.settle_lock_holds,
+                statement_lock_hold_ns=self.statement_lock_hold_ns,
+                statement_lock_holds=self.statement_lock_holds,
                 lock_run_wait_ns=self.lock_run_wait_ns,
                 lock_run_waits=self.lock_run_waits,
                 deadlock_retries=self.deadlock_retries,
@@ -101,5 +112,6 @@ class Counters:
             self.operations.clear()
             self.statements.clear()
             self.settle_lock_hold_ns = self.settle_lock_holds = 0
+            self.statement_lock_hold_ns = self.statement_lock_holds = 0
             self.lock_run_wait_ns = self.lock_run_waits = 0
             self.deadlock_retries = 0

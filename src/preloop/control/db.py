@@ -227,7 +227,7 @@ class Backend(ABC):
             return
         if tx.lock_held_ns is not None and tx.statements == 1:
             # One statement in autocommit: its end was the commit.
-            self.counters.add_settle_lock_hold(tx.lock_held_ns)
+            self.counters.add_settle_lock_hold(tx.lock_held_ns, statement=True)
         elif tx.lock_taken_ns:
             # More statements after the lock: the round trips to commit hold it too.
             self.counters.add_settle_lock_hold(committed_ns - tx.lock_taken_ns)

@@ -6,7 +6,7 @@
 
 -- pg_call_select_preloop_complete_claim --
 -- store: Store._pg_call
-SELECT settled, claimed, wait_us, hold_us FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?)
+SELECT settled, claimed, wait_us, hold_us FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?, ?)
 
 -- settle_pg_select_preloop_settle --
 -- store: Store._settle_pg
@@ -339,3 +339,11 @@ INSERT INTO cohorts (run_id, id, max_parallel, fail_fast, total) VALUES (?, ?, ?
 -- recover_claims_select_jobs --
 -- store: Store._pg_call (a retry after a lost answer: the claims the lost attempt committed)
 SELECT run_id, id, seq, name, attempt, spec, matrix, strategy, timeout_minutes, lease_token FROM jobs WHERE status = 'running' AND runner = ? AND started_at = ? ORDER BY run_id, seq
+
+-- admit_grouped_select_conc_groups --
+-- cascade: _Cascade._do_admit_grouped (after the acquire that locked the group row on PostgreSQL)
+SELECT holder_run, (SELECT count(*) FROM jobs WHERE conc_group = ? AND status = 'waiting') + (SELECT count(*) FROM runs WHERE conc_group = ? AND status = 'pending') AS waiters FROM conc_groups WHERE name = ?
+
+-- admit_grouped_update_wait_seq --
+-- cascade: _Cascade._do_admit_grouped (the wait seqs of `?` new waiters: the returned value is the last)
+UPDATE wait_seq SET value = value + ? WHERE id = 1 RETURNING value

@@ -822,6 +822,351 @@ _V13_HOLD_MEASURED: list[Statement] = [
     {"pg": _complete_claim_v13(), "lite": None},
 ]
 
+
+# Migration 14, PostgreSQL only: `preloop_complete_claim` holds the run row's
+# lock only for the batch's cascade, not for its per-job writes. It ends the
+# batch's jobs first (each row is this runner's, lease-guarded, so no other
+# writer of the batch path contends for it) and, when none of them held a
+# cohort slot or a concurrency group (so the cascade cannot queue a job the
+# claim would have to see), claims before taking the run row too (`SKIP
+# LOCKED`, never waiting). Then it takes the run row, waiting at most
+# `lock_timeout` (`COMPLETE_LOCK_WAIT`): a transaction that holds a run row and waits
+# for one of those job rows (cancelling a run, fail-fast, the reaper) would
+# otherwise wait on us while we wait on it. On that timeout (SQLSTATE 55P03)
+# the statement undoes itself and the store reruns it with `p_lock_first`
+# (migration 17 raises that as SQLSTATE PLLCK),
+# which takes the run row before anything else, as migration 13 did. Under
+# the run row: the run's and the units' counters, the outputs limit,
+# released groups, freed slots, and the claim when it had to wait for them.
+_COMPLETE_CLAIM_V14 = """CREATE OR REPLACE FUNCTION preloop_complete_claim(
+    p_run BIGINT, p_jobs TEXT[], p_conclusions TEXT[], p_outputs TEXT[], p_tokens TEXT[],
+    p_now DOUBLE PRECISION, p_runner TEXT, p_labels TEXT[], p_limit INT,
+    p_expires DOUBLE PRECISION, p_only_run BIGINT, p_outputs_max BIGINT,
+    p_lock_first BOOLEAN)
+RETURNS TABLE (settled JSON, claimed JSON, wait_us BIGINT, hold_us BIGINT)
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    n INT := coalesce(cardinality(p_jobs), 0);
+    t0 TIMESTAMPTZ; t1 TIMESTAMPTZ;
+    waited BIGINT := 0;
+    left_jobs INT;
+    n_done INT; n_slow INT; n_ended INT; n_multi INT; n_cancelled INT;
+    v_settled JSON; v_units JSON; v_slots JSON; v_groups JSON; v_claimed JSON;
+    claim_later BOOLEAN := false;
+    c RECORD; g RECORD; leg RECORD; got INT; lock_was TEXT;
+BEGIN
+    IF n > 0 AND p_lock_first THEN
+        t0 := clock_timestamp();
+        PERFORM 1 FROM runs WHERE id = p_run FOR UPDATE;
+        t1 := clock_timestamp();
+    END IF;
+    IF n > 0 THEN
+        WITH i AS (
+            SELECT * FROM unnest(p_jobs, p_conclusions, p_outputs, p_tokens)
+                AS i(id, conclusion, outputs, token)
+        ), d AS (
+            UPDATE jobs j SET status = 'completed',
+                conclusion = CASE WHEN j.cancel_requested = 1 AND i.conclusion <> 'skipped'
+                                  THEN 'cancelled' ELSE i.conclusion END,
+                outputs = i.outputs, completed_at = p_now, lease_token = NULL
+            FROM i
+            WHERE j.run_id = p_run AND j.id = i.id AND j.status = 'running'
+              AND j.lease_token = i.token
+            RETURNING j.id, j.base_id, j.cohort, j.kind, j.holds_slot, j.holds_group,
+                j.continue_on_error, j.anc_fail, j.anc_bad, j.conclusion, i.outputs
+        ), e AS (
+            SELECT d.*, CASE WHEN d.conclusion = 'failure' AND d.continue_on_error = 1
+                             THEN 'success' ELSE d.conclusion END AS eff FROM d
+        ), a AS (
+            SELECT base_id, count(*) AS cnt,
+                count(*) FILTER (WHERE eff = 'success') AS ns,
+                count(*) FILTER (WHERE eff = 'cancelled') AS nc,
+                count(*) FILTER (WHERE eff NOT IN ('success', 'failure', 'cancelled')) AS nk,
+                max(anc_fail) AS af, max(anc_bad) AS ab,
+                count(*) FILTER (WHERE outputs <> '{{}}') AS n_out,
+                max(outputs) FILTER (WHERE outputs <> '{{}}') AS outs
+            FROM e GROUP BY base_id
+        )
+        SELECT (SELECT count(*) FROM e),
+               (SELECT count(*) FROM e WHERE kind <> 'job' OR eff = 'failure'),
+               (SELECT count(*) FROM a WHERE n_out > 1),
+               (SELECT count(*) FROM e WHERE eff = 'cancelled'),
+               (SELECT json_agg(json_build_array(id, conclusion)) FROM e),
+               (SELECT json_agg(a) FROM a),
+               (SELECT json_agg(s) FROM (SELECT cohort, count(*) AS freed FROM e
+                                          WHERE holds_slot = 1 GROUP BY cohort) s),
+               (SELECT json_agg(json_build_object('job', id, 'grp', holds_group)
+                                ORDER BY id) FROM e WHERE holds_group IS NOT NULL)
+          INTO n_done, n_slow, n_multi, n_cancelled, v_settled, v_units, v_slots, v_groups;
+        IF n_done < n OR n_slow > 0 OR n_multi > 0 THEN
+            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+        END IF;
+        -- A freed slot or a released group may queue a job: the claim must see it.
+        claim_later := v_slots IS NOT NULL OR v_groups IS NOT NULL;
+    END IF;
+    IF p_limit > 0 AND NOT claim_later THEN
+        v_claimed := preloop_claim(p_runner, p_labels, p_limit, p_now, p_expires, p_only_run);
+    END IF;
+    IF n > 0 THEN
+        IF NOT p_lock_first THEN
+            lock_was := current_setting('lock_timeout');
+            PERFORM set_config('lock_timeout', '@LOCK_WAIT@', true);
+            t0 := clock_timestamp();
+        END IF;
+        UPDATE runs SET remaining_jobs = remaining_jobs - n,
+                cancelled_jobs = cancelled_jobs + n_cancelled
+            WHERE id = p_run RETURNING remaining_jobs INTO left_jobs;
+        IF NOT p_lock_first THEN
+            t1 := clock_timestamp();
+            PERFORM set_config('lock_timeout', lock_was, true);
+        END IF;
+        IF NOT FOUND OR left_jobs <= 0 THEN
+            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+        END IF;
+        waited := (extract(epoch FROM t1 - t0) * 1000000)::BIGINT;
+        WITH u AS (
+            UPDATE units SET remaining = units.remaining - a.cnt,
+                n_success = units.n_success + a.ns,
+                n_cancelled = units.n_cancelled + a.nc,
+                n_skipped = units.n_skipped + a.nk,
+                anc_fail = GREATEST(units.anc_fail, a.af),
+                anc_bad = GREATEST(units.anc_bad, a.ab),
+                outputs = CASE WHEN a.outs IS NULL THEN units.outputs
+                               ELSE (units.outputs::JSONB || a.outs::JSONB)::TEXT END
+            FROM json_to_recordset(v_units) AS a(base_id TEXT, cnt INT, ns INT, nc INT,
+                                                 nk INT, af INT, ab INT, outs TEXT)
+            WHERE units.run_id = p_run AND units.base_id = a.base_id
+            RETURNING units.remaining
+        )
+        SELECT count(*) FILTER (WHERE remaining <= 0) INTO n_ended FROM u;
+        IF n_ended > 0 THEN
+            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+        END IF;
+        IF p_outputs_max IS NOT NULL
+           AND EXISTS (SELECT 1 FROM unnest(p_outputs) AS o(v) WHERE o.v <> '{{}}')
+           AND (SELECT coalesce(sum(length(outputs)), 0) FROM jobs WHERE run_id = p_run)
+               > p_outputs_max THEN
+            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+        END IF;
+        -- A group a job held goes to its oldest waiter (as the cascade's
+        -- release_group), before freed slots admit parked legs.
+        FOR g IN SELECT x.job, x.grp
+                   FROM json_to_recordset(coalesce(v_groups, '[]'::JSON)) AS x(job TEXT, grp TEXT)
+        LOOP
+            UPDATE conc_groups SET holder_run = NULL, holder_job = NULL
+                WHERE name = g.grp AND holder_run = p_run AND holder_job = g.job;
+            IF FOUND THEN
+                PERFORM preloop_promote_group(p_run, g.grp);
+            END IF;
+        END LOOP;
+        FOR c IN SELECT x.cohort, x.freed
+                   FROM json_to_recordset(coalesce(v_slots, '[]'::JSON))
+                     AS x(cohort TEXT, freed INT)
+        LOOP
+            got := 0;
+            FOR leg IN SELECT p.id, p.kind, p.conc_group, p.conc_group_expr, p.conc_cancel,
+                              p.conc_queue_max
+                         FROM jobs p WHERE p.run_id = p_run AND p.cohort = c.cohort
+                          AND p.status = 'parked' ORDER BY p.seq LIMIT c.freed
+            LOOP
+                got := got + 1;
+                IF leg.kind <> 'job' OR leg.conc_group_expr IS NOT NULL
+                   OR leg.conc_cancel = 1 THEN
+                    RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+                END IF;
+                IF leg.conc_group IS NULL THEN
+                    UPDATE jobs SET status = 'queued', holds_slot = 1
+                        WHERE run_id = p_run AND id = leg.id;
+                ELSE
+                    PERFORM preloop_through_group(p_run, leg.id, leg.conc_group,
+                                                  leg.conc_queue_max);
+                END IF;
+            END LOOP;
+            IF got < c.freed THEN
+                UPDATE cohorts SET active = active - (c.freed - got)
+                    WHERE run_id = p_run AND id = c.cohort;
+            END IF;
+        END LOOP;
+    END IF;
+    IF p_limit > 0 AND claim_later THEN
+        v_claimed := preloop_claim(p_runner, p_labels, p_limit, p_now, p_expires, p_only_run);
+    END IF;
+    RETURN QUERY SELECT v_settled, v_claimed, waited, CASE WHEN n > 0 THEN
+        (extract(epoch FROM clock_timestamp() - t1) * 1000000)::BIGINT ELSE 0 END;
+END
+$fn$"""
+
+# The claim of migration 13's `preloop_complete_claim`, as its own function:
+# up to `p_limit` queued jobs whose labels `p_labels` cover, in (run, seq)
+# order, `FOR UPDATE SKIP LOCKED` (never waiting), walking `jobs_queued` in
+# order (`enable_sort` off for this statement only: see migration 13).
+_CLAIM_FN = """CREATE OR REPLACE FUNCTION preloop_claim(
+    p_runner TEXT, p_labels TEXT[], p_limit INT, p_now DOUBLE PRECISION,
+    p_expires DOUBLE PRECISION, p_only_run BIGINT)
+RETURNS JSON LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_claimed JSON; sort_was TEXT;
+BEGIN
+    sort_was := current_setting('enable_sort');
+    PERFORM set_config('enable_sort', 'off', true);
+    IF p_only_run IS NULL THEN
+        WITH q AS (
+            SELECT j.run_id, j.id FROM jobs j
+            WHERE j.status = 'queued' AND NOT EXISTS (
+                SELECT 1 FROM json_array_elements_text(j.runs_on::JSON) AS l(v)
+                WHERE l.v <> ALL (p_labels))
+            ORDER BY j.run_id, j.seq LIMIT p_limit FOR UPDATE SKIP LOCKED
+        ), w AS (
+            UPDATE jobs j SET status = 'running', runner = p_runner,
+                lease_token = replace(gen_random_uuid()::TEXT, '-', ''),
+                lease_expires = p_expires, started_at = p_now, attempt = j.attempt + 1
+            FROM q WHERE j.run_id = q.run_id AND j.id = q.id
+            RETURNING j.run_id, j.id, j.seq, j.name, j.attempt, j.spec, j.matrix,
+                j.strategy, j.timeout_minutes, j.lease_token
+        )
+        SELECT json_agg(w ORDER BY w.run_id, w.seq) INTO v_claimed FROM w;
+    ELSE
+        WITH q AS (
+            SELECT j.run_id, j.id FROM jobs j
+            WHERE j.status = 'queued' AND j.run_id = p_only_run AND NOT EXISTS (
+                SELECT 1 FROM json_array_elements_text(j.runs_on::JSON) AS l(v)
+                WHERE l.v <> ALL (p_labels))
+            ORDER BY j.run_id, j.seq LIMIT p_limit FOR UPDATE SKIP LOCKED
+        ), w AS (
+            UPDATE jobs j SET status = 'running', runner = p_runner,
+                lease_token = replace(gen_random_uuid()::TEXT, '-', ''),
+                lease_expires = p_expires, started_at = p_now, attempt = j.attempt + 1
+            FROM q WHERE j.run_id = q.run_id AND j.id = q.id
+            RETURNING j.run_id, j.id, j.seq, j.name, j.attempt, j.spec, j.matrix,
+                j.strategy, j.timeout_minutes, j.lease_token
+        )
+        SELECT json_agg(w ORDER BY w.run_id, w.seq) INTO v_claimed FROM w;
+    END IF;
+    PERFORM set_config('enable_sort', sort_was, true);
+    RETURN v_claimed;
+END
+$fn$"""
+
+#: How long the batch path waits for its run row after writing its jobs
+#: before it undoes itself and reruns taking the run row first (migration 14).
+COMPLETE_LOCK_WAIT = "50ms"
+
+_V14_LOCK_LATE: list[Statement] = [
+    {
+        "pg": "DROP FUNCTION IF EXISTS preloop_complete_claim(BIGINT, TEXT[], TEXT[], TEXT[], "
+        "TEXT[], DOUBLE PRECISION, TEXT, TEXT[], INT, DOUBLE PRECISION, BIGINT, BIGINT)",
+        "lite": None,
+    },
+    {"pg": _CLAIM_FN, "lite": None},
+    {"pg": _COMPLETE_CLAIM_V14.replace("@LOCK_WAIT@", COMPLETE_LOCK_WAIT), "lite": None},
+]
+
+
+# Migration 15, PostgreSQL only: the claim returns each job's spec, matrix and
+# strategy as JSON values inside its answer, not as JSON text in JSON, so the
+# store decodes one document per batch instead of three more per job.
+def _claim_v15() -> str:
+    old = "RETURNING j.run_id, j.id, j.seq, j.name, j.attempt, j.spec, j.matrix,\n"
+    new = (
+        "RETURNING j.run_id, j.id, j.seq, j.name, j.attempt, j.spec::JSON AS spec,\n"
+        "                j.matrix::JSON AS matrix,\n"
+    )
+    text = _CLAIM_FN
+    assert text.count(old) == 2, old
+    text = text.replace(old, new)
+    old = "                j.strategy, j.timeout_minutes, j.lease_token\n"
+    new = "                j.strategy::JSON AS strategy, j.timeout_minutes, j.lease_token\n"
+    assert text.count(old) == 2, old
+    return text.replace(old, new)
+
+
+_V15_CLAIM_JSON: list[Statement] = [{"pg": _claim_v15(), "lite": None}]
+
+
+# Migration 16, PostgreSQL only: the slots a batch frees go to the next parked
+# plain legs in one write, by the row addresses the read of the parked legs
+# returned (the run row is held, and parked rows change only under it, so
+# they stay put until commit). Written one by one by run and id, the planner,
+# without statistics on a run's fresh rows, could look each leg up through
+# `jobs_run_status` (every row of the run) instead of the primary key.
+def _complete_claim_v16() -> str:
+    edits = [
+        (
+            "    c RECORD; g RECORD; leg RECORD; got INT; lock_was TEXT;\n",
+            "    c RECORD; g RECORD; leg RECORD; got INT; lock_was TEXT; tids TID[];\n",
+        ),
+        (
+            "            got := 0;\n            FOR leg IN SELECT p.id, p.kind,",
+            "            got := 0;\n            tids := '{{}}';\n"
+            "            FOR leg IN SELECT p.ctid AS tid, p.id, p.kind,",
+        ),
+        (
+            "                IF leg.conc_group IS NULL THEN\n"
+            "                    UPDATE jobs SET status = 'queued', holds_slot = 1\n"
+            "                        WHERE run_id = p_run AND id = leg.id;\n",
+            "                IF leg.conc_group IS NULL THEN\n"
+            "                    tids := tids || leg.tid;\n",
+        ),
+        (
+            "            END LOOP;\n            IF got < c.freed THEN\n",
+            "            END LOOP;\n"
+            "            IF cardinality(tids) > 0 THEN\n"
+            "                UPDATE jobs SET status = 'queued', holds_slot = 1\n"
+            "                    WHERE ctid = ANY (tids);\n"
+            "            END IF;\n"
+            "            IF got < c.freed THEN\n",
+        ),
+    ]
+    text = _COMPLETE_CLAIM_V14
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text.replace("@LOCK_WAIT@", COMPLETE_LOCK_WAIT)
+
+
+_V16_SLOTS_AT_ONCE: list[Statement] = [{"pg": _complete_claim_v16(), "lite": None}]
+
+
+# Migration 17, PostgreSQL only: the batch's wait for its run row running out
+# is raised as SQLSTATE PLLCK, not as the server's lock timeout (55P03), so
+# the store tells it from a lock timeout of the database's own settings on
+# every path (a retry after a lost connection runs the call in a transaction,
+# which reports those as errors).
+def _complete_claim_v17() -> str:
+    old = (
+        "        UPDATE runs SET remaining_jobs = remaining_jobs - n,\n"
+        "                cancelled_jobs = cancelled_jobs + n_cancelled\n"
+        "            WHERE id = p_run RETURNING remaining_jobs INTO left_jobs;\n"
+    )
+    new = (
+        "        IF p_lock_first THEN\n"
+        "            UPDATE runs SET remaining_jobs = remaining_jobs - n,\n"
+        "                    cancelled_jobs = cancelled_jobs + n_cancelled\n"
+        "                WHERE id = p_run RETURNING remaining_jobs INTO left_jobs;\n"
+        "        ELSE\n"
+        "            BEGIN\n"
+        "                UPDATE runs SET remaining_jobs = remaining_jobs - n,\n"
+        "                        cancelled_jobs = cancelled_jobs + n_cancelled\n"
+        "                    WHERE id = p_run RETURNING remaining_jobs INTO left_jobs;\n"
+        "            EXCEPTION WHEN lock_not_available THEN\n"
+        "                RAISE EXCEPTION 'preloop: run row busy' USING ERRCODE = 'PLLCK';\n"
+        "            END;\n"
+        "        END IF;\n"
+    )
+    text = _complete_claim_v16()
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
+_V17_LOCK_BUSY: list[Statement] = [{"pg": _complete_claim_v17(), "lite": None}]
+
+
+# Migration 18, PostgreSQL only: migration 15 undone. A job's spec, matrix and
+# strategy are the JSON text Python wrote, which may hold numbers JSON has no
+# literal for (`Infinity`, a `timeout-minutes` too big for a float): cast to
+# PostgreSQL's JSON they failed the claim. They come back as text again.
+_V18_CLAIM_TEXT: list[Statement] = [{"pg": _CLAIM_FN, "lite": None}]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -841,6 +1186,11 @@ MIGRATIONS: list[list[Statement]] = [
     _V11_BUNDLES,
     _V12_OUTPUTS_LIMIT,
     _V13_HOLD_MEASURED,
+    _V14_LOCK_LATE,
+    _V15_CLAIM_JSON,
+    _V16_SLOTS_AT_ONCE,
+    _V17_LOCK_BUSY,
+    _V18_CLAIM_TEXT,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -36,11 +36,20 @@ Operations: submit_run, claim_job, claim_jobs, heartbeat, job_context,
 complete_job, complete_and_claim, settle_job, cancel_run, expire_leases,
 rerun, and the queries get_run, list_runs, get_job, list_jobs.
  On PostgreSQL a batch of one run's completions and the runner's next claims
- is one `preloop_complete_claim` call (schema migration 5): run row first,
- then the batch's job rows, their units, released groups
- (`preloop_promote_group`), parked legs through their slot and group
- (`preloop_through_group`), then claims with `SKIP LOCKED` (never waiting),
- the same order as above.
+ is one `preloop_complete_claim` call (schema migration 5; migration 14 for
+ the order): the batch's own job rows first (each leased by this runner,
+ lease-guarded) and, when none of them frees a slot or a group, the claims
+ (`SKIP LOCKED`, never waiting); then the run row, waited for at most
+ `schema.COMPLETE_LOCK_WAIT`; under it the run's and the units' counters,
+ released groups (`preloop_promote_group`), parked legs through their slot
+ and group (`preloop_through_group`), and the claims that had to see what
+ those queued. This is the one path that takes job rows before their run
+ row: a transaction holding the run row that needs one of those job rows
+ (cancelling the run, fail-fast, the reaper) makes the batch's wait run
+ out; the batch undoes itself and runs again in the order above (run row
+ first), counted as `complete_and_claim.lock_first`. Every other path
+ takes a run row before any job row of that run, so a cycle can only pass
+ through such a batch's wait, and lasts no longer than it.
 
 The rules live in `preloop.control.cascade`, the claim statement and lite's
 batch completion in `preloop.control.batch`, every fixed statement by name in
@@ -65,6 +74,7 @@ from typing import Any
 from preloop import config
 from preloop.control import types as _types
 from preloop.control.batch import (
+    _RUN_ROW_BUSY,
     _SLOW_PATH,
     _check_terminal,
     _Claim,
@@ -125,6 +135,15 @@ __all__ = [
 
 #: Why a run `Store.cancel_run` cancels was cancelled, unless told otherwise.
 USER_CANCEL_REASON = "cancelled by the user (preloop cancel)"
+
+
+def _text_array(items: Sequence[str]) -> str:
+    """`items` as a PostgreSQL array literal (each element quoted), for a
+    `?::TEXT[]` parameter: psycopg's list adapter inspects every element of
+    every list, which the batch path paid per call."""
+    return (
+        "{" + ",".join('"' + x.replace("\\", "\\\\").replace('"', '\\"') + '"' for x in items) + "}"
+    )
 
 
 def open_store(url: str | None = None) -> Store:
@@ -480,8 +499,25 @@ class Store:
             settled, leases = self._pg_call(tx, results, claim)
             return list(settled), leases
 
+        def lock_first(tx: Tx) -> tuple[list[Completion | PreloopError], list[Lease]]:
+            settled, leases = self._pg_call(tx, results, claim, lock_first=True)
+            return list(settled), leases
+
         try:
-            return self._db.statement(op, fn)
+            try:
+                return self._db.statement(op, fn)
+            except psycopg.Error as exc:
+                if exc.sqlstate != _RUN_ROW_BUSY:
+                    raise
+                # The run row stayed taken past COMPLETE_LOCK_WAIT while this
+                # batch held its job rows (schema migrations 14 and 17):
+                # undone; again, taking the run row first.
+                self.counters.add_statements(op + ".lock_first", 1)
+                if claim is not None:
+                    # The server answered: nothing of that attempt (nor of
+                    # one before it, which it looked for) committed.
+                    claim.attempts = 0
+                return self._db.statement(op, lock_first)
         except psycopg.Error as exc:
             if exc.sqlstate != _SLOW_PATH:
                 raise
@@ -489,11 +525,18 @@ class Store:
             return None
 
     def _pg_call(
-        self, tx: Tx, results: Sequence[JobResultItem], claim: _Claim | None
+        self,
+        tx: Tx,
+        results: Sequence[JobResultItem],
+        claim: _Claim | None,
+        *,
+        lock_first: bool = False,
     ) -> tuple[list[Completion], list[Lease]]:
         """One `preloop_complete_claim` call: `results` (all of one run) and
         `claim`; raises psycopg's error with SQLSTATE PLSLO when the batch
-        needs the Python cascade."""
+        needs the Python cascade, and PLLCK when the run row was not had in
+        time after the batch's job rows (`lock_first`: the run row first,
+        waiting as long as it takes)."""
         now = claim.at if claim is not None else time.time()
         if claim is not None and claim.limit > 0:
             claim.attempts += 1
@@ -511,17 +554,18 @@ class Store:
             Q["pg_call_select_preloop_complete_claim"],
             (
                 run_id,
-                [lease.job_id for lease, _, _ in results],
-                [conclusion for _, conclusion, _ in results],
-                [_dumps(outputs or {}) for _, _, outputs in results],
-                [lease.token for lease, _, _ in results],
+                _text_array([lease.job_id for lease, _, _ in results]),
+                _text_array([conclusion for _, conclusion, _ in results]),
+                _text_array([_dumps(outputs) if outputs else "{}" for _, _, outputs in results]),
+                _text_array([lease.token for lease, _, _ in results]),
                 now,
                 claim.runner if claim else "",
-                claim.labels if claim else [],
+                _text_array(claim.labels if claim else []),
                 claim.limit if claim else 0,
                 now + (claim.lease_seconds if claim else 0.0),
                 claim.run_id if claim else None,
                 _types.RUN_OUTPUTS_MAX_BYTES,
+                lock_first,
             ),
         )
         assert row is not None

@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
         t.join()
     elapsed = time.perf_counter() - t0
     snap = store.counters.snapshot()
-    ops = ("complete_and_claim", "complete_and_claim.fallback")
+    ops = ("complete_and_claim", "complete_and_claim.fallback", "complete_and_claim.lock_first")
     print(
         json.dumps(
             {
@@ -67,12 +67,15 @@ def main(argv: list[str]) -> int:
                 "graph_loads": snap.graph_loads,
                 "settle_lock_hold_ns": snap.settle_lock_hold_ns,
                 "settle_lock_holds": snap.settle_lock_holds,
+                "statement_lock_hold_ns": snap.statement_lock_hold_ns,
+                "statement_lock_holds": snap.statement_lock_holds,
                 "lock_run_wait_ns": snap.lock_run_wait_ns,
                 "lock_run_waits": snap.lock_run_waits,
                 "deadlock_retries": snap.deadlock_retries,
                 "complete_statements": sum(snap.statements.get(op, 0) for op in ops),
                 "complete_ops": snap.operations.get("complete_and_claim", 0),
                 "fallbacks": snap.operations.get("complete_and_claim.fallback", 0),
+                "lock_first_retries": snap.operations.get("complete_and_claim.lock_first", 0),
                 "claim_statements": snap.statements.get("claim_job", 0),
             }
         ),

@@ -573,8 +573,21 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
     ws_checksum = base.ws_checksum
     ws_tree, recheck = await _prepare_index(cap, repo, env, base)
     await _add_all_keeping(env, repo, recheck)
-    await cap.work.run("keep-index", _keep_link, index)
-    tree = (await git(["write-tree"], env=env)).stdout_text().strip()
+    # `git add`'s index gets its second name while write-tree runs (it reads
+    # the index, then computes and writes for tens of ms before its rename; if
+    # the link came after the rename it would name the new index: no harm).
+    written: dict[str, str] = {}
+
+    async def write_tree() -> None:
+        written["tree"] = (await git(["write-tree"], env=env)).stdout_text().strip()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write_tree)
+            tg.start_soon(cap.work.run, "keep-index", _keep_link, index)
+    except ExceptionGroup as group:
+        raise group.exceptions[0] from None
+    tree = written["tree"]
     parents = (repo.head,) if repo.head else ()
     # Objects git found in the workspace's store were not written to the cache:
     # copy those the new tree needs (HEAD's are in the cache already). The
@@ -600,8 +613,8 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
 
     try:
         async with anyio.create_task_group() as tg:
+            tg.start_soon(diff)  # first: the process starts before the thread
             tg.start_soon(make_commit)
-            tg.start_soon(diff)
     except ExceptionGroup as group:
         raise group.exceptions[0] from None
     commit = str(done["commit"])

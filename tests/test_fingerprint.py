@@ -201,7 +201,8 @@ def test_change_between_read_and_restat_raises(tmp_path: Path, change: object, f
         if path == str(target):
             change(target)  # type: ignore[operator]
 
-    _native.set_test_hooks(after_read=after_read)
+    # Every directory counts as changed lately: files are lstat'ed at the listing.
+    _native.set_test_hooks(after_read=after_read, recent_ns=10**18)
     with pytest.raises(TreeChangedWhileHashing) as caught:
         fingerprint(root)
     assert caught.value.path == str(target)
@@ -210,6 +211,105 @@ def test_change_between_read_and_restat_raises(tmp_path: Path, change: object, f
     assert field in str(caught.value)
     _native.set_test_hooks()
     fingerprint(root)  # the walk released its slot and buffer: the next one runs
+
+
+def lazy_listing(recent_ns: int) -> None:
+    """Directories changed before `recent_ns` ago list their regular files without
+    lstat (checked on the descriptor after the read); 0: anything before the listing,
+    negative: everything, however fresh, counts as old."""
+    _native.set_test_hooks(recent_ns=recent_ns)
+
+
+def test_lazy_listed_files_give_the_same_digest_with_one_read_each(tmp_path: Path) -> None:
+    root = settled(build(tmp_path / "t"))
+    reads: list[str] = []
+    _native.set_test_hooks(after_read=reads.append, recent_ns=-3600 * 10**9)
+    assert fingerprint(root).roots[str(root)] == reference_digest(root, "content")
+    assert sorted(reads) == sorted(
+        str(p) for p in root.rglob("*") if p.is_file() and not p.is_symlink()
+    )
+
+
+def settled(root: Path) -> Path:
+    """Waits until the tree's changes lie before the next listing (coarse clock);
+    skips unless the filesystem is one whose listings can be lazy (fingerprint.c)."""
+    import subprocess
+    import time
+
+    fs_type = subprocess.run(
+        ["stat", "-f", "-c", "%t", str(root)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if int(fs_type, 16) not in (0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0xF2F52010):
+        pytest.skip(f"{root} is on a filesystem (type {fs_type}) whose listings are not lazy")
+    time.sleep(0.05)
+    return root
+
+
+def test_lazy_file_changed_during_its_first_read_is_read_again(tmp_path: Path) -> None:
+    root = settled(build(tmp_path / "t"))
+    target = root / "a" / "inner.txt"
+    reads: list[str] = []
+
+    def after_read(path: str) -> None:
+        reads.append(path)
+        if path == str(target) and reads.count(path) == 1:
+            target.write_bytes(b"rewritten during the first read\n")
+
+    _native.set_test_hooks(after_read=after_read, recent_ns=0)
+    digest = fingerprint(root).roots[str(root)]
+    assert reads.count(str(target)) == 2  # changed lately: bracketed by two fstats
+    assert reads.count(str(root / "a.txt")) == 1  # old: proven by one fstat
+    assert digest == reference_digest(root, "content")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda p, n: p.write_bytes(b"grown while hashed\n" * n), "size="),
+        (lambda p, n: os.utime(p, ns=(0, 123_456_789 + n)), "mtime_ns=12345679"),
+        (lambda p, n: p.chmod(0o600 if n % 2 else 0o640), "mode="),
+        (lambda p, n: p.unlink() if p.exists() else None, "after: gone"),
+    ],
+)
+def test_lazy_file_that_keeps_changing_raises(tmp_path: Path, change: object, field: str) -> None:
+    root = settled(build(tmp_path / "t"))
+    target = root / "a" / "inner.txt"
+    calls: list[str] = []
+
+    def after_read(path: str) -> None:
+        if path == str(target):
+            calls.append(path)
+            change(target, len(calls))  # type: ignore[operator]
+
+    _native.set_test_hooks(after_read=after_read, recent_ns=0)
+    with pytest.raises(TreeChangedWhileHashing) as caught:
+        fingerprint(root)
+    assert caught.value.path == str(target)
+    assert "before: type=f" in str(caught.value)
+    assert field in str(caught.value)
+
+
+@pytest.mark.parametrize("replacement", ["symlink", "removed", "dir"])
+def test_lazy_file_replaced_after_the_listing(tmp_path: Path, replacement: str) -> None:
+    root = settled(build(tmp_path / "t"))
+    target = root / "a.txt"  # read after a-b.txt ('-' sorts before '.')
+
+    def after_read(path: str) -> None:
+        if path == str(root / "a-b.txt") and target.is_file() and not target.is_symlink():
+            target.unlink()
+            if replacement == "symlink":
+                target.symlink_to("run.sh")
+            elif replacement == "dir":
+                target.mkdir()
+
+    _native.set_test_hooks(after_read=after_read, recent_ns=0)
+    if replacement == "dir":  # listed as a file, sorted as one: cannot be walked in order
+        with pytest.raises(TreeChangedWhileHashing, match="before: type=f"):
+            fingerprint(root)
+        return
+    digest = fingerprint(root).roots[str(root)]
+    _native.set_test_hooks()
+    assert digest == reference_digest(root, "content")
 
 
 def test_missing_and_nested_roots_are_refused(tmp_path: Path) -> None:

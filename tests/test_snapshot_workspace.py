@@ -366,6 +366,57 @@ def test_sha256_repository(tmp_path: Path) -> None:
     assert again.commit == snap.commit
 
 
+@pytest.mark.parametrize(
+    ("object_format", "encoding", "born"),
+    [
+        ("sha1", None, True),
+        ("sha1", None, False),
+        ("sha256", None, True),
+        ("sha1", "ISO-8859-1", True),
+        ("sha1", "UTF8", True),
+    ],
+)
+def test_snapshot_commit_is_the_one_git_commit_tree_writes(
+    tmp_path: Path, object_format: str, encoding: str | None, born: bool
+) -> None:
+    """The capture writes the commit object itself: it must be the very object
+    `git commit-tree` writes for the same tree, parents and identity."""
+    import subprocess
+
+    from preloop.snapshot.workspace import SNAPSHOT_IDENTITY, SNAPSHOT_MESSAGE
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    git("init", "-q", f"--object-format={object_format}", "-b", "main", cwd=ws)
+    git("config", "user.email", "dev@example.com", cwd=ws)
+    git("config", "user.name", "Dev", cwd=ws)
+    if encoding:
+        git("config", "i18n.commitEncoding", encoding, cwd=ws)
+    (ws / "f.txt").write_text("f\n")
+    if born:
+        git("add", "f.txt", cwd=ws)
+        git("commit", "-q", "-m", "base", cwd=ws)
+    (ws / "g.txt").write_text("g\n")
+    snap = capture(tmp_path / "state", ws, "commit")
+    args = ["git", "commit-tree", snap.tree, "-m", SNAPSHOT_MESSAGE]
+    for parent in snap.parents:
+        args += ["-p", parent]
+    # As the capture ran it: the workspace's repository (its config), objects
+    # written aside, the snapshot's objects readable.
+    cache_objects = (snap.repository / "objects/info/alternates").read_text().strip()
+    (tmp_path / "aside").mkdir()
+    env = {
+        **os.environ,
+        **SNAPSHOT_IDENTITY,
+        "GIT_DIR": str(ws / ".git"),
+        "GIT_OBJECT_DIRECTORY": str(tmp_path / "aside"),
+        "GIT_ALTERNATE_OBJECT_DIRECTORIES": cache_objects,
+    }
+    expected = subprocess.run(args, env=env, check=True, capture_output=True, text=True)
+    assert snap.commit == expected.stdout.strip()
+    git("fsck", "--strict", "--no-dangling", cwd=snap.repository)
+
+
 def test_published_tree_is_checked_without_git_only_when_the_commit_is_loose(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

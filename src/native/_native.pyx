@@ -426,13 +426,16 @@ cdef void _full_scan_trampoline(const char *path) noexcept nogil:
             pass
 
 
-def set_test_hooks(after_read=None, full_scan=None):
+def set_test_hooks(after_read=None, full_scan=None, recent_ns=None):
     """Test-only: `after_read(path)` runs after a file's bytes were read and before its
     descriptor's fstat (the stability check); `full_scan(slot_path)` runs after a scan found every slot taken,
-    before blocking on `slot_path`. None (the default) removes a hook."""
-    global _after_read_callback, _full_scan_callback
+    before blocking on `slot_path`; `recent_ns` replaces how long before a directory's
+    listing a change counts as recent (fingerprint.h PL_FP_RECENT_NS). None (the
+    default) removes a hook or restores the default."""
+    global _after_read_callback, _full_scan_callback, pl_fp_recent_ns
     _after_read_callback = after_read
     _full_scan_callback = full_scan
+    pl_fp_recent_ns = PL_FP_RECENT_NS if recent_ns is None else recent_ns
     _install_hooks(after_read is not None, full_scan is not None)
 
 

@@ -7,9 +7,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
+#include <time.h>
 #include <unistd.h>
 
 void (*pl_fp_after_read_hook)(const char *path) = NULL;
+int64_t pl_fp_recent_ns = PL_FP_RECENT_NS;
 
 #define BUF_SIZE (256 * 1024) /* the walk's one streaming buffer: dents and file bytes */
 #define MAX_OPEN_DIRS 64      /* deeper ancestors are reopened through ".." on the way up */
@@ -21,12 +24,17 @@ static const char ROOTS_SCHEMA[] = "preloop/roots-digest/v1";
 typedef struct {
     size_t name_off;
     uint32_t name_len;
+    uint32_t lazy; /* listed as a regular file (d_type), not lstat'ed: st_mode only */
+    uint64_t d_ino;
     struct stat st;
 } entry;
 
 typedef struct {
     int fd;
     uint64_t dev, ino;
+    int64_t changed_ns; /* the directory's max(mtime, ctime) when it was opened */
+    int64_t old_before; /* files whose ctime is before this are old (see emit_file_lazy) */
+    int lazy;           /* its regular files are listed without lstat */
     entry *entries;
     size_t n, next;
     char *names;
@@ -45,6 +53,9 @@ typedef struct {
     char *link;
     size_t link_cap;
     uint64_t skip_dev, skip_ino; /* the coordination directory: never fingerprinted */
+    uint64_t fs_dev;             /* the device whose filesystem type was checked last */
+    int fs_dev_set, fs_local;    /* ... and whether its timestamps come from this host's clock */
+    int noatime;                 /* O_NOATIME until it is refused (EPERM: not the owner) */
     pl_fp_result *res;
     pl_fp_error *error;
 } fwalk;
@@ -56,6 +67,10 @@ static void to_fp_stat(const struct stat *st, pl_fp_stat *o) {
     o->size = (uint64_t)st->st_size;
     o->mtime_ns = (int64_t)st->st_mtim.tv_sec * 1000000000 + st->st_mtim.tv_nsec;
     o->ctime_ns = (int64_t)st->st_ctim.tv_sec * 1000000000 + st->st_ctim.tv_nsec;
+}
+
+static int64_t ts_ns(const struct timespec *t) {
+    return (int64_t)t->tv_sec * 1000000000 + t->tv_nsec;
 }
 
 static int same_stat(const struct stat *a, const struct stat *b) {
@@ -183,11 +198,54 @@ static int entry_cmp(const void *pa, const void *pb, void *names) {
     }
 }
 
-/* Lists, stats and sorts the top frame's entries. */
+/* Filesystems whose timestamps are set from this host's clock (CLOCK_REALTIME_COARSE
+ * or finer) with nanosecond resolution, and whose d_ino is the inode's st_ino. */
+static int local_clock_fs(long type) {
+    switch ((unsigned long)type) {
+    case 0xEF53UL:     /* ext2/3/4 */
+    case 0x58465342UL: /* xfs */
+    case 0x9123683EUL: /* btrfs */
+    case 0x01021994UL: /* tmpfs */
+    case 0xF2F52010UL: /* f2fs */
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* Decides whether the frame's regular files are listed without lstat (content
+ * mode, a local-clock filesystem, a directory not changed lately) and takes the
+ * time files are compared with. Must run before the directory is listed. */
+static int plan_lazy(fwalk *w, fframe *f) {
+    f->lazy = 0;
+    if (w->mode != PL_FP_CONTENT)
+        return 0;
+    struct timespec now;
+    if (clock_gettime(CLOCK_REALTIME_COARSE, &now) != 0)
+        return 0; /* no clock: every file is lstat'ed */
+    f->old_before = ts_ns(&now) - pl_fp_recent_ns;
+    if (!w->fs_dev_set || w->fs_dev != f->dev) {
+        struct statfs sfs;
+        if (fstatfs(f->fd, &sfs) != 0)
+            return fail_os(w, errno, f->prefix_len);
+        w->fs_dev = f->dev;
+        w->fs_dev_set = 1;
+        w->fs_local = local_clock_fs((long)sfs.f_type);
+    }
+    /* A directory changed lately likely holds files changed lately, which the lazy
+     * path would read twice: the lstat-first path is cheaper there. */
+    f->lazy = w->fs_local && f->changed_ns < f->old_before;
+    return 0;
+}
+
+/* Lists, stats and sorts the top frame's entries. In a lazy frame a regular file
+ * (d_type) is not lstat'ed: emit_file_lazy checks it on its open descriptor. */
 static int scan_dir(fwalk *w, fframe *f) {
     size_t names_len = 0, names_cap = 0, n = 0, cap = 0;
     char *names = NULL;
     entry *es = NULL;
+    if (plan_lazy(w, f) != 0)
+        return -1;
     for (;;) {
         ssize_t got = getdents64(f->fd, w->buf, BUF_SIZE);
         if (got < 0) {
@@ -223,6 +281,8 @@ static int scan_dir(fwalk *w, fframe *f) {
             memcpy(names + names_len, name, len + 1);
             es[n].name_off = names_len;
             es[n].name_len = (uint32_t)len;
+            es[n].lazy = f->lazy && d->d_type == DT_REG;
+            es[n].d_ino = (uint64_t)d->d_ino;
             names_len += len + 1;
             n++;
         }
@@ -230,6 +290,12 @@ static int scan_dir(fwalk *w, fframe *f) {
     size_t kept = 0;
     for (size_t i = 0; i < n; i++) {
         entry *e = &es[i];
+        if (e->lazy) {
+            memset(&e->st, 0, sizeof e->st);
+            e->st.st_mode = S_IFREG;
+            es[kept++] = *e;
+            continue;
+        }
         if (fstatat(f->fd, names + e->name_off, &e->st, AT_SYMLINK_NOFOLLOW) != 0) {
             if (errno == ENOENT)
                 continue; /* removed after the listing: as if removed before it */
@@ -270,37 +336,26 @@ static void emit_metadata(fwalk *w, const struct stat *st) {
     }
 }
 
-/* Hashes one regular file. The stability check is on the open descriptor: one
- * fstat after the bytes are read, before close, compared with the listing's lstat
- * (`before`). It proves the opened inode is the listed one (dev, ino, type) and
- * that nothing changed it (size, mode, mtime, ctime) up to the end of the read,
- * in one syscall instead of an fstat after open and an lstat after the read. */
-static int emit_file(fwalk *w, int dirfd, const char *name, const struct stat *before) {
-    int fd = openat(dirfd, name, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
-    if (fd < 0) {
-        if (errno == ENOENT || errno == ELOOP)
-            return fail_changed(w, before, NULL);
-        return fail_os(w, errno, w->rel_len);
-    }
-    pl_sha256 file;
-    pl_sha256_init(&file);
-    uint64_t total = 0;
+/* Reads the open file from offset `from` to its end into a fresh `file` context.
+ * `size` >= 0: a short read that reaches it is the end (the read that would return
+ * 0 is skipped; growth after it shows in the fstat). 0 or errno. */
+static int read_file(fwalk *w, int fd, int64_t size, int pread_from_start, pl_sha256 *file,
+                     uint64_t *total) {
+    pl_sha256_init(file);
+    *total = 0;
     for (;;) {
-        ssize_t got = read(fd, w->buf, BUF_SIZE);
+        ssize_t got = pread_from_start ? pread(fd, w->buf, BUF_SIZE, (off_t)*total)
+                                       : read(fd, w->buf, BUF_SIZE);
         if (got < 0) {
             if (errno == EINTR)
                 continue;
-            int err = errno;
-            close(fd);
-            return fail_os(w, err, w->rel_len);
+            return errno;
         }
         if (got == 0)
             break;
-        pl_sha256_update(&file, w->buf, (size_t)got);
-        total += (uint64_t)got;
-        /* A short read that reaches the lstat size is the end: skip the read that
-         * would return 0. Growth after it shows in the fstat's size. */
-        if ((size_t)got < BUF_SIZE && total == (uint64_t)before->st_size)
+        pl_sha256_update(file, w->buf, (size_t)got);
+        *total += (uint64_t)got;
+        if ((size_t)got < BUF_SIZE && (size < 0 || *total == (uint64_t)size))
             break;
     }
     if (pl_fp_after_read_hook) {
@@ -309,21 +364,13 @@ static int emit_file(fwalk *w, int dirfd, const char *name, const struct stat *b
             pl_fp_after_read_hook(p);
         free(p);
     }
-    struct stat after;
-    if (fstat(fd, &after) != 0) {
-        int err = errno;
-        close(fd);
-        return fail_os(w, err, w->rel_len);
-    }
-    if (close(fd) != 0 && errno != EINTR)
-        return fail_os(w, errno, w->rel_len);
-    if (after.st_nlink == 0) /* unlinked while it was read */
-        return fail_changed(w, before, NULL);
-    if (!same_stat(before, &after) || total != (uint64_t)before->st_size)
-        return fail_changed(w, before, &after);
+    return 0;
+}
+
+static void put_file(fwalk *w, mode_t mode, uint64_t total, pl_sha256 *file) {
     uint8_t digest[PL_SHA256_DIGEST];
-    pl_sha256_final(&file, digest);
-    uint8_t exec = (before->st_mode & S_IXUSR) ? 1 : 0;
+    pl_sha256_final(file, digest);
+    uint8_t exec = (mode & S_IXUSR) ? 1 : 0;
     put_frame(&w->tree, "file", 4);
     put_frame(&w->tree, w->rel, w->rel_len);
     put_frame(&w->tree, &exec, 1);
@@ -331,7 +378,140 @@ static int emit_file(fwalk *w, int dirfd, const char *name, const struct stat *b
     put_frame(&w->tree, digest, sizeof digest);
     w->res->files++;
     w->res->bytes += total;
+}
+
+static int close_checked(fwalk *w, int fd) {
+    if (close(fd) != 0 && errno != EINTR)
+        return fail_os(w, errno, w->rel_len);
     return 0;
+}
+
+/* The check of a read bracketed by `before` and the descriptor's fstat after it:
+ * the bytes are the `before` inode's, unchanged to the end of the read. Closes fd. */
+static int check_and_put(fwalk *w, int fd, const struct stat *before, uint64_t total,
+                         pl_sha256 *file) {
+    struct stat after;
+    if (fstat(fd, &after) != 0) {
+        int err = errno;
+        close(fd);
+        return fail_os(w, err, w->rel_len);
+    }
+    if (close_checked(w, fd) != 0)
+        return -1;
+    if (after.st_nlink == 0) /* unlinked while it was read */
+        return fail_changed(w, before, NULL);
+    if (!same_stat(before, &after) || total != (uint64_t)before->st_size)
+        return fail_changed(w, before, &after);
+    put_file(w, before->st_mode, total, file);
+    return 0;
+}
+
+static int open_file(fwalk *w, int dirfd, const char *name) {
+    int flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY | O_NONBLOCK;
+    int fd = openat(dirfd, name, flags | (w->noatime ? O_NOATIME : 0));
+    if (fd < 0 && errno == EPERM && w->noatime) { /* O_NOATIME needs the owner */
+        w->noatime = 0;
+        fd = openat(dirfd, name, flags);
+    }
+    return fd;
+}
+
+/* Hashes one regular file listed and lstat'ed (`before`). The stability check is on
+ * the open descriptor: one fstat after the bytes are read, before close, compared
+ * with `before`. It proves the opened inode is the listed one (dev, ino, type) and
+ * that nothing changed it (size, mode, mtime, ctime) up to the end of the read. */
+static int emit_file(fwalk *w, int dirfd, const char *name, const struct stat *before) {
+    int fd = open_file(w, dirfd, name);
+    if (fd < 0) {
+        if (errno == ENOENT || errno == ELOOP)
+            return fail_changed(w, before, NULL);
+        return fail_os(w, errno, w->rel_len);
+    }
+    pl_sha256 file;
+    uint64_t total;
+    int err = read_file(w, fd, (int64_t)before->st_size, 0, &file, &total);
+    if (err) {
+        close(fd);
+        return fail_os(w, err, w->rel_len);
+    }
+    return check_and_put(w, fd, before, total, &file);
+}
+
+static int emit(fwalk *w, int dirfd, const char *name, const struct stat *st);
+
+/* A lazy entry that is not the regular file it was listed as: lstat it now and
+ * take it as if it had been lstat'ed at the listing (gone: removed before it). */
+static int emit_relisted(fwalk *w, const fframe *f, const char *name, const entry *e) {
+    struct stat st;
+    if (fstatat(f->fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+        if (errno == ENOENT)
+            return 0;
+        return fail_os(w, errno, w->rel_len);
+    }
+    if (S_ISDIR(st.st_mode)) { /* sorted as a file: cannot be walked in order */
+        struct stat listed;
+        memset(&listed, 0, sizeof listed);
+        listed.st_mode = S_IFREG;
+        listed.st_dev = (dev_t)f->dev;
+        listed.st_ino = (ino_t)e->d_ino;
+        return fail_changed(w, &listed, &st);
+    }
+    return emit(w, f->fd, name, &st);
+}
+
+/* Hashes a regular file listed without lstat (a lazy frame): open, read, fstat,
+ * close. The fstat after the read proves the file stable when its ctime is older
+ * than the frame's `old_before` (taken before the listing, so before the open):
+ * nothing changed the inode's bytes or attributes since, in particular not during
+ * the read; and it is the listed inode (d_ino), a regular file, still linked. A
+ * file changed lately is read a second time on the same descriptor, bracketed by
+ * that fstat and another (the lstat-first check, the first fstat as `before`). */
+static int emit_file_lazy(fwalk *w, const fframe *f, const char *name, const entry *e) {
+    int fd = open_file(w, f->fd, name);
+    if (fd < 0) {
+        if (errno == ENOENT || errno == ELOOP)
+            return emit_relisted(w, f, name, e);
+        return fail_os(w, errno, w->rel_len);
+    }
+    pl_sha256 file;
+    uint64_t total;
+    int err = read_file(w, fd, -1, 0, &file, &total);
+    if (err == EISDIR) { /* replaced by a directory after the listing */
+        close(fd);
+        return emit_relisted(w, f, name, e);
+    }
+    if (err) {
+        close(fd);
+        return fail_os(w, err, w->rel_len);
+    }
+    struct stat first;
+    if (fstat(fd, &first) != 0) {
+        err = errno;
+        close(fd);
+        return fail_os(w, err, w->rel_len);
+    }
+    if (!S_ISREG(first.st_mode) || (uint64_t)first.st_ino != e->d_ino ||
+        (uint64_t)first.st_dev != f->dev) {
+        if (close_checked(w, fd) != 0)
+            return -1;
+        return emit_relisted(w, f, name, e); /* replaced after the listing */
+    }
+    if (first.st_nlink == 0) {
+        close(fd);
+        return fail_changed(w, &first, NULL);
+    }
+    if (ts_ns(&first.st_ctim) < f->old_before && total == (uint64_t)first.st_size) {
+        if (close_checked(w, fd) != 0)
+            return -1;
+        put_file(w, first.st_mode, total, &file);
+        return 0;
+    }
+    err = read_file(w, fd, (int64_t)first.st_size, 1, &file, &total);
+    if (err) {
+        close(fd);
+        return fail_os(w, err, w->rel_len);
+    }
+    return check_and_put(w, fd, &first, total, &file);
 }
 
 static int emit_symlink(fwalk *w, int dirfd, const char *name, const struct stat *before) {
@@ -392,6 +572,8 @@ static int push_frame(fwalk *w, int fd, const struct stat *st) {
     f->fd = fd;
     f->dev = (uint64_t)st->st_dev;
     f->ino = (uint64_t)st->st_ino;
+    int64_t m = ts_ns(&st->st_mtim), c = ts_ns(&st->st_ctim);
+    f->changed_ns = m > c ? m : c;
     f->prefix_len = w->rel_len;
     if (w->depth > MAX_OPEN_DIRS) {
         fframe *old = &w->frames[w->depth - 1 - MAX_OPEN_DIRS];
@@ -456,7 +638,7 @@ static int walk_dir(fwalk *w, int root_fd, const struct stat *root_st) {
         w->rel_len = f->prefix_len;
         if (rel_append(w, name, e->name_len, 0) != 0)
             return fail_nomem(w);
-        if (emit(w, f->fd, name, &e->st) != 0)
+        if ((e->lazy ? emit_file_lazy(w, f, name, e) : emit(w, f->fd, name, &e->st)) != 0)
             return -1;
         if (!S_ISDIR(e->st.st_mode))
             continue;
@@ -559,6 +741,7 @@ int pl_fingerprint(const char *const *roots, size_t nroots, int mode, const char
     w.error = error;
     w.skip_dev = slot.dir_dev;
     w.skip_ino = slot.dir_ino;
+    w.noatime = 1;
     w.buf = malloc(BUF_SIZE);
     if (!w.buf) {
         w.root = nroots ? roots[0] : "";

@@ -44,8 +44,16 @@ typedef struct {
 } pl_fp_result;
 
 /* Test hook, NULL in production: called in content mode after a file's bytes
- * were read and before its descriptor is fstat'ed (the stability check). */
+ * were read and before its descriptor is fstat'ed (the stability check); twice
+ * for a file that is read twice (see README "Stability check"). */
 extern void (*pl_fp_after_read_hook)(const char *path);
+
+/* A file or directory whose ctime (a directory: mtime or ctime) is less than this
+ * before its directory was listed is "old": a lazy-listed file whose fstat after the
+ * read shows it old was not changed from before its open to the end of its read.
+ * Covers clock steps and timestamp granularity; tests lower it. */
+#define PL_FP_RECENT_NS ((int64_t)2000000000)
+extern int64_t pl_fp_recent_ns;
 
 /* Fingerprints `nroots` absolute, resolved, sorted, non-nested roots.
  * per_root[i] gets root i's digest; *total the digest over all roots (and the

@@ -105,6 +105,8 @@ cdef extern from "fingerprint.h" nogil:
         uint64_t bytes
 
     void (*pl_fp_after_read_hook)(const char *path)
+    int64_t PL_FP_RECENT_NS
+    int64_t pl_fp_recent_ns
     int pl_fingerprint(const char *const *roots, size_t nroots, int mode,
                        const char *coordination_dir, int nslots, const pl_slots *held,
                        pl_fp_result *per_root, pl_fp_result *total, pl_fp_error *error)

@@ -49,4 +49,5 @@ def fingerprint(
 def set_test_hooks(
     after_read: Callable[[str], object] | None = None,
     full_scan: Callable[[str], object] | None = None,
+    recent_ns: int | None = None,
 ) -> None: ...

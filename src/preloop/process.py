@@ -13,6 +13,11 @@ git's `git-remote-*` and `index-pack` descendants running against the cache.
 - `run_command_status`: output discarded (or sent to given descriptors); the
   exit status and duration only.
 
+On Linux the child is watched through a pidfd and its pipes are read directly
+by the event loop (`anyio.wait_readable`): no watcher thread and no transport
+objects per child, which costs ~1 ms less per command than `anyio.open_process`
+(used where `pidfd_open` is unavailable).
+
 A non-zero exit raises `CommandFailed` when `check=True` (the default); a
 `timeout` raises `CommandTimeout`. Both name the command via `display`, which
 callers set when the argv holds secrets (e.g. a URL with credentials).
@@ -25,6 +30,7 @@ import os
 import shlex
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -131,6 +137,16 @@ def _kill_group(process: Process) -> None:
         pass
 
 
+def _kill_pid_group(pid: int) -> None:
+    try:
+        if _KILL_WHOLE_GROUP:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 async def _drain(
     stream: ByteReceiveStream | None, cap: int | None, sink: list[bytes], dropped: list[int]
 ) -> None:
@@ -163,7 +179,7 @@ async def _feed(process: Process, data: bytes) -> None:
             await stdin.aclose()
 
 
-async def _run(
+async def _run_anyio(
     argv: Sequence[str | os.PathLike[str]],
     *,
     cwd: str | os.PathLike[str] | None,
@@ -232,6 +248,163 @@ async def _run(
     if check and returncode != 0:
         raise CommandFailed(shown, result, where)
     return result
+
+
+def _pidfd_supported() -> bool:
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+_PIDFD = _pidfd_supported()
+
+
+async def _read_fd(fd: int, cap: int | None, sink: list[bytes], dropped: list[int]) -> None:
+    """Reads the non-blocking pipe `fd` to EOF, keeping at most `cap` bytes."""
+    kept = 0
+    while True:
+        try:
+            chunk = os.read(fd, _READ_CHUNK)
+        except BlockingIOError:
+            await anyio.wait_readable(fd)
+            continue
+        if not chunk:
+            return
+        if cap is None:
+            sink.append(chunk)
+            continue
+        room = cap - kept
+        if room > 0:
+            sink.append(chunk[:room])
+            kept += min(room, len(chunk))
+        if len(chunk) > room:
+            dropped[0] += len(chunk) - max(room, 0)
+
+
+async def _write_fd(fd: int, data: bytes) -> None:
+    """Writes `data` to the non-blocking pipe `fd`; a reader that went away
+    ends it quietly (the child's status says why)."""
+    view = memoryview(data)
+    try:
+        while view:
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                await anyio.wait_writable(fd)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+def _reap_later(pid: int) -> None:
+    """A SIGKILLed child that did not exit in time (uninterruptible sleep): a
+    daemon thread reaps it whenever it does."""
+
+    def reap() -> None:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+    threading.Thread(target=reap, name=f"preloop-reap-{pid}", daemon=True).start()
+
+
+async def _run_pidfd(
+    argv: Sequence[str | os.PathLike[str]],
+    *,
+    cwd: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None,
+    timeout: float | None,
+    check: bool,
+    display: str | None,
+    stdin_data: bytes | None,
+    capture: bool,
+    max_output: int | None,
+    stdout_to: int | IO[Any] | None = None,
+    stderr_to: int | IO[Any] | None = None,
+) -> CommandResult:
+    args = tuple(os.fspath(a) for a in argv)
+    shown = display if display is not None else shlex.join(args)
+    where = os.fspath(cwd) if cwd is not None else None
+    out: list[bytes] = []
+    err: list[bytes] = []
+    out_dropped = [0]
+    err_dropped = [0]
+    start = time.monotonic()
+    # Synchronous: no cancellation can land between the fork and the pidfd.
+    child = subprocess.Popen(
+        list(args),
+        stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE if capture else stdout_to,
+        stderr=subprocess.PIPE if capture else stderr_to,
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+    )
+    pipes = [f for f in (child.stdin, child.stdout, child.stderr) if f is not None]
+    try:
+        pidfd = os.pidfd_open(child.pid)
+    except BaseException:
+        _kill_pid_group(child.pid)
+        _reap_later(child.pid)
+        for f in pipes:
+            f.close()
+        raise
+    finished = False
+    returncode = 0
+    try:
+        for f in pipes:
+            os.set_blocking(f.fileno(), False)
+        with anyio.fail_after(timeout) if timeout is not None else contextlib.nullcontext():
+            async with anyio.create_task_group() as tg:
+                if child.stdin is not None:
+                    stdin_fd = child.stdin.fileno()
+
+                    async def feed() -> None:
+                        await _write_fd(stdin_fd, stdin_data or b"")
+                        assert child.stdin is not None
+                        child.stdin.close()
+
+                    tg.start_soon(feed)
+                if child.stdout is not None:
+                    tg.start_soon(_read_fd, child.stdout.fileno(), max_output, out, out_dropped)
+                if child.stderr is not None:
+                    tg.start_soon(_read_fd, child.stderr.fileno(), max_output, err, err_dropped)
+            await anyio.wait_readable(pidfd)
+        _, status = os.waitpid(child.pid, 0)
+        returncode = os.waitstatus_to_exitcode(status)
+        finished = True
+    except TimeoutError:
+        raise CommandTimeout(shown, timeout or 0.0, where) from None
+    finally:
+        if not finished:
+            # Not reaped yet: the pid (= the group id) cannot have been reused.
+            _kill_pid_group(child.pid)
+            reaped = False
+            with anyio.move_on_after(_REAP_WAIT, shield=True):
+                await anyio.wait_readable(pidfd)
+                os.waitpid(child.pid, 0)
+                reaped = True
+            if not reaped:
+                _reap_later(child.pid)
+        os.close(pidfd)
+        for f in pipes:
+            with contextlib.suppress(OSError):
+                f.close()
+    result = CommandResult(
+        argv=args,
+        returncode=returncode,
+        stdout=b"".join(out),
+        stderr=b"".join(err),
+        duration=time.monotonic() - start,
+        stdout_dropped=out_dropped[0],
+        stderr_dropped=err_dropped[0],
+    )
+    if check and returncode != 0:
+        raise CommandFailed(shown, result, where)
+    return result
+
+
+_run = _run_pidfd if _PIDFD else _run_anyio
 
 
 async def run_command(

@@ -686,15 +686,20 @@ def _retire_batch(run: _Run, usages: list[CacheEntryUsage]) -> None:
             raise CacheReferenceError(
                 exc.filename or layout.cache_dir(run.state_dir), exc.strerror or str(exc)
             ) from None
+        # Pins are checked before the reference scan: a capture writes its
+        # alternates and then drops its pin, so a pin listed above that is gone
+        # when checked means alternates the scan below sees (scanning first
+        # missed them: the entry was evicted under a running capture).
+        now = time.time()
+        live_pins = {u.key: _check_pins(run, pins[u.key], now) for u in locked}
         # The pre-scan may predate a publication whose pin is gone by now.
         refs = snapshot_object_cache_references(run.state_dir)
-        now = time.time()
         projected = run.total
         for usage in locked:
             if projected <= run.max_bytes:
                 break
             key = usage.key
-            live_pin = _check_pins(run, pins[key], now)
+            live_pin = live_pins[key]
             if live_pin is not None:
                 run.skipped.append(SkippedEntry(key, SkipReason.PINNED, live_pin))
                 continue

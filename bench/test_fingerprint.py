@@ -180,10 +180,13 @@ def test_bare_flock_pair(benchmark: Any, coordination: Path) -> None:
 FAIR_PROCS, FAIR_HOLDS, FAIR_HOLD_SECONDS = 8, 1000, 0.001
 
 FAIR_CONTENDER = """
-import json, sys, time
+import json, os, sys, time
 from preloop.fingerprint import HostSlots
 slots = HostSlots(sys.argv[1])
 hold = float(sys.argv[3])
+warm = slots.try_acquire()  # open this process's descriptors before the clock starts
+if warm is not None:
+    warm.release()
 sys.stdout.write("r")
 sys.stdout.flush()
 assert sys.stdin.read(1) == ""  # start together when the gate closes
@@ -195,8 +198,22 @@ for _ in range(int(sys.argv[2])):
         time.sleep(hold)
         t2 = time.perf_counter()
     spans.append((t0, t1, t2, slot.index))
+sys.stdout.write("d")
+sys.stdout.flush()
+# Report once every contender is done: encoding the spans is CPU work that would
+# stretch the holds of those still running.
+assert os.read(int(sys.argv[4]), 1) == b""
 sys.stderr.write(json.dumps(spans) + "\\n")
 """
+
+
+def _read_markers(fd: int, count: int) -> None:
+    """Reads one byte from each of `count` children on a shared pipe."""
+    got = b""
+    while len(got) < count:
+        chunk = os.read(fd, count - len(got))
+        assert chunk, "a contender exited early"
+        got += chunk
 
 
 def _behind(spans: list[tuple[float, float, float, int]]) -> tuple[float, int]:
@@ -233,27 +250,31 @@ def test_contended_waiters_do_not_starve(benchmark: Any, coordination: Path) -> 
     HostSlots(coordination).acquire().release()
     spans: list[tuple[float, float, float, int]] = []
 
-    def start() -> tuple[tuple[int, list[subprocess.Popen[bytes]]], dict[str, Any]]:
+    def start() -> tuple[tuple[int, int, int, list[subprocess.Popen[bytes]]], dict[str, Any]]:
         gate_r, gate_w = os.pipe()
         ready_r, ready_w = os.pipe()
+        done_r, done_w = os.pipe()
         argv = [sys.executable, "-c", textwrap.dedent(FAIR_CONTENDER), str(coordination),
-                str(FAIR_HOLDS), str(FAIR_HOLD_SECONDS)]  # fmt: skip
+                str(FAIR_HOLDS), str(FAIR_HOLD_SECONDS), str(done_r)]  # fmt: skip
         children = [
-            subprocess.Popen(argv, stdin=gate_r, stdout=ready_w, stderr=subprocess.PIPE)
+            subprocess.Popen(
+                argv, stdin=gate_r, stdout=ready_w, stderr=subprocess.PIPE, pass_fds=(done_r,)
+            )
             for _ in range(FAIR_PROCS)
         ]
         os.close(gate_r)
         os.close(ready_w)
-        ready = b""
-        while len(ready) < FAIR_PROCS:
-            chunk = os.read(ready_r, FAIR_PROCS)
-            assert chunk
-            ready += chunk
-        os.close(ready_r)
-        return (gate_w, children), {}
+        os.close(done_r)
+        _read_markers(ready_r, FAIR_PROCS)
+        return (gate_w, ready_r, done_w, children), {}
 
-    def run(gate_w: int, children: list[subprocess.Popen[bytes]]) -> None:
+    def run(
+        gate_w: int, ready_r: int, done_w: int, children: list[subprocess.Popen[bytes]]
+    ) -> None:
         os.close(gate_w)
+        _read_markers(ready_r, FAIR_PROCS)  # every contender is done
+        os.close(ready_r)
+        os.close(done_w)
         for child in children:
             _out, err = child.communicate()
             assert child.returncode == 0, err

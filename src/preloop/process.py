@@ -125,19 +125,9 @@ class CommandTimeout(PreloopError):
         )
 
 
-def _kill_group(process: Process) -> None:
-    # The child is not reaped yet, so its pid (= the group id) cannot have been
-    # reused: killpg reaches exactly the group we started.
-    try:
-        if _KILL_WHOLE_GROUP:
-            os.killpg(process.pid, signal.SIGKILL)
-        else:
-            process.kill()
-    except ProcessLookupError:
-        pass
-
-
 def _kill_pid_group(pid: int) -> None:
+    # Called before the child is reaped, so its pid (= the group id) cannot have
+    # been reused: killpg reaches exactly the group we started.
     try:
         if _KILL_WHOLE_GROUP:
             os.killpg(pid, signal.SIGKILL)
@@ -147,22 +137,57 @@ def _kill_pid_group(pid: int) -> None:
         pass
 
 
-async def _drain(
-    stream: ByteReceiveStream | None, cap: int | None, sink: list[bytes], dropped: list[int]
-) -> None:
+class _Output:
+    """One stream's captured bytes: at most `cap` kept (None: all of them); the
+    rest is counted in `dropped`."""
+
+    def __init__(self, cap: int | None) -> None:
+        self.cap = cap
+        self.chunks: list[bytes] = []
+        self.kept = 0
+        self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        if self.cap is None:
+            self.chunks.append(chunk)
+            return
+        room = self.cap - self.kept
+        if room > 0:
+            self.chunks.append(chunk[:room])
+            self.kept += min(room, len(chunk))
+        if len(chunk) > room:
+            self.dropped += len(chunk) - max(room, 0)
+
+
+def _result(
+    args: tuple[str, ...],
+    returncode: int,
+    out: _Output,
+    err: _Output,
+    start: float,
+    check: bool,
+    shown: str,
+    where: str | None,
+) -> CommandResult:
+    result = CommandResult(
+        argv=args,
+        returncode=returncode,
+        stdout=b"".join(out.chunks),
+        stderr=b"".join(err.chunks),
+        duration=time.monotonic() - start,
+        stdout_dropped=out.dropped,
+        stderr_dropped=err.dropped,
+    )
+    if check and returncode != 0:
+        raise CommandFailed(shown, result, where)
+    return result
+
+
+async def _drain(stream: ByteReceiveStream | None, sink: _Output) -> None:
     if stream is None:
         return
-    kept = 0
     async for chunk in stream:
-        if cap is None:
-            sink.append(chunk)
-            continue
-        room = cap - kept
-        if room > 0:
-            sink.append(chunk[:room])
-            kept += min(room, len(chunk))
-        if len(chunk) > room:
-            dropped[0] += len(chunk) - max(room, 0)
+        sink.add(chunk)
 
 
 async def _feed(process: Process, data: bytes) -> None:
@@ -196,10 +221,7 @@ async def _run_anyio(
     args = tuple(os.fspath(a) for a in argv)
     shown = display if display is not None else shlex.join(args)
     where = os.fspath(cwd) if cwd is not None else None
-    out: list[bytes] = []
-    err: list[bytes] = []
-    out_dropped = [0]
-    err_dropped = [0]
+    out, err = _Output(max_output), _Output(max_output)
     start = time.monotonic()
     # Shielded: a cancellation while the event loop is still connecting the
     # pipes would make it kill only the direct child, leaking the group. The
@@ -220,15 +242,15 @@ async def _run_anyio(
             async with anyio.create_task_group() as tg:
                 if stdin_data is not None:
                     tg.start_soon(_feed, process, stdin_data)
-                tg.start_soon(_drain, process.stdout, max_output, out, out_dropped)
-                tg.start_soon(_drain, process.stderr, max_output, err, err_dropped)
+                tg.start_soon(_drain, process.stdout, out)
+                tg.start_soon(_drain, process.stderr, err)
             returncode = await process.wait()
         finished = True
     except TimeoutError:
         raise CommandTimeout(shown, timeout or 0.0, where) from None
     finally:
         if not finished:
-            _kill_group(process)
+            _kill_pid_group(process.pid)
             with anyio.move_on_after(_REAP_WAIT, shield=True):
                 await process.wait()
         with anyio.CancelScope(shield=True):
@@ -236,18 +258,7 @@ async def _run_anyio(
                 if stream is not None:
                     with contextlib.suppress(Exception):
                         await stream.aclose()
-    result = CommandResult(
-        argv=args,
-        returncode=returncode,
-        stdout=b"".join(out),
-        stderr=b"".join(err),
-        duration=time.monotonic() - start,
-        stdout_dropped=out_dropped[0],
-        stderr_dropped=err_dropped[0],
-    )
-    if check and returncode != 0:
-        raise CommandFailed(shown, result, where)
-    return result
+    return _result(args, returncode, out, err, start, check, shown, where)
 
 
 def _pidfd_supported() -> bool:
@@ -261,9 +272,8 @@ def _pidfd_supported() -> bool:
 _PIDFD = _pidfd_supported()
 
 
-async def _read_fd(fd: int, cap: int | None, sink: list[bytes], dropped: list[int]) -> None:
-    """Reads the non-blocking pipe `fd` to EOF, keeping at most `cap` bytes."""
-    kept = 0
+async def _read_fd(fd: int, sink: _Output) -> None:
+    """Reads the non-blocking pipe `fd` to EOF into `sink`."""
     while True:
         try:
             chunk = os.read(fd, _READ_CHUNK)
@@ -272,15 +282,7 @@ async def _read_fd(fd: int, cap: int | None, sink: list[bytes], dropped: list[in
             continue
         if not chunk:
             return
-        if cap is None:
-            sink.append(chunk)
-            continue
-        room = cap - kept
-        if room > 0:
-            sink.append(chunk[:room])
-            kept += min(room, len(chunk))
-        if len(chunk) > room:
-            dropped[0] += len(chunk) - max(room, 0)
+        sink.add(chunk)
 
 
 async def _write_fd(fd: int, data: bytes) -> None:
@@ -325,10 +327,7 @@ async def _run_pidfd(
     args = tuple(os.fspath(a) for a in argv)
     shown = display if display is not None else shlex.join(args)
     where = os.fspath(cwd) if cwd is not None else None
-    out: list[bytes] = []
-    err: list[bytes] = []
-    out_dropped = [0]
-    err_dropped = [0]
+    out, err = _Output(max_output), _Output(max_output)
     start = time.monotonic()
     # Synchronous: no cancellation can land between the fork and the pidfd.
     child = subprocess.Popen(
@@ -366,9 +365,9 @@ async def _run_pidfd(
 
                     tg.start_soon(feed)
                 if child.stdout is not None:
-                    tg.start_soon(_read_fd, child.stdout.fileno(), max_output, out, out_dropped)
+                    tg.start_soon(_read_fd, child.stdout.fileno(), out)
                 if child.stderr is not None:
-                    tg.start_soon(_read_fd, child.stderr.fileno(), max_output, err, err_dropped)
+                    tg.start_soon(_read_fd, child.stderr.fileno(), err)
             await anyio.wait_readable(pidfd)
         _, status = os.waitpid(child.pid, 0)
         returncode = os.waitstatus_to_exitcode(status)
@@ -390,18 +389,7 @@ async def _run_pidfd(
         for f in pipes:
             with contextlib.suppress(OSError):
                 f.close()
-    result = CommandResult(
-        argv=args,
-        returncode=returncode,
-        stdout=b"".join(out),
-        stderr=b"".join(err),
-        duration=time.monotonic() - start,
-        stdout_dropped=out_dropped[0],
-        stderr_dropped=err_dropped[0],
-    )
-    if check and returncode != 0:
-        raise CommandFailed(shown, result, where)
-    return result
+    return _result(args, returncode, out, err, start, check, shown, where)
 
 
 _run = _run_pidfd if _PIDFD else _run_anyio

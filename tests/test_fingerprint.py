@@ -231,8 +231,10 @@ def test_lazy_listed_files_give_the_same_digest_with_one_read_each(tmp_path: Pat
 
 
 def settled(root: Path) -> Path:
-    """Waits until the tree's changes lie before the next listing (coarse clock);
-    skips unless the filesystem is one whose listings can be lazy (fingerprint.c)."""
+    """Returns once the walk's clock (CLOCK_REALTIME_COARSE, which also stamps
+    ctimes) has passed every ctime in the tree, so a listing made now finds the
+    tree old and a change made later new; skips unless the filesystem is one
+    whose listings can be lazy (fingerprint.c)."""
     import subprocess
     import time
 
@@ -241,7 +243,11 @@ def settled(root: Path) -> Path:
     ).stdout.strip()
     if int(fs_type, 16) not in (0xEF53, 0x58465342, 0x9123683E, 0x01021994, 0xF2F52010):
         pytest.skip(f"{root} is on a filesystem (type {fs_type}) whose listings are not lazy")
-    time.sleep(0.05)
+    newest = max(p.lstat().st_ctime_ns for p in [root, *root.rglob("*")])
+    coarse = 5  # CLOCK_REALTIME_COARSE: no name for it in the time module
+    tick = int(time.clock_getres(coarse) * 1e9)
+    while (behind := newest - time.clock_gettime_ns(coarse)) >= 0:
+        time.sleep(max(behind + 1, tick) / 1e9)  # the clock itself is what is waited for
     return root
 
 

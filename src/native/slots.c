@@ -499,24 +499,16 @@ static int queue_tail(int fd) {
     return l;
 }
 
-static int set_marker(int fd, short type, int level) {
+/* Sets (F_RDLCK) or clears (F_UNLCK) marks on `len` bytes from `from` of the
+ * slot file (len 0: to the end, every mark). */
+static int mark(int fd, short type, int from, int len) {
     struct flock fl;
     memset(&fl, 0, sizeof fl);
     fl.l_type = type;
     fl.l_whence = SEEK_SET;
-    fl.l_start = level;
-    fl.l_len = type == F_UNLCK ? 0 : 1; /* unlocking: every mark */
+    fl.l_start = from;
+    fl.l_len = len;
     return fcntl(fd, F_OFD_SETLK, &fl);
-}
-
-static void clear_mark(int fd, int level) {
-    struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = F_UNLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = level;
-    fl.l_len = 1;
-    (void)fcntl(fd, F_OFD_SETLK, &fl);
 }
 
 /* Opens place `level` of `slot`'s queue; a missing file is created when the
@@ -551,7 +543,7 @@ static int join_queue(pl_slots *h, int slot, int fd, int *level, pl_slots_error 
             break; /* no queue files here: race as before */
         }
         if (flock(qfd, LOCK_EX | LOCK_NB) == 0) {
-            if (set_marker(fd, F_RDLCK, l) != 0) {
+            if (mark(fd, F_RDLCK, l, 1) != 0) {
                 int err = errno;
                 close(qfd);
                 lock_error(e, err, h->dir, "queue mark");
@@ -569,7 +561,7 @@ static int join_queue(pl_slots *h, int slot, int fd, int *level, pl_slots_error 
         l++; /* a newcomer took it a moment ago and is about to mark it */
     }
     *level = QUEUE_DEPTH;
-    if (set_marker(fd, F_RDLCK, QUEUE_DEPTH) != 0) {
+    if (mark(fd, F_RDLCK, QUEUE_DEPTH, 1) != 0) {
         lock_error(e, errno, h->dir, "queue mark");
         return -2;
     }
@@ -597,9 +589,9 @@ static int wait_in_queue(pl_slots *h, int slot, int fd, int qfd, int level, long
         }
         /* Mark the new place before letting the old one go, so the queue never
          * looks shorter than it is to a newcomer. */
-        (void)set_marker(fd, F_RDLCK, level - 1);
+        (void)mark(fd, F_RDLCK, level - 1, 1);
         close(qfd);
-        clear_mark(fd, level);
+        (void)mark(fd, F_UNLCK, level, 1);
         qfd = ahead;
         level--;
     }
@@ -751,7 +743,7 @@ int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot 
             return -1;
         return lock_error(error, err, h->dir, name);
     }
-    (void)set_marker(fd, F_UNLCK, 0); /* holding now, not waiting */
+    (void)mark(fd, F_UNLCK, 0, 0); /* holding now, not waiting */
     __atomic_add_fetch(&h->holding, 1, __ATOMIC_RELAXED);
     out->fd = fd;
     out->slot = slot;

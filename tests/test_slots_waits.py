@@ -42,6 +42,16 @@ def _no_hooks() -> Iterator[None]:
     _native.set_test_hooks()
 
 
+def assert_taken(slot: Path) -> None:
+    """A descriptor of its own (as another process would have) cannot lock `slot`."""
+    probe = os.open(slot, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(probe)
+
+
 class Holder:
     """A process holding exclusive flocks on coordination files until stopped."""
 
@@ -282,12 +292,7 @@ def test_forked_child_reopens_and_never_drops_the_parents_slot(tmp_path: Path) -
         assert pipe.read() == b"1"
     assert os.waitpid(pid, 0)[1] == 0
     # The parent still holds slot 0: a separate process sees it taken.
-    probe = os.open(directory / "slot-0", os.O_RDONLY)
-    try:
-        with pytest.raises(BlockingIOError):
-            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    finally:
-        os.close(probe)
+    assert_taken(directory / "slot-0")
     assert parents.held
     parents.release()
     # After the child exited, its slot is free again, and so is the parent's.
@@ -510,12 +515,7 @@ def test_choosing_where_to_wait_never_drops_a_slot_the_handle_holds(tmp_path: Pa
         thread.start()
         assert event.wait(30)
         # Slot 0 (a waiter queued on it, held through this handle) is still held.
-        fd = os.open(directory / "slot-0", os.O_RDONLY)
-        try:
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        finally:
-            os.close(fd)
+        assert_taken(directory / "slot-0")
         assert parked == [str(directory / "slot-1")]  # the shorter queue
         mine[1].release()  # type: ignore[union-attr]
         thread.join(30)

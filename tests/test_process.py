@@ -44,7 +44,7 @@ def core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     """Every test runs on both cores: the pidfd one (Linux default) and the
     `anyio.open_process` one used where `pidfd_open` is unavailable."""
     if request.param == "anyio":
-        monkeypatch.setattr(process, "_run", process._run_anyio)
+        monkeypatch.setattr(process, "_wait", process._wait_anyio)
     elif not process._PIDFD:
         pytest.skip("pidfd_open is unavailable here")
     return str(request.param)

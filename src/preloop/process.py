@@ -159,30 +159,6 @@ class _Output:
             self.dropped += len(chunk) - max(room, 0)
 
 
-def _result(
-    args: tuple[str, ...],
-    returncode: int,
-    out: _Output,
-    err: _Output,
-    start: float,
-    check: bool,
-    shown: str,
-    where: str | None,
-) -> CommandResult:
-    result = CommandResult(
-        argv=args,
-        returncode=returncode,
-        stdout=b"".join(out.chunks),
-        stderr=b"".join(err.chunks),
-        duration=time.monotonic() - start,
-        stdout_dropped=out.dropped,
-        stderr_dropped=err.dropped,
-    )
-    if check and returncode != 0:
-        raise CommandFailed(shown, result, where)
-    return result
-
-
 async def _drain(stream: ByteReceiveStream | None, sink: _Output) -> None:
     if stream is None:
         return
@@ -204,38 +180,21 @@ async def _feed(process: Process, data: bytes) -> None:
             await stdin.aclose()
 
 
-async def _run_anyio(
-    argv: Sequence[str | os.PathLike[str]],
-    *,
-    cwd: str | os.PathLike[str] | None,
-    env: Mapping[str, str] | None,
-    timeout: float | None,
-    check: bool,
-    display: str | None,
+async def _wait_anyio(
+    args: list[str],
+    popen: dict[str, Any],
     stdin_data: bytes | None,
-    capture: bool,
-    max_output: int | None,
-    stdout_to: int | IO[Any] | None = None,
-    stderr_to: int | IO[Any] | None = None,
-) -> CommandResult:
-    args = tuple(os.fspath(a) for a in argv)
-    shown = display if display is not None else shlex.join(args)
-    where = os.fspath(cwd) if cwd is not None else None
-    out, err = _Output(max_output), _Output(max_output)
-    start = time.monotonic()
+    timeout: float | None,
+    out: _Output,
+    err: _Output,
+) -> int:
+    """Runs the child through `anyio.open_process` (where pidfds are missing) and
+    returns its status; TimeoutError after `timeout`, the group killed."""
     # Shielded: a cancellation while the event loop is still connecting the
     # pipes would make it kill only the direct child, leaking the group. The
     # pending cancellation is delivered at the first await inside the `try`.
     with anyio.CancelScope(shield=True):
-        process = await anyio.open_process(
-            list(args),
-            stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE if capture else stdout_to,
-            stderr=subprocess.PIPE if capture else stderr_to,
-            cwd=cwd,
-            env=env,
-            start_new_session=True,
-        )
+        process = await anyio.open_process(args, **popen)
     finished = False
     try:
         with anyio.fail_after(timeout) if timeout is not None else contextlib.nullcontext():
@@ -246,8 +205,6 @@ async def _run_anyio(
                 tg.start_soon(_drain, process.stderr, err)
             returncode = await process.wait()
         finished = True
-    except TimeoutError:
-        raise CommandTimeout(shown, timeout or 0.0, where) from None
     finally:
         if not finished:
             _kill_pid_group(process.pid)
@@ -258,7 +215,7 @@ async def _run_anyio(
                 if stream is not None:
                     with contextlib.suppress(Exception):
                         await stream.aclose()
-    return _result(args, returncode, out, err, start, check, shown, where)
+    return returncode
 
 
 def _pidfd_supported() -> bool:
@@ -310,35 +267,19 @@ def _reap_later(pid: int) -> None:
     threading.Thread(target=reap, name=f"preloop-reap-{pid}", daemon=True).start()
 
 
-async def _run_pidfd(
-    argv: Sequence[str | os.PathLike[str]],
-    *,
-    cwd: str | os.PathLike[str] | None,
-    env: Mapping[str, str] | None,
-    timeout: float | None,
-    check: bool,
-    display: str | None,
+async def _wait_pidfd(
+    args: list[str],
+    popen: dict[str, Any],
     stdin_data: bytes | None,
-    capture: bool,
-    max_output: int | None,
-    stdout_to: int | IO[Any] | None = None,
-    stderr_to: int | IO[Any] | None = None,
-) -> CommandResult:
-    args = tuple(os.fspath(a) for a in argv)
-    shown = display if display is not None else shlex.join(args)
-    where = os.fspath(cwd) if cwd is not None else None
-    out, err = _Output(max_output), _Output(max_output)
-    start = time.monotonic()
+    timeout: float | None,
+    out: _Output,
+    err: _Output,
+) -> int:
+    """Runs the child watched through a pidfd, its pipes read in the event loop
+    (no watcher thread per child), and returns its status; TimeoutError after
+    `timeout`, the group killed."""
     # Synchronous: no cancellation can land between the fork and the pidfd.
-    child = subprocess.Popen(
-        list(args),
-        stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
-        stdout=subprocess.PIPE if capture else stdout_to,
-        stderr=subprocess.PIPE if capture else stderr_to,
-        cwd=cwd,
-        env=env,
-        start_new_session=True,
-    )
+    child = subprocess.Popen(args, **popen)
     pipes = [f for f in (child.stdin, child.stdout, child.stderr) if f is not None]
     try:
         pidfd = os.pidfd_open(child.pid)
@@ -372,8 +313,6 @@ async def _run_pidfd(
         _, status = os.waitpid(child.pid, 0)
         returncode = os.waitstatus_to_exitcode(status)
         finished = True
-    except TimeoutError:
-        raise CommandTimeout(shown, timeout or 0.0, where) from None
     finally:
         if not finished:
             # Not reaped yet: the pid (= the group id) cannot have been reused.
@@ -389,10 +328,55 @@ async def _run_pidfd(
         for f in pipes:
             with contextlib.suppress(OSError):
                 f.close()
-    return _result(args, returncode, out, err, start, check, shown, where)
+    return returncode
 
 
-_run = _run_pidfd if _PIDFD else _run_anyio
+_wait = _wait_pidfd if _PIDFD else _wait_anyio
+
+
+async def _run(
+    argv: Sequence[str | os.PathLike[str]],
+    *,
+    cwd: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None,
+    timeout: float | None,
+    check: bool,
+    display: str | None,
+    stdin_data: bytes | None,
+    capture: bool,
+    max_output: int | None,
+    stdout_to: int | IO[Any] | None = None,
+    stderr_to: int | IO[Any] | None = None,
+) -> CommandResult:
+    args = [os.fspath(a) for a in argv]
+    shown = display if display is not None else shlex.join(args)
+    where = os.fspath(cwd) if cwd is not None else None
+    out, err = _Output(max_output), _Output(max_output)
+    popen: dict[str, Any] = {
+        "stdin": subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
+        "stdout": subprocess.PIPE if capture else stdout_to,
+        "stderr": subprocess.PIPE if capture else stderr_to,
+        "cwd": cwd,
+        "env": env,
+        "start_new_session": True,
+    }
+    start = time.monotonic()
+    try:
+        returncode = await _wait(args, popen, stdin_data, timeout, out, err)
+    except TimeoutError:
+        raise CommandTimeout(shown, timeout or 0.0, where) from None
+    result = CommandResult(
+        argv=tuple(args),
+        returncode=returncode,
+        stdout=b"".join(out.chunks),
+        stderr=b"".join(err.chunks),
+        duration=time.monotonic() - start,
+        stdout_dropped=out.dropped,
+        stderr_dropped=err.dropped,
+    )
+    if check and returncode != 0:
+        raise CommandFailed(shown, result, where)
+    return result
 
 
 async def run_command(

@@ -80,6 +80,14 @@ def _cache_repo_env(repository: Path) -> dict[str, str]:
     return git_env({"GIT_DIR": str(repository)})
 
 
+async def init_cache_entry(path: Path) -> None:
+    """Makes `path` (a temporary name, renamed into place by the caller) an empty
+    object-cache repository: bare, no template, never auto-gc'ed (the prune owns
+    its lifetime)."""
+    await git(["init", "--bare", "--quiet", "--template=", path])
+    await git(["config", "gc.auto", "0"], env=_cache_repo_env(path))
+
+
 async def _inline(work: BlockingWork | None, point: str, fn: Callable[..., T], *args: Any) -> T:
     if work is None:
         return fn(*args)
@@ -198,8 +206,7 @@ async def ensure_remote_cache(
         tmp: Path | None = None
         if not repository.is_dir():
             tmp = target = layout.cache_tmp_clone_path(state_dir, key, secrets.token_hex(6))
-            await git(["init", "--bare", "--quiet", "--template=", tmp])
-            await git(["config", "gc.auto", "0"], env=_cache_repo_env(tmp))
+            await init_cache_entry(tmp)
         try:
             try:
                 # The URL reaches git through the environment, not argv, so

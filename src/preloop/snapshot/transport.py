@@ -54,6 +54,7 @@ from preloop.errors import PreloopError, UsageError
 from preloop.process import CommandFailed, run_command_status
 from preloop.snapshot import layout
 from preloop.snapshot.bundles import BUNDLE_KIND, BundleRow, SnapshotBundles
+from preloop.snapshot.cache import init_cache_entry
 from preloop.snapshot.capture import SNAPSHOT_REF, create_run_repository, write_snapshot_ref
 from preloop.snapshot.errors import SnapshotError
 from preloop.snapshot.gitcmd import BASE_CONFIG, git, git_env
@@ -278,8 +279,7 @@ async def _ensure_entry(state_dir: Path, key: str) -> Path:
         return repository
     tmp = layout.cache_tmp_clone_path(state_dir, key, secrets.token_hex(6))
     try:
-        await git(["init", "--bare", "--quiet", "--template=", tmp])
-        await git(["config", "gc.auto", "0"], env=git_env({"GIT_DIR": str(tmp)}))
+        await init_cache_entry(tmp)
         os.rename(tmp, repository)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -20,29 +20,10 @@ from preloop.snapshot import capture_workspace
 PRELOOP = [sys.executable, "-m", "preloop"]
 
 
-def test_bad_cache_cap_exits_2_at_start(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    repo = make_repo(
-        tmp_path / "repo",
-        workflow("on: push\njobs:\n  a:\n    runs-on: x\n    steps: [{run: echo hi}]\n"),
-    )
-    proc = subprocess.run(
-        [*PRELOOP, "run", "-j", "1"],
-        cwd=repo,
-        env=_env(state, PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES="lots"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    assert proc.stderr.startswith("preloop: error: PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES:")
-    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1
-    assert not (state / "snapshots").exists()  # nothing captured
-
-
 @pytest.mark.parametrize(
     "command",
     [
+        ["run", "-j", "1"],
         ["snapshot"],
         ["sweep"],
         ["cache", "status"],
@@ -53,10 +34,15 @@ def test_bad_cache_cap_exits_2_at_start(tmp_path: Path) -> None:
     ids=" ".join,
 )
 def test_bad_cache_cap_stops_every_command_using_it(tmp_path: Path, command: list[str]) -> None:
-    """`preloop snapshot` used to capture, print a warning from the post-capture
-    prune and exit 0: every command that uses the cap fails at start instead."""
+    """`preloop run` used to exit 0 while the post-capture hook printed a
+    traceback, and `preloop snapshot` to capture, warn and exit 0: every command
+    that uses the cap fails at start instead."""
     state = tmp_path / "state"
-    repo = make_repo(tmp_path / "repo", {"a.txt": "a\n"})
+    repo = make_repo(
+        tmp_path / "repo",
+        {"a.txt": "a\n"}
+        | workflow("on: push\njobs:\n  a:\n    runs-on: x\n    steps: [{run: echo hi}]\n"),
+    )
     proc = subprocess.run(
         [*PRELOOP, *command],
         cwd=repo,
@@ -67,6 +53,7 @@ def test_bad_cache_cap_stops_every_command_using_it(tmp_path: Path, command: lis
     )
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.startswith("preloop: error: PRELOOP_SNAPSHOT_OBJECT_CACHE_MAX_BYTES:")
+    assert "Traceback" not in proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and proc.stdout == ""
     assert not (state / "snapshots").exists()  # nothing captured
 

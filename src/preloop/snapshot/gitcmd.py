@@ -38,6 +38,9 @@ _SCRUBBED = (
     "GIT_NOGLOB_PATHSPECS",
     "GIT_ICASE_PATHSPECS",
     "GIT_CONFIG_PARAMETERS",
+    # git's test knobs that would write shared indexes or change the index format
+    "GIT_TEST_SPLIT_INDEX",
+    "GIT_TEST_INDEX_VERSION",
     "GIT_CONFIG_COUNT",
     "GIT_AUTHOR_NAME",
     "GIT_AUTHOR_EMAIL",
@@ -49,7 +52,8 @@ _SCRUBBED = (
 
 # Hooks (post-index-change would run the workspace's own hook against our
 # index), split index (would write sharedindex files into the source
-# repository), auto-gc and signing are all off for every call.
+# repository; a capture opts in where that cannot happen:
+# `preloop.snapshot.index`), auto-gc and signing are all off for every call.
 BASE_CONFIG: tuple[str, ...] = (
     "-c",
     "core.hooksPath=/dev/null",

@@ -20,6 +20,18 @@ first:
 3. **Seed.** Without a persisted index (or when the workspace index has
    unmerged entries), a copy of the workspace index itself: its stat data is
    the user's own.
+
+**Split index.** A warm capture's index is a split index: the bulk of its
+entries live in a shared index, `<key>.git/sharedindex.<oid>` (where git keeps
+them for a `GIT_DIR` of `<key>.git`), and the capture's own index file holds
+only the entries changed since, so `git add -A` and `write-tree` each write
+a few kB instead of the whole index (two full writes were ~50 ms of SHA-1 at
+50k files). `write-tree` runs in the cache entry and makes or renews the
+shared index there (`split_index_write`); the commands that run in the
+workspace's repository only keep an index split, never writing a shared index
+(`SPLIT_INDEX_KEEP`): git writes shared indexes into its `GIT_DIR`, which must
+stay untouched. They find the shared index beside the capture's index (git
+looks there after its `GIT_DIR`), hard-linked into staging; the memo names it.
 """
 
 from __future__ import annotations
@@ -29,13 +41,27 @@ import json
 import os
 import secrets
 import shutil
+import struct
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 from preloop.snapshot.gitcmd import git
 
-__all__ = ["MEMO_NAME", "IndexBase", "TreeChange", "changed_entries", "read_trailer"]
+__all__ = [
+    "MEMO_NAME",
+    "SPLIT_INDEX_KEEP",
+    "IndexBase",
+    "TreeChange",
+    "changed_entries",
+    "link_shared_index",
+    "needs_new_shared_index",
+    "read_trailer",
+    "shared_index_path",
+    "split_index_base",
+    "split_index_write",
+]
 
 MEMO_NAME = "preloop-index-base.json"
 # Beyond this many added/dropped paths a fix-up is no cheaper than a reset.
@@ -47,6 +73,61 @@ EMPTY_TREE = {
 }
 HASH_BYTES = {"sha1": 20, "sha256": 32}
 
+SHARED_INDEX_PREFIX = "sharedindex."
+# For commands run in the workspace's repository on a split index: keep it
+# split, and never write a shared index (it would go into the workspace's
+# git directory). Without them, `core.splitIndex=false` (gitcmd) unsplits it.
+SPLIT_INDEX_KEEP: tuple[str, ...] = (
+    "-c",
+    "core.splitIndex=true",
+    "-c",
+    "splitIndex.maxPercentChange=100",
+)
+# git removes a cache entry's shared indexes unused for this long when it
+# writes a new one; a capture that still uses one holds it by a link in its
+# staging directory and puts it back when it persists (`link_shared_index`).
+SHARED_INDEX_EXPIRY = "10.minutes.ago"
+# A new shared index once the split part holds over this share of the entries.
+MAX_SPLIT_SHARE = 0.2
+
+
+def split_index_write(renew: bool) -> tuple[str, ...]:
+    """The config for `write-tree` in the cache entry: split the index (an
+    unsplit one gets a shared index), and with `renew` write a new shared
+    index. git's own threshold counts only added entries, so a split part of
+    modified entries would grow without bound: `needs_new_shared_index`."""
+    return (
+        "-c",
+        "core.splitIndex=true",
+        "-c",
+        f"splitIndex.maxPercentChange={0 if renew else 100}",
+        "-c",
+        f"splitIndex.sharedIndexExpire={SHARED_INDEX_EXPIRY}",
+    )
+
+
+def _entry_count(path: Path) -> int | None:
+    try:
+        with open(path, "rb") as fh:
+            header = fh.read(12)
+    except OSError:
+        return None
+    if len(header) != 12 or header[:4] != b"DIRC":
+        return None
+    return int(struct.unpack_from(">I", header, 8)[0])
+
+
+def needs_new_shared_index(index: Path, shared: Path) -> bool:
+    """Whether the split index `index` holds over MAX_SPLIT_SHARE of the
+    entries of its shared index `shared` (two headers read)."""
+    own, base = _entry_count(index), _entry_count(shared)
+    return own is None or base is None or own > MAX_SPLIT_SHARE * base
+
+
+# git's temporary shared index (`sharedindex_XXXXXX`) left by a killed
+# `write-tree` is removed after this long (git never removes it).
+STALE_SHARED_TEMP = 3600.0
+
 
 @dataclass
 class IndexBase:
@@ -54,9 +135,10 @@ class IndexBase:
 
     index_checksum: str
     ws_index_checksum: str | None
-    ws_tree: str
+    ws_tree: str | None  # None: no fix-up from this memo (a reset instead)
     added: list[str] = field(default_factory=list)
     dropped: list[tuple[str, str, str]] = field(default_factory=list)  # mode, oid, path
+    shared_index: str | None = None  # the base of a split index (its oid)
 
     @classmethod
     def load(cls, path: Path) -> IndexBase | None:
@@ -65,9 +147,10 @@ class IndexBase:
             return cls(
                 index_checksum=str(doc["index_checksum"]),
                 ws_index_checksum=doc["ws_index_checksum"],
-                ws_tree=str(doc["ws_tree"]),
+                ws_tree=None if doc["ws_tree"] is None else str(doc["ws_tree"]),
                 added=[str(p) for p in doc["added"]],
                 dropped=[(str(m), str(o), str(p)) for m, o, p in doc["dropped"]],
+                shared_index=doc.get("shared_index"),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None  # no memo (or a damaged one): take the reset path
@@ -91,6 +174,83 @@ def read_trailer(path: Path, object_format: str) -> str | None:
     if len(raw) != size or not raw.strip(b"\0"):
         return None
     return raw.hex()
+
+
+def split_index_base(path: Path, object_format: str) -> str | None:
+    """The shared index (oid, hex) that the index file at `path` is split
+    against, read from its `link` extension; None when it is not a split index
+    or cannot be read. A split index file holds only the entries changed since
+    its shared index, so the walk to its extensions is short."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    size = HASH_BYTES.get(object_format, 20)
+    if len(data) < 12 + size or data[:4] != b"DIRC":
+        return None
+    version, count = struct.unpack_from(">II", data, 4)
+    if version not in (2, 3, 4):
+        return None
+    # An entry: ctime, mtime, dev, ino, mode, uid, gid, size (40 bytes), the
+    # oid, 16-bit flags (name length in the low 12 bits), 16 more flag bits
+    # when 0x4000 is set; then the name, NUL-padded to 8 bytes (v2, v3) or,
+    # in v4, a varint (bytes of the previous name to keep) and a NUL-ended
+    # suffix, unpadded.
+    flags_at = 40 + size
+    end = len(data) - size
+    pos = 12
+    try:
+        for _ in range(count):
+            (flags,) = struct.unpack_from(">H", data, pos + flags_at)
+            name = pos + flags_at + (4 if flags & 0x4000 else 2)
+            if version == 4:
+                while data[name] & 0x80:
+                    name += 1
+                pos = data.index(b"\0", name + 1) + 1
+                continue
+            length = flags & 0x0FFF
+            if length == 0x0FFF:
+                length = data.index(b"\0", name) - name
+            pos += ((name - pos) + length + 8) & ~7
+        while pos + 8 <= end:
+            signature = data[pos : pos + 4]
+            (ext_size,) = struct.unpack_from(">I", data, pos + 4)
+            if signature == b"link":
+                base = data[pos + 8 : pos + 8 + size]
+                return base.hex() if len(base) == size and base.strip(b"\0") else None
+            pos += 8 + ext_size
+    except (struct.error, ValueError, IndexError):
+        return None
+    return None
+
+
+def shared_index_path(directory: Path, oid: str) -> Path:
+    """Where git looks for shared index `oid` in `directory`."""
+    return directory / f"{SHARED_INDEX_PREFIX}{oid}"
+
+
+def link_shared_index(source_dir: Path, target_dir: Path, oid: str) -> bool:
+    """Makes `target_dir/sharedindex.<oid>` name the shared index
+    `source_dir/sharedindex.<oid>` (a hard link; already there is fine);
+    False when the source is gone."""
+    try:
+        os.link(shared_index_path(source_dir, oid), shared_index_path(target_dir, oid))
+    except FileExistsError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def remove_stale_shared_temps(git_dir: Path) -> None:
+    """Removes the temporary shared indexes of `write-tree`s killed long ago."""
+    now = time.time()
+    with contextlib.suppress(OSError), os.scandir(git_dir) as it:
+        for entry in it:
+            if entry.name.startswith("sharedindex_"):
+                with contextlib.suppress(OSError):
+                    if now - entry.stat(follow_symlinks=False).st_mtime > STALE_SHARED_TEMP:
+                        os.unlink(entry.path)
 
 
 def copy_if_exists(src: Path, dst: Path) -> bool:

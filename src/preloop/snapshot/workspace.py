@@ -9,7 +9,10 @@ the user, but every write is redirected:
 - the index is a private file in the staging directory (`GIT_INDEX_FILE`);
 - new objects go to the cache entry (`GIT_OBJECT_DIRECTORY`), the workspace's
   objects are only read (`GIT_ALTERNATE_OBJECT_DIRECTORIES`);
-- hooks, split index, auto-gc and signing are off; `GIT_OPTIONAL_LOCKS=0`.
+- hooks, auto-gc and signing are off; `GIT_OPTIONAL_LOCKS=0`;
+- the private index is split against a shared index in the cache entry, and
+  no command run in the workspace's repository writes a shared index (see
+  `preloop.snapshot.index`).
 
 The index (see `preloop.snapshot.index`): the first capture seeds it from a
 copy of the workspace's index; later ones start from the persisted
@@ -61,13 +64,20 @@ from preloop.snapshot.index import (
     HASH_BYTES,
     MAX_FIXUP_PATHS,
     MEMO_NAME,
+    SPLIT_INDEX_KEEP,
     IndexBase,
     TreeChange,
     changed_entries,
     copy_if_exists,
     link_if_exists,
+    link_shared_index,
+    needs_new_shared_index,
     read_trailer,
     remove_if_exists,
+    remove_stale_shared_temps,
+    shared_index_path,
+    split_index_base,
+    split_index_write,
 )
 from preloop.snapshot.permits import NamespacePermits, namespace_from_url
 from preloop.snapshot.work import BlockingWork, CaptureFaults
@@ -288,7 +298,7 @@ async def _ignored(env: dict[str, str], toplevel: Path, paths: list[str]) -> lis
 
 
 async def _fix_up(
-    cap: CaptureState, repo: Repository, env: dict[str, str], memo: IndexBase
+    cap: CaptureState, repo: Repository, env: dict[str, str], memo: IndexBase, split: bool
 ) -> None:
     """Brings the persisted index's tracked set back to the workspace index's
     (see `preloop.snapshot.index`), writing the index only when needed.
@@ -311,22 +321,30 @@ async def _fix_up(
         info += [f"{mode} {oid}\t{path}\0" for mode, oid, path in memo.dropped if path in back]
     if info:
         await git(
-            ["update-index", "-z", "--index-info"],
+            [*_keep_split(split), "update-index", "-z", "--index-info"],
             env=env,
             stdin="".join(info).encode("utf-8", "surrogateescape"),
         )
+
+
+def _keep_split(split: bool) -> tuple[str, ...]:
+    """The config for a command run in the workspace's repository that writes
+    the capture's index (see `preloop.snapshot.index`)."""
+    return SPLIT_INDEX_KEEP if split else ()
 
 
 @dataclass(frozen=True, slots=True)
 class _Base:
     """What the capture's index starts from, read in one blocking step: the
     workspace index's checksum and, when there is a persisted index (now
-    linked as the capture's index), its checksum and memo."""
+    linked as the capture's index), its checksum and memo, and whether it is
+    a split index (its shared index then linked beside it)."""
 
     ws_checksum: str | None
     persisted: bool
     checksum: str | None = None
     memo: IndexBase | None = None
+    split: bool = False
 
 
 def _keep_link(index: Path) -> None:
@@ -342,7 +360,9 @@ def _keep_link(index: Path) -> None:
         os.link(index, kept)
 
 
-def _read_base(ws_index: Path, persisted: Path, index: Path, memo_path: Path, fmt: str) -> _Base:
+def _read_base(
+    ws_index: Path, persisted: Path, index: Path, memo_path: Path, fmt: str, shared_dir: Path
+) -> _Base:
     ws_checksum = read_trailer(ws_index, fmt)
     if not link_if_exists(persisted, index):
         return _Base(ws_checksum, False)
@@ -350,16 +370,27 @@ def _read_base(ws_index: Path, persisted: Path, index: Path, memo_path: Path, fm
     # index over it then frees nothing (see _keep_link).
     with contextlib.suppress(OSError):
         os.link(index, index.with_name("persisted-index.kept"))
-    return _Base(ws_checksum, True, read_trailer(index, fmt), IndexBase.load(memo_path))
+    checksum = read_trailer(index, fmt)
+    memo = IndexBase.load(memo_path)
+    if memo is None or checksum is None or memo.index_checksum != checksum:
+        # Unknown: a reset reads it, and if it is split against a shared
+        # index that is not beside it, fails and the capture seeds.
+        return _Base(ws_checksum, True, checksum, None)
+    if memo.shared_index is None:
+        return _Base(ws_checksum, True, checksum, memo)
+    if not link_shared_index(shared_dir, index.parent, memo.shared_index):
+        index.unlink()  # its shared index is gone: seed
+        return _Base(ws_checksum, False)
+    return _Base(ws_checksum, True, checksum, memo, split=True)
 
 
 async def _prepare_index(
     cap: CaptureState, repo: Repository, env: dict[str, str], base: _Base
-) -> tuple[str | None, list[str]]:
+) -> tuple[str | None, list[str], bool]:
     """Fills the capture's index from `base` (see `preloop.snapshot.index`);
-    returns the workspace index's tree when it was computed (else None) and the
+    returns the workspace index's tree when it was computed (else None), the
     paths the last capture added, which must leave the index if they are
-    ignored now."""
+    ignored now, and whether the index is a split index of ours."""
     index = Path(env["GIT_INDEX_FILE"])
     ws_checksum = base.ws_checksum
     if base.persisted:
@@ -371,30 +402,32 @@ async def _prepare_index(
             else:
                 ws_tree = await _workspace_index_tree(cap, repo, env)
             if ws_tree is not None and ws_tree == memo.ws_tree:
-                await _fix_up(cap, repo, env, memo)
-                return ws_tree, memo.added
+                await _fix_up(cap, repo, env, memo, base.split)
+                return ws_tree, memo.added, base.split
         if ws_tree is None:
             ws_tree = await _workspace_index_tree(cap, repo, env)
         if ws_tree is not None:
-            reset = await git(["read-tree", "--reset", ws_tree], env=env, check=False)
+            reset = await git(
+                [*_keep_split(base.split), "read-tree", "--reset", ws_tree], env=env, check=False
+            )
             if reset.returncode == 0:
-                return ws_tree, []
+                return ws_tree, [], base.split
     await cap.work.run("remove-index", remove_if_exists, index)
     await cap.work.run("copy-index", copy_if_exists, repo.git_dir / "index", index)
-    return None, []
+    return None, [], False
 
 
 _NO_COMMIT = re.compile(r"^error: '(.+)/' does not have a commit checked out$", re.M)
 
 
-async def _add_all(env: dict[str, str], toplevel: Path) -> CommandResult:
+async def _add_all(env: dict[str, str], toplevel: Path, split: bool) -> CommandResult:
     """`git add --all`, leaving out nested repositories with no commit yet (git
     refuses to add them at all; with a commit they become gitlinks, which
     `_drop_unregistered_repositories` drops): they are left out of the
     snapshot like every other nested repository that is not a submodule."""
     excluded: list[str] = []
     while True:
-        args = ["add", "--all"]
+        args = [*_keep_split(split), "add", "--all"]
         if excluded:
             args += ["--", ".", *(f":(exclude,literal){p}" for p in excluded)]
         added = await git(args, env=env, cwd=toplevel, check=False)
@@ -409,7 +442,7 @@ async def _add_all(env: dict[str, str], toplevel: Path) -> CommandResult:
 
 
 async def _add_all_keeping(
-    env: dict[str, str], repo: Repository, recheck: list[str]
+    env: dict[str, str], repo: Repository, recheck: list[str], split: bool
 ) -> CommandResult:
     """`_add_all`, then drops from the index the nested repositories it added
     as gitlinks (unregistered) and those of `recheck` that are ignored now;
@@ -417,7 +450,7 @@ async def _add_all_keeping(
     done: dict[str, object] = {}
 
     async def add() -> None:
-        done["added"] = await _add_all(env, repo.toplevel)
+        done["added"] = await _add_all(env, repo.toplevel, split)
 
     async def check() -> None:
         done["ignored"] = await _ignored(env, repo.toplevel, recheck)
@@ -438,7 +471,7 @@ async def _add_all_keeping(
         # Mode 0 removes the entry; paths are index paths, never pathspecs.
         zero = "0" * (2 * HASH_BYTES[repo.object_format])
         await git(
-            ["update-index", "-z", "--index-info"],
+            [*_keep_split(split), "update-index", "-z", "--index-info"],
             env=env,
             stdin="".join(f"0 {zero}\t{p}\0" for p in drop).encode("utf-8", "surrogateescape"),
         )
@@ -486,15 +519,31 @@ async def copy_missing_objects(
 def _persist(
     index: Path, persisted: Path, memo: IndexBase | None, memo_path: Path, fmt: str
 ) -> None:
-    _move_into_place(index, persisted)
-    if memo is None:
+    """Persists the capture's index as `<key>.index` with its memo; a split
+    index's shared index is put back into the cache entry first if git
+    removed it meanwhile (see `split_index_write`)."""
+    shared_dir = memo_path.parent
+    shared = split_index_base(index, fmt)
+    remove_stale_shared_temps(shared_dir)
+    # Removed since this capture linked it into staging: put it back.
+    if (
+        shared is not None
+        and not shared_index_path(shared_dir, shared).exists()
+        and not link_shared_index(index.parent, shared_dir, shared)
+    ):
+        # Nowhere to be found: nothing could read this index; the next seeds.
         remove_if_exists(memo_path)
+        remove_if_exists(persisted)
         return
+    _move_into_place(index, persisted)
+    if memo is None and shared is not None:
+        memo = IndexBase(index_checksum="", ws_index_checksum=None, ws_tree=None)
     checksum = read_trailer(persisted, fmt)
-    if checksum is None:
+    if memo is None or checksum is None:
         remove_if_exists(memo_path)
         return
     memo.index_checksum = checksum
+    memo.shared_index = shared
     memo.save(memo_path)
 
 
@@ -556,7 +605,9 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
             namespace=cap.namespace,
             source=str(repo.toplevel),
         )
-        return _read_base(repo.git_dir / "index", persisted, index, memo_path, fmt)
+        return _read_base(
+            repo.git_dir / "index", persisted, index, memo_path, fmt, entry.repository
+        )
 
     base = await cap.work.run("create-repository", stage)
     entry.pin.drop()  # the staging alternates protect the entry from here on
@@ -571,15 +622,25 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
         }
     )
     ws_checksum = base.ws_checksum
-    ws_tree, recheck = await _prepare_index(cap, repo, env, base)
-    await _add_all_keeping(env, repo, recheck)
+    ws_tree, recheck, split = await _prepare_index(cap, repo, env, base)
+    await _add_all_keeping(env, repo, recheck, split)
+    renew = False
+    if split and base.memo is not None and base.memo.shared_index is not None:
+        shared = shared_index_path(index.parent, base.memo.shared_index)
+        renew = await cap.work.run("split-share", needs_new_shared_index, index, shared)
     # `git add`'s index gets its second name while write-tree runs (it reads
     # the index, then computes and writes for tens of ms before its rename; if
     # the link came after the rename it would name the new index: no harm).
     written: dict[str, str] = {}
 
+    # write-tree runs in the cache entry: the shared index it may write goes
+    # there (see `preloop.snapshot.index`); it needs no work tree.
+    tree_env = {k: v for k, v in env.items() if k != "GIT_WORK_TREE"}
+    tree_env["GIT_DIR"] = str(entry.repository)
+
     async def write_tree() -> None:
-        written["tree"] = (await git(["write-tree"], env=env)).stdout_text().strip()
+        result = await git([*split_index_write(renew), "write-tree"], env=tree_env)
+        written["tree"] = result.stdout_text().strip()
 
     try:
         async with anyio.create_task_group() as tg:

@@ -1167,6 +1167,166 @@ _V17_LOCK_BUSY: list[Statement] = [{"pg": _complete_claim_v17(), "lite": None}]
 # PostgreSQL's JSON they failed the claim. They come back as text again.
 _V18_CLAIM_TEXT: list[Statement] = [{"pg": _CLAIM_FN, "lite": None}]
 
+
+# Migration 19, PostgreSQL only: a batch whose jobs are the last of their unit
+# (a need: a plain job, or every leg of a matrix) ends the unit itself when the
+# unit succeeded with clean ancestry in a run not being cancelled and every
+# dependent still blocked is a plain job (no `if`, no concurrency group, no
+# max-parallel cap): it decrements their needs and queues those this was the
+# last need of, as the Python cascade's `_do_end_unit` does on that path. Any
+# other unit end is still the Python cascade's (PLSLO, nothing written).
+#
+# The dependents are written before the run row is taken, like the batch's own
+# jobs (migration 14): a need that admits 20,000 legs no longer holds the run
+# row for the ~0.4 s the cascade's transaction did. That the unit ends is read
+# before the lock (its remaining members are this batch's jobs, whose rows the
+# batch holds, so no other transaction can end them) and checked again under
+# it: the unit's counters as updated, and the run's `cancel_requested`; on any
+# difference the statement undoes itself (PLSLO) and the cascade does it. A
+# dependent row another transaction holds is waited for at most
+# COMPLETE_LOCK_WAIT (then PLLCK: rerun with the run row first).
+#
+# The queued-job trigger fires once per row (a PL/pgSQL call each, 70 ms for
+# 20,000 legs); for this write it is switched off by a transaction-local
+# setting its WHEN clause reads, and the function sends the one notification.
+_NOTIFY_QUIET = "current_setting('preloop.queued_notified', true) IS DISTINCT FROM 'on'"
+
+_END_UNITS = """        -- Units this batch ends: admitted here when they end clean (see migration 19).
+        SELECT array_agg(u.base_id),
+               count(*) FILTER (WHERE NOT (u.caller IS NULL AND u.n_failure = 0
+                   AND u.n_cancelled + a.nc = 0 AND u.n_success + a.ns > 0
+                   AND GREATEST(u.anc_fail, a.af) = 0 AND GREATEST(u.anc_bad, a.ab) = 0))
+          INTO v_ending, n_unclean
+          FROM units u
+          JOIN json_to_recordset(v_units) AS a(base_id TEXT, cnt INT, ns INT, nc INT,
+                                               af INT, ab INT)
+            ON u.base_id = a.base_id
+         WHERE u.run_id = p_run AND u.remaining = a.cnt;
+        IF v_ending IS NOT NULL THEN
+            -- Hash joins: without statistics on the run's fresh rows the planner
+            -- would look up each dependent by walking every blocked job of the run.
+            loop_was := current_setting('enable_nestloop');
+            PERFORM set_config('enable_nestloop', 'off', true);
+        END IF;
+        IF n_unclean > 0 OR (v_ending IS NOT NULL AND EXISTS (
+                SELECT 1 FROM runs WHERE id = p_run AND cancel_requested <> 0))
+           OR (v_ending IS NOT NULL AND EXISTS (
+                SELECT 1 FROM deps d JOIN jobs j ON j.run_id = p_run AND j.id = d.job_id
+                 WHERE d.run_id = p_run AND d.need = ANY (v_ending) AND j.status = 'blocked'
+                   AND NOT (j.kind = 'job' AND j.if_expr IS NULL AND j.anc_fail = 0
+                            AND j.anc_bad = 0 AND j.conc_group IS NULL
+                            AND j.conc_group_expr IS NULL AND j.capped = 0))) THEN
+            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+        END IF;
+        IF v_ending IS NOT NULL THEN
+            IF NOT p_lock_first THEN
+                lock_was := current_setting('lock_timeout');
+                PERFORM set_config('lock_timeout', '@LOCK_WAIT@', true);
+            END IF;
+            BEGIN
+                PERFORM set_config('preloop.queued_notified', 'on', true);
+                WITH x AS MATERIALIZED (
+                    SELECT d.job_id, count(*)::INT AS k FROM deps d
+                     WHERE d.run_id = p_run AND d.need = ANY (v_ending) GROUP BY d.job_id
+                ), w AS (
+                    UPDATE jobs j SET remaining_needs = j.remaining_needs - x.k,
+                        status = CASE WHEN j.remaining_needs = x.k AND j.kind = 'job'
+                                           AND j.if_expr IS NULL AND j.anc_fail = 0
+                                           AND j.anc_bad = 0 AND j.conc_group IS NULL
+                                           AND j.conc_group_expr IS NULL AND j.capped = 0
+                                      THEN 'queued' ELSE j.status END
+                      FROM x WHERE j.run_id = p_run AND j.id = x.job_id
+                       AND j.status = 'blocked'
+                    RETURNING j.status, j.remaining_needs
+                )
+                SELECT count(*) FILTER (WHERE w.status = 'queued'),
+                       count(*) FILTER (WHERE w.status <> 'queued' AND w.remaining_needs <= 0)
+                  INTO n_queued, n_unclean FROM w;
+                PERFORM set_config('preloop.queued_notified', '', true);
+            EXCEPTION WHEN lock_not_available THEN
+                IF p_lock_first THEN
+                    RAISE;
+                END IF;
+                RAISE EXCEPTION 'preloop: run row busy' USING ERRCODE = 'PLLCK';
+            END;
+            IF NOT p_lock_first THEN
+                PERFORM set_config('lock_timeout', lock_was, true);
+            END IF;
+            -- A dependent that changed since the check (another need ended at
+            -- once) and now needs a gate: the cascade's.
+            IF n_unclean > 0 THEN
+                RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+            END IF;
+            PERFORM set_config('enable_nestloop', loop_was, true);
+            IF n_queued > 0 THEN
+                PERFORM pg_notify('preloop_jobs', '');
+            END IF;
+        END IF;
+"""
+
+
+def _complete_claim_v19() -> str:
+    edits = [
+        (
+            "    c RECORD; g RECORD; leg RECORD; got INT; lock_was TEXT; tids TID[];\n",
+            "    c RECORD; g RECORD; leg RECORD; got INT; lock_was TEXT; tids TID[];\n"
+            "    v_ending TEXT[]; n_unclean INT; n_queued INT; run_cancel INT; loop_was TEXT;\n",
+        ),
+        (
+            "        claim_later := v_slots IS NOT NULL OR v_groups IS NOT NULL;\n",
+            "        claim_later := v_slots IS NOT NULL OR v_groups IS NOT NULL;\n"
+            + _END_UNITS.replace("@LOCK_WAIT@", COMPLETE_LOCK_WAIT),
+        ),
+        (
+            "            RETURNING units.remaining\n        )\n"
+            "        SELECT count(*) FILTER (WHERE remaining <= 0) INTO n_ended FROM u;\n",
+            "            RETURNING units.*\n        )\n"
+            "        -- Ended units: exactly those admitted above, as clean as they were read.\n"
+            "        SELECT count(*) FILTER (WHERE (u.remaining <= 0) IS DISTINCT FROM (\n"
+            "                   u.base_id = ANY (coalesce(v_ending, '{{}}')) AND u.caller IS NULL\n"
+            "                   AND u.n_failure = 0 AND u.n_cancelled = 0 AND u.n_success > 0\n"
+            "                   AND u.anc_fail = 0 AND u.anc_bad = 0))\n"
+            "          INTO n_ended FROM u;\n",
+        ),
+        (
+            "        IF n_ended > 0 THEN\n",
+            "        IF n_ended > 0 OR (v_ending IS NOT NULL AND run_cancel <> 0) THEN\n",
+        ),
+        (
+            "        IF n_ended > 0 OR (v_ending IS NOT NULL AND run_cancel <> 0) THEN\n"
+            "            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';\n"
+            "        END IF;\n",
+            "        IF n_ended > 0 OR (v_ending IS NOT NULL AND run_cancel <> 0) THEN\n"
+            "            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';\n"
+            "        END IF;\n"
+            "        IF v_ending IS NOT NULL THEN\n"
+            "            UPDATE units SET result = 'success'\n"
+            "                WHERE run_id = p_run AND base_id = ANY (v_ending);\n"
+            "        END IF;\n",
+        ),
+    ]
+    text = _complete_claim_v17()
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    old = "WHERE id = p_run RETURNING remaining_jobs INTO left_jobs;\n"
+    new = "WHERE id = p_run RETURNING remaining_jobs, cancel_requested\n" \
+          "                INTO left_jobs, run_cancel;\n"
+    assert text.count(old) == 2, old
+    return text.replace(old, new)
+
+
+_V19_END_UNITS: list[Statement] = [
+    {"pg": _complete_claim_v19(), "lite": None},
+    {"pg": "DROP TRIGGER IF EXISTS preloop_jobs_queued_update ON jobs", "lite": None},
+    {
+        "pg": "CREATE TRIGGER preloop_jobs_queued_update AFTER UPDATE OF status ON jobs "
+        "FOR EACH ROW WHEN (NEW.status = 'queued' AND OLD.status IS DISTINCT FROM 'queued' "
+        f"AND {_NOTIFY_QUIET}) EXECUTE FUNCTION preloop_notify_queued()",
+        "lite": None,
+    },
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -1191,6 +1351,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V16_SLOTS_AT_ONCE,
     _V17_LOCK_BUSY,
     _V18_CLAIM_TEXT,
+    _V19_END_UNITS,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

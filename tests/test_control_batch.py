@@ -380,3 +380,149 @@ def test_a_batch_keeps_outputs_with_quotes_backslashes_and_braces(store: Store) 
     assert all(c.changed and c.error is None for c in done)
     assert store.get_job(run_id, held[0].job_id).outputs == tricky
     assert store.get_job(run_id, held[1].job_id).outputs == {}
+
+
+def _statuses(store: Store, run_id: int) -> dict[str, int]:
+    rows = store._db.transaction(
+        "query",
+        lambda tx: tx.execute(
+            "SELECT status, count(*) AS n FROM jobs WHERE run_id = ? GROUP BY status", (run_id,)
+        ),
+    )
+    return {r["status"]: int(r["n"]) for r in rows}
+
+
+def test_a_need_ending_in_a_batch_queues_its_plain_dependents_and_claims_them(
+    store: Store,
+) -> None:
+    """The batch whose job is the last of a need queues the jobs that need
+    only it (and the jobs that needed it and something still running keep
+    waiting), records the need's result, and claims from them in the same
+    call; on PostgreSQL that is still the one statement."""
+    b = PlanBuilder()
+    b.job("setup")
+    b.job("slow")
+    b.matrix("leg", 20, needs=["setup"])
+    b.job("both", needs=["setup", "slow"])
+    b.job("merge", needs=["leg"], if_expr="always()")
+    run_id = store.submit_run(b.plan())
+    setup, slow = store.claim_jobs("r", [], limit=2)
+    before = store.counters.snapshot()
+    done, legs = store.complete_and_claim([(setup, "success", {"k": "v"})], "r", [], limit=8)
+    after = store.counters.snapshot()
+    assert [(c.job_id, c.conclusion, c.changed) for c in done] == [("setup", "success", True)]
+    assert [lease.job_id for lease in legs] == [f"leg#{i}" for i in range(8)]
+    assert _statuses(store, run_id) == {"completed": 1, "running": 9, "queued": 12, "blocked": 2}
+    assert store.get_job(run_id, "both").status == "blocked"
+    needs = store.job_context(run_id, "leg#0")["needs"]
+    assert needs == {"setup": {"result": "success", "outputs": {"k": "v"}}}
+    if store.dialect == "pg":
+        fallback = "complete_and_claim.fallback"
+        assert after.operations.get(fallback) == before.operations.get(fallback)
+        assert after.settle_lock_holds == before.settle_lock_holds + 1
+    # `both` waits for `slow`; then everything runs to the end.
+    held = [slow, *legs]
+    while held:
+        _, held = store.complete_and_claim([(lease, "success", None) for lease in held], "r", [])
+    assert store.counters.snapshot().graph_loads == 0
+    jobs = {j.id: j for j in store.list_jobs(run_id)}
+    assert all(j.conclusion == "success" for j in jobs.values()), jobs
+    assert store.get_run(run_id).conclusion == "success"
+
+
+def test_two_needs_ending_in_one_batch_queue_the_job_that_needs_both(store: Store) -> None:
+    b = PlanBuilder()
+    b.job("a")
+    b.job("b")
+    b.job("c", needs=["a", "b"])
+    b.job("d", needs=["a"], if_expr="success()")
+    run_id = store.submit_run(b.plan())
+    held = store.claim_jobs("r", [], limit=2)
+    assert [lease.job_id for lease in held] == ["a", "b"]
+    done, claimed = store.complete_and_claim(
+        [(lease, "success", None) for lease in held], "r", [], limit=4
+    )
+    assert [c.conclusion for c in done] == ["success", "success"]
+    assert sorted(lease.job_id for lease in claimed) == ["c", "d"]
+    _, more = store.complete_and_claim([(lease, "success", None) for lease in claimed], "r", [])
+    assert more == []
+    assert store.get_run(run_id).conclusion == "success"
+
+
+def test_a_need_ending_that_leaves_a_dependent_to_a_gate_is_the_cascades(store: Store) -> None:
+    """A failed need, a dependent with an `if`, a capped matrix: the same
+    results as one completion at a time, whichever path ends the need."""
+    b = PlanBuilder()
+    b.job("a")
+    b.job("ok", needs=["a"])
+    b.job("gated", needs=["a"], if_expr="failure()")
+    b.matrix("capped", 5, needs=["a"], max_parallel=2)
+    run_id = store.submit_run(b.plan())
+    (a,) = store.claim_jobs("r", [], limit=1)
+    _, claimed = store.complete_and_claim([(a, "success", None)], "r", [], limit=10)
+    assert sorted(lease.job_id for lease in claimed) == ["capped#0", "capped#1", "ok"]
+    assert store.get_job(run_id, "gated").conclusion == "skipped"
+    held = claimed
+    while held:
+        _, held = store.complete_and_claim([(lease, "failure", None) for lease in held], "r", [])
+    assert {j.id: j.conclusion for j in store.list_jobs(run_id)} == {
+        "a": "success",
+        "ok": "failure",
+        "gated": "skipped",
+        **{f"capped#{i}": "failure" for i in range(5)},
+    }
+
+
+def test_a_run_cancelled_while_a_batch_admits_a_need_undoes_the_admission(pg_url: str) -> None:
+    """PostgreSQL: a batch queues a need's dependents before it takes the run
+    row. When the run is told to cancel while the batch waits for that row,
+    the batch does not commit what it admitted: the cascade, seeing the
+    cancelled run, ends them instead, and nothing is claimed."""
+    import threading
+
+    import psycopg
+
+    with open_store(pg_url) as store:
+        b = PlanBuilder()
+        b.job("setup")
+        b.matrix("leg", 6, needs=["setup"])
+        run_id = store.submit_run(b.plan())
+        (setup,) = store.claim_jobs("r", [], limit=1)
+        out: dict[str, object] = {}
+        with psycopg.connect(pg_url) as holder:
+            holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (run_id,))
+            (pid,) = holder.execute("SELECT pg_backend_pid()").fetchone() or (0,)
+
+            def batch() -> None:
+                out["result"] = store.complete_and_claim(
+                    [(setup, "success", None)], "r", [], limit=4
+                )
+
+            t = threading.Thread(target=batch)
+            t.start()
+            waiting = False
+            while not waiting:
+                row = holder.execute(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_locks h ON h.pid = %s "
+                    "AND h.granted AND h.locktype = l.locktype "
+                    "AND h.database IS NOT DISTINCT FROM l.database "
+                    "AND h.relation IS NOT DISTINCT FROM l.relation "
+                    "AND h.transactionid IS NOT DISTINCT FROM l.transactionid "
+                    "WHERE NOT l.granted AND l.pid <> %s",
+                    (pid, pid),
+                ).fetchone()
+                waiting = bool(row and row[0]) or not t.is_alive()
+            # The batch has queued the legs (uncommitted) and waits for the run row.
+            holder.execute("UPDATE runs SET cancel_requested = 1 WHERE id = %s", (run_id,))
+            holder.commit()
+            t.join(timeout=60)
+        done, claimed = out["result"]  # type: ignore[misc]
+        assert [(c.job_id, c.conclusion) for c in done] == [("setup", "success")]
+        assert claimed == []
+        jobs = {j.id: j for j in store.list_jobs(run_id) if j.id != "setup"}
+        assert {j.status for j in jobs.values()} == {"completed"}, jobs
+        assert {j.conclusion for j in jobs.values()} <= {"cancelled", "skipped"}
+        snap = store.counters.snapshot()
+        assert snap.operations.get("complete_and_claim.fallback") == 1
+        assert snap.deadlock_retries == 0
+        assert store.get_run(run_id).status == "completed"

@@ -1191,7 +1191,7 @@ _V18_CLAIM_TEXT: list[Statement] = [{"pg": _CLAIM_FN, "lite": None}]
 # setting its WHEN clause reads, and the function sends the one notification.
 _NOTIFY_QUIET = "current_setting('preloop.queued_notified', true) IS DISTINCT FROM 'on'"
 
-_END_UNITS = """        -- Units this batch ends: admitted here when they end clean (see migration 19).
+_END_UNITS = """        -- Units this batch ends, admitted here when clean (migration 19).
         SELECT array_agg(u.base_id),
                count(*) FILTER (WHERE NOT (u.caller IS NULL AND u.n_failure = 0
                    AND u.n_cancelled + a.nc = 0 AND u.n_success + a.ns > 0
@@ -1310,8 +1310,10 @@ def _complete_claim_v19() -> str:
         assert text.count(old) == 1, old
         text = text.replace(old, new)
     old = "WHERE id = p_run RETURNING remaining_jobs INTO left_jobs;\n"
-    new = "WHERE id = p_run RETURNING remaining_jobs, cancel_requested\n" \
-          "                INTO left_jobs, run_cancel;\n"
+    new = (
+        "WHERE id = p_run RETURNING remaining_jobs, cancel_requested\n"
+        "                INTO left_jobs, run_cancel;\n"
+    )
     assert text.count(old) == 2, old
     return text.replace(old, new)
 

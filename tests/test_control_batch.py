@@ -526,3 +526,67 @@ def test_a_run_cancelled_while_a_batch_admits_a_need_undoes_the_admission(pg_url
         assert snap.operations.get("complete_and_claim.fallback") == 1
         assert snap.deadlock_retries == 0
         assert store.get_run(run_id).status == "completed"
+
+
+def test_a_batch_ending_a_need_with_gated_dependents_settles_in_one_call(store: Store) -> None:
+    """The legs that end a matrix whose dependents need a gate (an `always()`
+    job), a plain job and a job that also needs another running job: the same
+    outcome as one completion at a time; on PostgreSQL the batch's jobs are
+    settled by one call, not one per job, before the cascade runs (fewer
+    statements than jobs)."""
+    b = PlanBuilder()
+    b.job("other")
+    b.matrix("leg", 24)
+    b.job("always", needs=["leg"], if_expr="always()")
+    b.job("plain", needs=["leg"])
+    b.job("both", needs=["leg", "other"])
+    run_id = store.submit_run(b.plan())
+    held = store.claim_jobs("r", [], limit=25)
+    other = next(lease for lease in held if lease.job_id == "other")
+    legs = [lease for lease in held if lease is not other]
+    before = store.counters.snapshot()
+    done, claimed = store.complete_and_claim(
+        [(lease, "success", {"x": "1"} if lease is legs[0] else None) for lease in legs],
+        "r",
+        [],
+        limit=5,
+    )
+    after = store.counters.snapshot()
+    assert all(c.changed and c.conclusion == "success" for c in done)
+    assert sorted(lease.job_id for lease in claimed) == ["always", "plain"]
+    assert store.get_job(run_id, "both").status == "blocked"
+    if store.dialect == "pg":
+        op = "complete_and_claim"
+        used = after.statements[op] - before.statements.get(op, 0)
+        assert used < len(legs)
+    assert store.job_context(run_id, "plain")["needs"]["leg"] == {
+        "result": "success",
+        "outputs": {"x": "1"},
+    }
+    # The last batch ends `other`, `both` and the run together.
+    _, last = store.complete_and_claim(
+        [(lease, "success", None) for lease in [other, *claimed]], "r", [], limit=5
+    )
+    assert [lease.job_id for lease in last] == ["both"]
+    _, none = store.complete_and_claim([(last[0], "success", None)], "r", [])
+    assert none == []
+    run = store.get_run(run_id)
+    assert (run.status, run.conclusion) == ("completed", "success")
+
+
+def test_a_batch_that_ends_the_run_concludes_it(store: Store) -> None:
+    b = PlanBuilder()
+    b.job("a")
+    b.job("b")
+    b.job("c", continue_on_error=True)
+    run_id = store.submit_run(b.plan())
+    held = store.claim_jobs("r", [], limit=3)
+    done, claimed = store.complete_and_claim(
+        [(held[0], "success", None), (held[1], "skipped", None), (held[2], "failure", None)],
+        "r",
+        [],
+    )
+    assert [c.conclusion for c in done] == ["success", "skipped", "failure"]
+    assert claimed == []
+    run = store.get_run(run_id)
+    assert (run.status, run.conclusion, run.remaining_jobs) == ("completed", "success", 0)

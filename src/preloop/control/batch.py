@@ -25,6 +25,12 @@ from preloop.control.types import (
 
 _SLOW_PATH = "PLSLO"  # preloop_complete_claim: this batch needs the Python cascade
 _RUN_ROW_BUSY = "PLLCK"  # preloop_complete_claim: the run row was not had in time
+# Why a batch left the one-statement path: the end of the PLSLO message
+# `preloop_complete_claim` raises when only a unit or the run ending sent it
+# to the cascade (schema migration 19), which its cascade mode then takes.
+_ENDED_MARK = ": a unit ends"
+_SLOW_ENDED = "ended"
+_SLOW_OTHER = "other"
 
 
 def _check_terminal(run_id: int, job_id: str, conclusion: str) -> None:

@@ -8,6 +8,10 @@
 -- store: Store._pg_call
 SELECT settled, claimed, wait_us, hold_us FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?, ?)
 
+-- pg_cascade_select_preloop_complete_claim --
+-- store: Store._pg_cascade
+SELECT settled, claimed, wait_us, hold_us, run_row, ended FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?, ?, ?)
+
 -- settle_pg_select_preloop_settle --
 -- store: Store._settle_pg
 SELECT run_row, job_row, unit_row, admitted, wait_us, refused_used FROM preloop_settle(?, ?, ?, ?, ?, ?, ?, ?)

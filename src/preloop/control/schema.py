@@ -1189,6 +1189,14 @@ _V18_CLAIM_TEXT: list[Statement] = [{"pg": _CLAIM_FN, "lite": None}]
 # The queued-job trigger fires once per row (a PL/pgSQL call each, 70 ms for
 # 20,000 legs); for this write it is switched off by a transaction-local
 # setting its WHEN clause reads, and the function sends the one notification.
+#
+# Any other unit end (or the run's) raises PLSLO with the message ending in
+# ": a unit ends". The store then calls the function again in its cascade mode
+# (`p_cascade`), inside the transaction that runs the Python cascade, taking
+# the run row first: it writes the batch's jobs, counters, freed slots and
+# groups in that one call and returns the run row and the units that ended,
+# which the cascade takes from there (before, the cascade settled the batch
+# one `preloop_settle` call per job, all of them with the run row held).
 _NOTIFY_QUIET = "current_setting('preloop.queued_notified', true) IS DISTINCT FROM 'on'"
 
 _END_UNITS = """        -- Units this batch ends, admitted here when clean (migration 19).
@@ -1201,7 +1209,7 @@ _END_UNITS = """        -- Units this batch ends, admitted here when clean (migr
           JOIN json_to_recordset(v_units) AS a(base_id TEXT, cnt INT, ns INT, nc INT,
                                                af INT, ab INT)
             ON u.base_id = a.base_id
-         WHERE u.run_id = p_run AND u.remaining = a.cnt;
+         WHERE u.run_id = p_run AND u.remaining = a.cnt AND NOT p_cascade;
         IF v_ending IS NOT NULL THEN
             -- Hash joins: without statistics on the run's fresh rows the planner
             -- would look up each dependent by walking every blocked job of the run.
@@ -1216,7 +1224,7 @@ _END_UNITS = """        -- Units this batch ends, admitted here when clean (migr
                    AND NOT (j.kind = 'job' AND j.if_expr IS NULL AND j.anc_fail = 0
                             AND j.anc_bad = 0 AND j.conc_group IS NULL
                             AND j.conc_group_expr IS NULL AND j.capped = 0))) THEN
-            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+            RAISE EXCEPTION 'preloop: slow path: a unit ends' USING ERRCODE = 'PLSLO';
         END IF;
         IF v_ending IS NOT NULL THEN
             IF NOT p_lock_first THEN
@@ -1255,7 +1263,7 @@ _END_UNITS = """        -- Units this batch ends, admitted here when clean (migr
             -- A dependent that changed since the check (another need ended at
             -- once) and now needs a gate: the cascade's.
             IF n_unclean > 0 THEN
-                RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+                RAISE EXCEPTION 'preloop: slow path: a unit ends' USING ERRCODE = 'PLSLO';
             END IF;
             PERFORM set_config('enable_nestloop', loop_was, true);
             IF n_queued > 0 THEN
@@ -1305,6 +1313,54 @@ def _complete_claim_v19() -> str:
             "        END IF;\n",
         ),
     ]
+    edits += [
+        (
+            "    p_lock_first BOOLEAN)\n"
+            "RETURNS TABLE (settled JSON, claimed JSON, wait_us BIGINT, hold_us BIGINT)\n",
+            "    p_lock_first BOOLEAN, p_cascade BOOLEAN DEFAULT false)\n"
+            "RETURNS TABLE (settled JSON, claimed JSON, wait_us BIGINT, hold_us BIGINT,\n"
+            "               run_row JSON, ended JSON)\n",
+        ),
+        (
+            "    v_settled JSON; v_units JSON; v_slots JSON; v_groups JSON; v_claimed JSON;\n",
+            "    v_settled JSON; v_units JSON; v_slots JSON; v_groups JSON; v_claimed JSON;\n"
+            "    v_run JSON; v_ended JSON;\n",
+        ),
+        (
+            "        IF NOT FOUND OR left_jobs <= 0 THEN\n"
+            "            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';\n",
+            "        IF NOT FOUND THEN\n"
+            "            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';\n"
+            "        END IF;\n"
+            "        IF left_jobs <= 0 AND NOT p_cascade THEN\n"
+            "            RAISE EXCEPTION 'preloop: slow path: a unit ends'\n"
+            "                USING ERRCODE = 'PLSLO';\n",
+        ),
+        (
+            "          INTO n_ended FROM u;\n",
+            "                 , json_agg(u) FILTER (WHERE u.remaining <= 0)\n"
+            "          INTO n_ended, v_ended FROM u;\n",
+        ),
+        (
+            "        IF n_ended > 0 OR (v_ending IS NOT NULL AND run_cancel <> 0) THEN\n",
+            "        IF (n_ended > 0 AND NOT p_cascade)\n"
+            "           OR (v_ending IS NOT NULL AND run_cancel <> 0) THEN\n"
+            "            RAISE EXCEPTION 'preloop: slow path: a unit ends'\n"
+            "                USING ERRCODE = 'PLSLO';\n",
+        ),
+        (
+            "    RETURN QUERY SELECT v_settled, v_claimed, waited, CASE WHEN n > 0 THEN\n"
+            "        (extract(epoch FROM clock_timestamp() - t1) * 1000000)::BIGINT ELSE 0 END;\n",
+            "    IF p_cascade THEN\n"
+            "        SELECT row_to_json(r) INTO v_run FROM (\n"
+            "            SELECT id, status, cancel_requested, conc_group, remaining_jobs,\n"
+            "                   failed_jobs, cancelled_jobs FROM runs WHERE id = p_run) r;\n"
+            "    END IF;\n"
+            "    RETURN QUERY SELECT v_settled, v_claimed, waited, CASE WHEN n > 0 THEN\n"
+            "        (extract(epoch FROM clock_timestamp() - t1) * 1000000)::BIGINT ELSE 0 END,\n"
+            "        v_run, v_ended;\n",
+        ),
+    ]
     text = _complete_claim_v17()
     for old, new in edits:
         assert text.count(old) == 1, old
@@ -1318,7 +1374,34 @@ def _complete_claim_v19() -> str:
     return text.replace(old, new)
 
 
+# Migration 19 also has the claim write the rows it locked by their address
+# (`ctid`, stable while it holds them). Joined back by run and id, the planner
+# without statistics on a run's fresh rows could look each one up through
+# `jobs_run_status`, a pass over the run's rows per claimed job.
+def _claim_v19() -> str:
+    text = _CLAIM_FN
+    for old, new in [
+        (
+            "            SELECT j.run_id, j.id FROM jobs j\n",
+            "            SELECT j.ctid AS tid FROM jobs j\n",
+        ),
+        (
+            "            FROM q WHERE j.run_id = q.run_id AND j.id = q.id\n",
+            "            FROM q WHERE j.ctid = q.tid\n",
+        ),
+    ]:
+        assert text.count(old) == 2, old
+        text = text.replace(old, new)
+    return text
+
+
 _V19_END_UNITS: list[Statement] = [
+    {"pg": _claim_v19(), "lite": None},
+    {
+        "pg": "DROP FUNCTION IF EXISTS preloop_complete_claim(BIGINT, TEXT[], TEXT[], TEXT[], "
+        "TEXT[], DOUBLE PRECISION, TEXT, TEXT[], INT, DOUBLE PRECISION, BIGINT, BIGINT, BOOLEAN)",
+        "lite": None,
+    },
     {"pg": _complete_claim_v19(), "lite": None},
     {"pg": "DROP TRIGGER IF EXISTS preloop_jobs_queued_update ON jobs", "lite": None},
     {

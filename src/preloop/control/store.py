@@ -74,7 +74,10 @@ from typing import Any
 from preloop import config
 from preloop.control import types as _types
 from preloop.control.batch import (
+    _ENDED_MARK,
     _RUN_ROW_BUSY,
+    _SLOW_ENDED,
+    _SLOW_OTHER,
     _SLOW_PATH,
     _check_terminal,
     _Claim,
@@ -442,10 +445,12 @@ class Store:
     ) -> tuple[list[Completion | PreloopError], list[Lease]]:
         for lease, conclusion, _ in results:
             _check_terminal(lease.run_id, lease.job_id, conclusion)
+        ended = False
         if self.dialect == "pg" and len({lease.run_id for lease, _, _ in results}) <= 1:
             fast = self._complete_fast(op, results, claim)
-            if fast is not None:
+            if not isinstance(fast, str):
                 return fast
+            ended = fast == _SLOW_ENDED and len(results) > 1
         groups: set[str] = set()
 
         one_run = len({lease.run_id for lease, _, _ in results}) == 1
@@ -460,6 +465,10 @@ class Store:
             # Runs in id order: two batches never wait on each other's run rows.
             order = sorted(range(len(results)), key=lambda i: results[i][0].run_id)
             by_index: dict[int, Completion | PreloopError] = {}
+            bulk = self._pg_cascade(tx, results, groups) if ended else None
+            if bulk is not None:
+                by_index = dict(enumerate(bulk))
+                order = []
             for i in order:
                 lease, conclusion, outputs = results[i]
                 try:
@@ -490,9 +499,10 @@ class Store:
 
     def _complete_fast(
         self, op: str, results: Sequence[JobResultItem], claim: _Claim | None
-    ) -> tuple[list[Completion | PreloopError], list[Lease]] | None:
-        """The PostgreSQL one-statement path; None when the batch needs the
-        cascade in Python (nothing was written then)."""
+    ) -> tuple[list[Completion | PreloopError], list[Lease]] | str:
+        """The PostgreSQL one-statement path; when the batch needs the cascade
+        in Python (nothing was written then), why: `_SLOW_ENDED` when a unit
+        or the run ends, `_SLOW_OTHER` otherwise."""
         import psycopg
 
         def fn(tx: Tx) -> tuple[list[Completion | PreloopError], list[Lease]]:
@@ -522,7 +532,41 @@ class Store:
             if exc.sqlstate != _SLOW_PATH:
                 raise
             self.counters.add_statements(op + ".fallback", 1)
+            primary = exc.diag.message_primary or ""
+            return _SLOW_ENDED if primary.endswith(_ENDED_MARK) else _SLOW_OTHER
+
+    def _pg_cascade(
+        self, tx: Tx, results: Sequence[JobResultItem], groups: set[str]
+    ) -> list[Completion] | None:
+        """A batch (of one run) of which a unit or the run ends, inside `tx`:
+        `preloop_complete_claim` in its cascade mode (schema migration 19)
+        writes the jobs, the counters, freed slots and groups in one call,
+        taking the run row first, and leaves the units and the run that ended
+        to the cascade here, instead of a `preloop_settle` call per job. None
+        (and nothing written) when the batch needs those calls (a failure, the
+        outputs limit, a parked leg that is not plain)."""
+        import psycopg
+
+        tx.execute("SAVEPOINT preloop_cascade")
+        try:
+            done, _, row = self._pg_call_row(tx, results, None, lock_first=True, cascade=True)
+        except psycopg.Error as exc:
+            if exc.sqlstate != _SLOW_PATH:
+                raise
+            tx.execute("ROLLBACK TO SAVEPOINT preloop_cascade")
             return None
+        run_id = results[0][0].run_id
+        run: Row = row["run_row"]
+        c = _Cascade(tx, self)
+        c.note_run(run)
+        if int(run["remaining_jobs"]) == 0:
+            c.pending_end[run_id] = run
+        # The worklist pops from its end: units end in base-id order.
+        ended = sorted(row["ended"] or [], key=lambda u: str(u["base_id"]), reverse=True)
+        c.work.extend(("end_unit", (run_id, unit)) for unit in ended)
+        c.finish()
+        groups.update(c.retry_groups)
+        return done
 
     def _pg_call(
         self,
@@ -537,6 +581,20 @@ class Store:
         needs the Python cascade, and PLLCK when the run row was not had in
         time after the batch's job rows (`lock_first`: the run row first,
         waiting as long as it takes)."""
+        done, leases, _ = self._pg_call_row(tx, results, claim, lock_first=lock_first)
+        return done, leases
+
+    def _pg_call_row(
+        self,
+        tx: Tx,
+        results: Sequence[JobResultItem],
+        claim: _Claim | None,
+        *,
+        lock_first: bool = False,
+        cascade: bool = False,
+    ) -> tuple[list[Completion], list[Lease], Row]:
+        """`_pg_call`, also returning the function's row (with `cascade`, the
+        run row and the units that ended)."""
         now = claim.at if claim is not None else time.time()
         if claim is not None and claim.limit > 0:
             claim.attempts += 1
@@ -547,11 +605,16 @@ class Store:
                 rows = tx.execute(Q["recover_claims_select_jobs"], (claim.runner, claim.at))
                 if rows:
                     done = [_not_settled(tx, lease.run_id, lease.job_id) for lease, _, _ in results]
-                    return done, [_lease(r, claim, now) for r in rows]
+                    return done, [_lease(r, claim, now) for r in rows], {}
         run_id = results[0][0].run_id if results else None
+        sql = (
+            Q["pg_cascade_select_preloop_complete_claim"]
+            if cascade
+            else Q["pg_call_select_preloop_complete_claim"]
+        )
         t0 = time.perf_counter_ns()
         row = tx.one(
-            Q["pg_call_select_preloop_complete_claim"],
+            sql,
             (
                 run_id,
                 _text_array([lease.job_id for lease, _, _ in results]),
@@ -566,6 +629,7 @@ class Store:
                 claim.run_id if claim else None,
                 _types.RUN_OUTPUTS_MAX_BYTES,
                 lock_first,
+                *((True,) if cascade else ()),
             ),
         )
         assert row is not None
@@ -578,7 +642,7 @@ class Store:
             for lease, _, _ in results
         ]
         leases = [_lease(r, claim, now) for r in row["claimed"] or []] if claim else []
-        return done, leases
+        return done, leases, row
 
     def settle_job(
         self,

@@ -47,9 +47,14 @@ rerun, and the queries get_run, list_runs, get_job, list_jobs.
  row: a transaction holding the run row that needs one of those job rows
  (cancelling the run, fail-fast, the reaper) makes the batch's wait run
  out; the batch undoes itself and runs again in the order above (run row
- first), counted as `complete_and_claim.lock_first`. Every other path
- takes a run row before any job row of that run, so a cycle can only pass
- through such a batch's wait, and lasts no longer than it.
+ first), counted as `complete_and_claim.lock_first`. Since migration 19 the
+ same holds for the jobs a batch queues when its jobs are the last of a need
+ that ended clean and whose dependents are all plain: those blocked rows are
+ written before the run row too (their lock waits are also bounded by
+ `COMPLETE_LOCK_WAIT`), and that the need ended, and the run was not told to
+ cancel, is checked again under the run row (or the batch undoes itself).
+ Every other path takes a run row before any job row of that run, so a cycle
+ can only pass through such a batch's wait, and lasts no longer than it.
 
 The rules live in `preloop.control.cascade`, the claim statement and lite's
 batch completion in `preloop.control.batch`, every fixed statement by name in

@@ -6,6 +6,7 @@ stores share."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -214,6 +215,31 @@ def _lite_fast_body(
     conclusions = {r["id"]: r["conclusion"] for r in rows}
     return [
         Completion(run_id, lease.job_id, conclusions[lease.job_id], True) for lease, _, _ in results
+    ]
+
+
+def _leases_pg(doc: str | None, claim: _Claim, now: float) -> list[Lease]:
+    """The leases of a PostgreSQL claim's answer (schema migration 19)."""
+    if doc is None:
+        return []
+    expires = now + claim.lease_seconds
+    return [
+        Lease(
+            run_id=int(run_id),
+            job_id=job_id,
+            name=name,
+            token=token,
+            runner=claim.runner,
+            expires_at=expires,
+            attempt=int(attempt),
+            spec=spec,
+            matrix=matrix,
+            strategy=strategy,
+            timeout_minutes=float(timeout),
+        )
+        for (run_id, job_id, _seq, name, attempt, timeout, token), spec, matrix, strategy in (
+            json.loads(doc)
+        )
     ]
 
 

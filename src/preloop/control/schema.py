@@ -1318,12 +1318,12 @@ def _complete_claim_v19() -> str:
             "    p_lock_first BOOLEAN)\n"
             "RETURNS TABLE (settled JSON, claimed JSON, wait_us BIGINT, hold_us BIGINT)\n",
             "    p_lock_first BOOLEAN, p_cascade BOOLEAN DEFAULT false)\n"
-            "RETURNS TABLE (settled JSON, claimed JSON, wait_us BIGINT, hold_us BIGINT,\n"
+            "RETURNS TABLE (settled JSON, claimed TEXT, wait_us BIGINT, hold_us BIGINT,\n"
             "               run_row JSON, ended JSON)\n",
         ),
         (
             "    v_settled JSON; v_units JSON; v_slots JSON; v_groups JSON; v_claimed JSON;\n",
-            "    v_settled JSON; v_units JSON; v_slots JSON; v_groups JSON; v_claimed JSON;\n"
+            "    v_settled JSON; v_units JSON; v_slots JSON; v_groups JSON; v_claimed TEXT;\n"
             "    v_run JSON; v_ended JSON;\n",
         ),
         (
@@ -1377,10 +1377,30 @@ def _complete_claim_v19() -> str:
 # Migration 19 also has the claim write the rows it locked by their address
 # (`ctid`, stable while it holds them). Joined back by run and id, the planner
 # without statistics on a run's fresh rows could look each one up through
-# `jobs_run_status`, a pass over the run's rows per claimed job.
+# `jobs_run_status`, a pass over the run's rows per claimed job. And the claim
+# answers one JSON text, `[[run_id, id, seq, name, attempt, timeout_minutes,
+# lease_token], spec, matrix, strategy]` per job, with the spec, matrix and
+# strategy texts Python wrote embedded as they are (never cast to PostgreSQL's
+# JSON, which refuses `Infinity`: migration 18), so the store decodes one
+# document per batch instead of one more per field per job.
 def _claim_v19() -> str:
     text = _CLAIM_FN
     for old, new in [
+        ("RETURNS JSON LANGUAGE plpgsql AS $fn$\n", "RETURNS TEXT LANGUAGE plpgsql AS $fn$\n"),
+        ("    v_claimed JSON; sort_was TEXT;\n", "    v_claimed TEXT; sort_was TEXT;\n"),
+    ]:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    for old, new in [
+        (
+            "        SELECT json_agg(w ORDER BY w.run_id, w.seq) INTO v_claimed FROM w;\n",
+            "        SELECT '[' || string_agg('[' || json_build_array(w.run_id, w.id, w.seq,\n"
+            "                   w.name, w.attempt, w.timeout_minutes, w.lease_token)::TEXT\n"
+            "                   || ',' || w.spec || ',' || coalesce(w.matrix, 'null')\n"
+            "                   || ',' || coalesce(w.strategy, 'null') || ']',\n"
+            "                   ',' ORDER BY w.run_id, w.seq) || ']'\n"
+            "          INTO v_claimed FROM w;\n",
+        ),
         (
             "            SELECT j.run_id, j.id FROM jobs j\n",
             "            SELECT j.ctid AS tid FROM jobs j\n",
@@ -1396,6 +1416,11 @@ def _claim_v19() -> str:
 
 
 _V19_END_UNITS: list[Statement] = [
+    {
+        "pg": "DROP FUNCTION IF EXISTS preloop_claim(TEXT, TEXT[], INT, DOUBLE PRECISION, "
+        "DOUBLE PRECISION, BIGINT)",
+        "lite": None,
+    },
     {"pg": _claim_v19(), "lite": None},
     {
         "pg": "DROP FUNCTION IF EXISTS preloop_complete_claim(BIGINT, TEXT[], TEXT[], TEXT[], "

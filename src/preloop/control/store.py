@@ -89,6 +89,7 @@ from preloop.control.batch import (
     _claim_lite,
     _complete_lite_fast,
     _lease,
+    _leases_pg,
     _not_settled,
     run_outputs_length,
 )
@@ -646,7 +647,7 @@ class Store:
             Completion(lease.run_id, lease.job_id, conclusions[lease.job_id], True)
             for lease, _, _ in results
         ]
-        leases = [_lease(r, claim, now) for r in row["claimed"] or []] if claim else []
+        leases = _leases_pg(row["claimed"], claim, now) if claim else []
         return done, leases, row
 
     def settle_job(

@@ -382,6 +382,25 @@ def test_a_batch_keeps_outputs_with_quotes_backslashes_and_braces(store: Store) 
     assert store.get_job(run_id, held[1].job_id).outputs == {}
 
 
+def test_a_claim_returns_names_and_matrix_values_exactly(store: Store) -> None:
+    """The claim answers one document with the stored matrix and spec texts
+    embedded as they are: values with JSON's own characters, non-ASCII text,
+    numbers without a JSON literal and huge integers come back as written."""
+    values = [
+        {"s": 'a "quoted", {braced} [x] \\ back\\slash \\" NULL', "u": "é✓\n\t"},
+        {"n": float("inf"), "big": 10**40, "neg": -0.5, "none": None, "list": [1, [2, {}]]},
+    ]
+    b = PlanBuilder()
+    b.matrix("leg", 2, values=values, name='leg "x" \\ {y}')
+    run_id = store.submit_run(b.plan())
+    held = store.claim_jobs("r", [], limit=2)
+    assert [lease.matrix for lease in held] == values
+    assert [lease.name for lease in held] == ['leg "x" \\ {y}'] * 2
+    assert all(lease.run_id == run_id and lease.attempt == 1 for lease in held)
+    _, again = store.complete_and_claim([(held[0], "success", None)], "r", [], limit=1)
+    assert again == []
+
+
 def _statuses(store: Store, run_id: int) -> dict[str, int]:
     rows = store._db.transaction(
         "query",

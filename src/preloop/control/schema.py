@@ -1361,6 +1361,14 @@ def _complete_claim_v19() -> str:
             "        v_run, v_ended;\n",
         ),
     ]
+    edits.append(
+        (
+            "                    PERFORM preloop_through_group(p_run, leg.id, leg.conc_group,\n"
+            "                                                  leg.conc_queue_max);\n",
+            "                    PERFORM preloop_through_group(p_run, leg.id, leg.conc_group,\n"
+            "                                                  leg.conc_queue_max, leg.tid);\n",
+        )
+    )
     text = _complete_claim_v17()
     for old, new in edits:
         assert text.count(old) == 1, old
@@ -1415,7 +1423,75 @@ def _claim_v19() -> str:
     return text
 
 
+# Migration 19, last: the group functions take the job rows they write by
+# address too. `preloop_promote_group` picks the group's oldest waiter by
+# walking `jobs_waiting` (and `runs_waiting`) in `wait_seq` order for one row
+# instead of sorting every waiter, and writes it by the `ctid` that read
+# returned; `preloop_through_group` gets the parked leg's `ctid` from the
+# batch's read of its parked legs (the run row is held: those rows stay put).
+# By run and id, the planner without statistics on a run's fresh rows looked
+# the leg up through `jobs_run_status`, a pass over the run's rows per leg.
+def _promote_group_v19() -> str:
+    edits = [
+        (
+            """    SELECT q.run_id, q.id, q.is_run INTO w FROM (
+        SELECT run_id, id, wait_seq, 0 AS is_run FROM jobs
+            WHERE conc_group = p_group AND status = 'waiting'
+        UNION ALL SELECT id, NULL, wait_seq, 1 FROM runs
+            WHERE conc_group = p_group AND status = 'pending') q
+        ORDER BY q.wait_seq LIMIT 1;
+""",
+            """    SELECT q.run_id, q.id, q.is_run, q.tid INTO w FROM (
+        (SELECT run_id, id, wait_seq, 0 AS is_run, ctid AS tid FROM jobs
+            WHERE conc_group = p_group AND status = 'waiting' ORDER BY wait_seq LIMIT 1)
+        UNION ALL (SELECT id, NULL, wait_seq, 1, NULL::TID FROM runs
+            WHERE conc_group = p_group AND status = 'pending' ORDER BY wait_seq LIMIT 1)) q
+        ORDER BY q.wait_seq LIMIT 1;
+""",
+        ),
+        (
+            "        WHERE run_id = p_run AND id = w.id AND status = 'waiting' AND kind = 'job';\n",
+            "        WHERE ctid = w.tid AND run_id = p_run AND id = w.id AND status = 'waiting'\n"
+            "          AND kind = 'job';\n",
+        ),
+    ]
+    text = _PROMOTE_GROUP_FN
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
+
+
+def _through_group_v19() -> str:
+    text = _THROUGH_GROUP_FN.replace("@QUEUE_MAX@", str(QUEUE_MAX))
+    edits = [
+        (
+            "    p_run BIGINT, p_job TEXT, p_group TEXT, p_queue_max INT)\n",
+            "    p_run BIGINT, p_job TEXT, p_group TEXT, p_queue_max INT, p_tid TID)\n",
+        ),
+        (
+            "            conc_group = p_group WHERE run_id = p_run AND id = p_job;\n",
+            "            conc_group = p_group\n"
+            "            WHERE ctid = p_tid AND run_id = p_run AND id = p_job;\n",
+        ),
+        (
+            "        WHERE run_id = p_run AND id = p_job;\n",
+            "        WHERE ctid = p_tid AND run_id = p_run AND id = p_job;\n",
+        ),
+    ]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
+
+
 _V19_END_UNITS: list[Statement] = [
+    {"pg": _promote_group_v19(), "lite": None},
+    {
+        "pg": "DROP FUNCTION IF EXISTS preloop_through_group(BIGINT, TEXT, TEXT, INT)",
+        "lite": None,
+    },
+    {"pg": _through_group_v19(), "lite": None},
     {
         "pg": "DROP FUNCTION IF EXISTS preloop_claim(TEXT, TEXT[], INT, DOUBLE PRECISION, "
         "DOUBLE PRECISION, BIGINT)",

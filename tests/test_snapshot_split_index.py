@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
 import anyio
 import pytest
 
+import preloop.snapshot.workspace as workspace
 from preloop.snapshot import Snapshot, capture_workspace, layout
-from preloop.snapshot.index import MEMO_NAME, split_index_base
+from preloop.snapshot.index import MEMO_NAME, read_trailer, split_index_base
 from preloop.snapshot.work import CaptureFaults
 from snapshot_support import FakeGit, git, make_repo, oracle_tree, repo_state
 
@@ -130,6 +132,117 @@ def test_capture_seeds_when_the_memo_does_not_match_a_split_index(tmp_path: Path
     (ws / "new.txt").write_text("new\n")
     again = capture(state, ws, "two")
     assert again.tree == oracle_tree(ws, tmp_path)
+    persisted_split(state, ws)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbled"])
+def test_damaged_shared_index_costs_a_seed_not_a_failed_capture(
+    tmp_path: Path, damage: str
+) -> None:
+    """git does not fsync index files by default: after a power loss the
+    shared index can be there but empty (its checksum then does not match
+    its name: seed), or garbled where no checksum shows it (git fails to
+    read it: the capture retries as a seed)."""
+    ws = make_repo(tmp_path / "ws", files(40))
+    backdate_all(ws)
+    state = tmp_path / "state"
+    capture(state, ws, "one")
+    (ws / "d0/f00.txt").write_text("changed\n")
+    capture(state, ws, "two")  # a memo with ws_tree: the next is a fix-up
+    shared = entry_dir(state, ws) / f"sharedindex.{persisted_split(state, ws)}"
+    if damage == "truncated":
+        shared.write_bytes(b"")
+    else:
+        data = bytearray(shared.read_bytes())
+        data[0:4] = b"JUNK"
+        shared.write_bytes(bytes(data))
+    (ws / "d1/f01.txt").write_text("changed\n")
+    assert capture(state, ws, "three").tree == oracle_tree(ws, tmp_path)
+    persisted_split(state, ws)
+
+
+def test_concurrent_persists_never_leave_a_memo_naming_another_shared_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Capture A moves its index into place, capture B moves its own over it
+    and saves its memo, then A saves its memo: it must describe A's index (by
+    A's checksum, so untrusted now), never B's index with A's shared index."""
+    ws = make_repo(tmp_path / "ws", files(40))
+    state = tmp_path / "state"
+    capture(state, ws, "one")
+    (ws / "d0/f00.txt").write_text("small change\n")
+    capture(state, ws, "two")
+
+    a_moved, b_saved, b_waiting = threading.Event(), threading.Event(), threading.Event()
+    real_move, real_persist = workspace._move_into_place, workspace._persist
+
+    def move(src: Path, dst: Path) -> None:
+        real_move(src, dst)
+        if "/a-" in str(src):
+            a_moved.set()
+            assert b_saved.wait(60)
+
+    def persist(index: Path, *args: object) -> None:
+        if "/b-" in str(index):
+            b_waiting.set()
+            assert a_moved.wait(60)
+            real_persist(index, *args)  # type: ignore[arg-type]
+            b_saved.set()
+        else:
+            real_persist(index, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(workspace, "_move_into_place", move)
+    monkeypatch.setattr(workspace, "_persist", persist)
+    results: dict[str, object] = {}
+
+    def run(name: str) -> None:
+        try:
+            results[name] = capture(state, ws, name)
+        except BaseException as exc:
+            results[name] = exc
+
+    b = threading.Thread(target=run, args=("b",))
+    b.start()
+    assert b_waiting.wait(60)
+    for i in range(0, 40, 2):  # A sees many changes: a new shared index
+        (ws / f"d{i % 4}/f{i:02d}.txt").write_text(f"rewritten {i}\n")
+    a = threading.Thread(target=run, args=("a",))
+    a.start()
+    a.join()
+    b.join()
+    assert all(isinstance(r, Snapshot) for r in results.values()), results
+    monkeypatch.setattr(workspace, "_move_into_place", real_move)
+    monkeypatch.setattr(workspace, "_persist", real_persist)
+
+    persisted = layout.cache_index_path(state, layout.cache_key_for_repository(ws / ".git"))
+    memo = json.loads((entry_dir(state, ws) / MEMO_NAME).read_text())
+    assert memo["index_checksum"] != read_trailer(persisted, "sha1")  # A's memo, B's index
+    assert capture(state, ws, "c").tree == oracle_tree(ws, tmp_path)
+
+
+def test_fsmonitor_in_the_workspace_never_writes_a_shared_index_there(tmp_path: Path) -> None:
+    """With fsmonitor on, `git add -A` marks entries fsmonitor-valid, which
+    makes git write the index whole and unsplit; a later command run with
+    core.splitIndex=true (the update-index dropping paths ignored now) would
+    then split it by writing a shared index into the workspace's .git."""
+    ws = make_repo(tmp_path / "ws", files(40))
+    hook = tmp_path / "fsmonitor-hook"
+    # Protocol v2: a new token, then "/": everything may have changed.
+    hook.write_text('#!/bin/sh\nprintf "token-%s\\0/\\0" "$(date +%s%N)"\n')
+    hook.chmod(0o755)
+    git("config", "core.fsmonitor", str(hook), cwd=ws)
+    git("config", "core.fsmonitorHookVersion", "2", cwd=ws)
+    state = tmp_path / "state"
+    capture(state, ws, "one")
+    (ws / "u.txt").write_text("untracked\n")
+    capture(state, ws, "two")  # u.txt: a path this capture added
+    with open(ws / ".gitignore", "a") as fh:
+        fh.write("u.txt\n")
+    before = repo_state(ws)
+    snap = capture(state, ws, "three")  # u.txt is ignored now: dropped
+    assert shared_indexes(ws / ".git") == []
+    assert repo_state(ws) == before
+    assert snap.tree == oracle_tree(ws, tmp_path)
     persisted_split(state, ws)
 
 

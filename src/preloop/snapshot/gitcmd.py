@@ -38,9 +38,6 @@ _SCRUBBED = (
     "GIT_NOGLOB_PATHSPECS",
     "GIT_ICASE_PATHSPECS",
     "GIT_CONFIG_PARAMETERS",
-    # git's test knobs that would write shared indexes or change the index format
-    "GIT_TEST_SPLIT_INDEX",
-    "GIT_TEST_INDEX_VERSION",
     "GIT_CONFIG_COUNT",
     "GIT_AUTHOR_NAME",
     "GIT_AUTHOR_EMAIL",
@@ -84,7 +81,11 @@ def redact(text: str, secrets: Sequence[str] = ()) -> str:
 def git_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a snapshot git call: ours minus redirecting `GIT_*`
     variables, plus fixed locale and no prompts, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED}
+    # git's GIT_TEST_* knobs (split index, fsmonitor, index version...) would
+    # change what git writes where.
+    env = {
+        k: v for k, v in os.environ.items() if k not in _SCRUBBED and not k.startswith("GIT_TEST_")
+    }
     env["LC_ALL"] = "C"
     env["LANGUAGE"] = "C"
     env["GIT_OPTIONAL_LOCKS"] = "0"

@@ -37,6 +37,7 @@ looks there after its `GIT_DIR`), hard-linked into staging; the memo names it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -77,11 +78,18 @@ SHARED_INDEX_PREFIX = "sharedindex."
 # For commands run in the workspace's repository on a split index: keep it
 # split, and never write a shared index (it would go into the workspace's
 # git directory). Without them, `core.splitIndex=false` (gitcmd) unsplits it.
+# fsmonitor off too: marking an entry fsmonitor-valid sets `cache_changed = 1`
+# (outside git's EXTMASK), so git would write the index whole and unsplit,
+# and the next command, reading an unsplit index with core.splitIndex=true,
+# would write a new shared index into the workspace's git directory. (It
+# buys nothing here: write-tree in the cache entry drops the extension.)
 SPLIT_INDEX_KEEP: tuple[str, ...] = (
     "-c",
     "core.splitIndex=true",
     "-c",
     "splitIndex.maxPercentChange=100",
+    "-c",
+    "core.fsmonitor=false",
 )
 # git removes a cache entry's shared indexes unused for this long when it
 # writes a new one; a capture that still uses one holds it by a link in its
@@ -150,7 +158,7 @@ class IndexBase:
                 ws_tree=None if doc["ws_tree"] is None else str(doc["ws_tree"]),
                 added=[str(p) for p in doc["added"]],
                 dropped=[(str(m), str(o), str(p)) for m, o, p in doc["dropped"]],
-                shared_index=doc.get("shared_index"),
+                shared_index=_oid_or_none(doc.get("shared_index")),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None  # no memo (or a damaged one): take the reset path
@@ -159,6 +167,15 @@ class IndexBase:
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         tmp.write_text(json.dumps(asdict(self)))
         os.rename(tmp, path)
+
+
+def _oid_or_none(value: object) -> str | None:
+    """`value` if it is an object id (hex): it becomes part of a path."""
+    if isinstance(value, str) and len(value) in (40, 64):
+        with contextlib.suppress(ValueError):
+            bytes.fromhex(value)
+            return value.lower()
+    return None
 
 
 def read_trailer(path: Path, object_format: str) -> str | None:
@@ -232,13 +249,23 @@ def shared_index_path(directory: Path, oid: str) -> Path:
 def link_shared_index(source_dir: Path, target_dir: Path, oid: str) -> bool:
     """Makes `target_dir/sharedindex.<oid>` name the shared index
     `source_dir/sharedindex.<oid>` (a hard link; already there is fine);
-    False when the source is gone."""
+    False when the source is gone. Copies (keeping the mtime) across
+    filesystems."""
+    source, target = shared_index_path(source_dir, oid), shared_index_path(target_dir, oid)
     try:
-        os.link(shared_index_path(source_dir, oid), shared_index_path(target_dir, oid))
+        os.link(source, target)
     except FileExistsError:
         return True
-    except OSError:
-        return False
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            return False
+        tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            shutil.copy2(source, tmp)
+            os.rename(tmp, target)
+        except OSError:
+            remove_if_exists(tmp)
+            return False
     return True
 
 

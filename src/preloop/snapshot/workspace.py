@@ -378,8 +378,15 @@ def _read_base(
         return _Base(ws_checksum, True, checksum, None)
     if memo.shared_index is None:
         return _Base(ws_checksum, True, checksum, memo)
-    if not link_shared_index(shared_dir, index.parent, memo.shared_index):
-        index.unlink()  # its shared index is gone: seed
+    linked = shared_index_path(index.parent, memo.shared_index)
+    if (
+        not link_shared_index(shared_dir, index.parent, memo.shared_index)
+        # git names a shared index by its trailing checksum and reads it
+        # without verifying it: one that is not whole (an unsynced write
+        # after a power loss) would fail every command that reads the index.
+        or read_trailer(linked, fmt) != memo.shared_index
+    ):
+        index.unlink()  # its shared index is gone or damaged: seed
         return _Base(ws_checksum, False)
     return _Base(ws_checksum, True, checksum, memo, split=True)
 
@@ -442,7 +449,7 @@ async def _add_all(env: dict[str, str], toplevel: Path, split: bool) -> CommandR
 
 
 async def _add_all_keeping(
-    env: dict[str, str], repo: Repository, recheck: list[str], split: bool
+    cap: CaptureState, env: dict[str, str], repo: Repository, recheck: list[str], split: bool
 ) -> CommandResult:
     """`_add_all`, then drops from the index the nested repositories it added
     as gitlinks (unregistered) and those of `recheck` that are ignored now;
@@ -470,6 +477,13 @@ async def _add_all_keeping(
     if drop:
         # Mode 0 removes the entry; paths are index paths, never pathspecs.
         zero = "0" * (2 * HASH_BYTES[repo.object_format])
+        if split:
+            # Keep it split only if `git add` kept it split: on an unsplit
+            # index, core.splitIndex=true would write a shared index into the
+            # workspace's git directory.
+            index = Path(env["GIT_INDEX_FILE"])
+            base = await cap.work.run("split-check", split_index_base, index, repo.object_format)
+            split = base is not None
         await git(
             [*_keep_split(split), "update-index", "-z", "--index-info"],
             env=env,
@@ -535,10 +549,13 @@ def _persist(
         remove_if_exists(memo_path)
         remove_if_exists(persisted)
         return
+    # The checksum of this capture's own index, not of whatever another
+    # capture may have moved into place meanwhile: a memo always describes
+    # the index it was written with, else it is not trusted.
+    checksum = read_trailer(index, fmt)
     _move_into_place(index, persisted)
     if memo is None and shared is not None:
         memo = IndexBase(index_checksum="", ws_index_checksum=None, ws_tree=None)
-    checksum = read_trailer(persisted, fmt)
     if memo is None or checksum is None:
         remove_if_exists(memo_path)
         return
@@ -622,8 +639,18 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
         }
     )
     ws_checksum = base.ws_checksum
-    ws_tree, recheck, split = await _prepare_index(cap, repo, env, base)
-    await _add_all_keeping(env, repo, recheck, split)
+    try:
+        ws_tree, recheck, split = await _prepare_index(cap, repo, env, base)
+        await _add_all_keeping(cap, env, repo, recheck, split)
+    except CommandFailed:
+        if not base.split:
+            raise
+        # A split index git could not read or write (its shared index damaged
+        # in a way its checksum did not show): this capture seeds instead, so
+        # the damage costs time, never a failed capture.
+        base = _Base(base.ws_checksum, False)
+        ws_tree, recheck, split = await _prepare_index(cap, repo, env, base)
+        await _add_all_keeping(cap, env, repo, recheck, split)
     renew = False
     if split and base.memo is not None and base.memo.shared_index is not None:
         shared = shared_index_path(index.parent, base.memo.shared_index)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,6 +27,23 @@ def _cohort_in_flight(store: Store, run_id: int, cohort: str) -> int:
         ),
     )
     return int(rows[0]["n"])
+
+
+def wait_until_blocked_by(holder: Any, pid: int, thread: threading.Thread) -> None:
+    """Returns once another backend waits for a lock `holder` (backend `pid`)
+    holds, or `thread` ended: the server's own lock table, no timing."""
+    while thread.is_alive():
+        row = holder.execute(
+            "SELECT count(*) FROM pg_locks l JOIN pg_locks h ON h.pid = %s "
+            "AND h.granted AND h.locktype = l.locktype "
+            "AND h.database IS NOT DISTINCT FROM l.database "
+            "AND h.relation IS NOT DISTINCT FROM l.relation "
+            "AND h.transactionid IS NOT DISTINCT FROM l.transactionid "
+            "WHERE NOT l.granted AND l.pid <> %s",
+            (pid, pid),
+        ).fetchone()
+        if row and row[0]:
+            return
 
 
 def test_batch_claim_never_exceeds_the_runners_capacity(store: Store) -> None:
@@ -311,8 +330,6 @@ def test_a_batch_waiting_for_its_run_row_gives_way_to_the_holder(pg_url: str) ->
     cancelling a run does) is not deadlocked: the batch stops waiting after
     `COMPLETE_LOCK_WAIT`, undoes itself and runs again taking the run row
     first, so the holder's change (the job told to stop) is what it ends."""
-    import threading
-
     import psycopg
 
     with open_store(pg_url) as store:
@@ -334,18 +351,7 @@ def test_a_batch_waiting_for_its_run_row_gives_way_to_the_holder(pg_url: str) ->
             t = threading.Thread(target=batch)
             t.start()
             # The batch has written its jobs and waits for the run row.
-            waiting = False
-            while not waiting:
-                row = holder.execute(
-                    "SELECT count(*) FROM pg_locks l JOIN pg_locks h ON h.pid = %s "
-                    "AND h.granted AND h.locktype = l.locktype "
-                    "AND h.database IS NOT DISTINCT FROM l.database "
-                    "AND h.relation IS NOT DISTINCT FROM l.relation "
-                    "AND h.transactionid IS NOT DISTINCT FROM l.transactionid "
-                    "WHERE NOT l.granted AND l.pid <> %s",
-                    (pid, pid),
-                ).fetchone()
-                waiting = bool(row and row[0]) or not t.is_alive()
+            wait_until_blocked_by(holder, pid, t)
             # Now the holder needs the batch's job row (the cancel path's write).
             holder.execute(
                 "UPDATE jobs SET cancel_requested = 1 WHERE run_id = %s AND id = %s",
@@ -497,8 +503,6 @@ def test_a_run_cancelled_while_a_batch_admits_a_need_undoes_the_admission(pg_url
     row. When the run is told to cancel while the batch waits for that row,
     the batch does not commit what it admitted: the cascade, seeing the
     cancelled run, ends them instead, and nothing is claimed."""
-    import threading
-
     import psycopg
 
     with open_store(pg_url) as store:
@@ -519,18 +523,7 @@ def test_a_run_cancelled_while_a_batch_admits_a_need_undoes_the_admission(pg_url
 
             t = threading.Thread(target=batch)
             t.start()
-            waiting = False
-            while not waiting:
-                row = holder.execute(
-                    "SELECT count(*) FROM pg_locks l JOIN pg_locks h ON h.pid = %s "
-                    "AND h.granted AND h.locktype = l.locktype "
-                    "AND h.database IS NOT DISTINCT FROM l.database "
-                    "AND h.relation IS NOT DISTINCT FROM l.relation "
-                    "AND h.transactionid IS NOT DISTINCT FROM l.transactionid "
-                    "WHERE NOT l.granted AND l.pid <> %s",
-                    (pid, pid),
-                ).fetchone()
-                waiting = bool(row and row[0]) or not t.is_alive()
+            wait_until_blocked_by(holder, pid, t)
             # The batch has queued the legs (uncommitted) and waits for the run row.
             holder.execute("UPDATE runs SET cancel_requested = 1 WHERE id = %s", (run_id,))
             holder.commit()

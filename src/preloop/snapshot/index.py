@@ -37,7 +37,6 @@ looks there after its `GIT_DIR`), hard-linked into staging; the memo names it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import secrets
@@ -132,8 +131,8 @@ def needs_new_shared_index(index: Path, shared: Path) -> bool:
     return own is None or base is None or own > MAX_SPLIT_SHARE * base
 
 
-# git's temporary shared index (`sharedindex_XXXXXX`) left by a killed
-# `write-tree` is removed after this long (git never removes it).
+# git's temporary shared index (`sharedindex_` and a random suffix) left by a
+# killed `write-tree` is removed after this long (git never removes it).
 STALE_SHARED_TEMP = 3600.0
 
 
@@ -249,24 +248,8 @@ def shared_index_path(directory: Path, oid: str) -> Path:
 def link_shared_index(source_dir: Path, target_dir: Path, oid: str) -> bool:
     """Makes `target_dir/sharedindex.<oid>` name the shared index
     `source_dir/sharedindex.<oid>` (a hard link; already there is fine);
-    False when the source is gone. Copies (keeping the mtime) across
-    filesystems."""
-    source, target = shared_index_path(source_dir, oid), shared_index_path(target_dir, oid)
-    try:
-        os.link(source, target)
-    except FileExistsError:
-        return True
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            return False
-        tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
-        try:
-            shutil.copy2(source, tmp)
-            os.rename(tmp, target)
-        except OSError:
-            remove_if_exists(tmp)
-            return False
-    return True
+    False when the source is gone."""
+    return link_if_exists(shared_index_path(source_dir, oid), shared_index_path(target_dir, oid))
 
 
 def remove_stale_shared_temps(git_dir: Path) -> None:
@@ -294,13 +277,21 @@ def link_if_exists(src: Path, dst: Path) -> bool:
     """Hard-links `src` (an index only preloop writes) at `dst`, copying it
     when a link is impossible (another filesystem). Safe because git never
     writes an index in place: it writes `<index>.lock` and renames it, so the
-    linked original stays as it was. Keeps the mtime (racy-git) either way."""
+    linked original stays as it was. Keeps the mtime (racy-git) either way.
+    A `dst` already there is kept (shared indexes are named by their
+    checksum); a copy appears whole, by rename, for readers of `dst`."""
     try:
         os.link(src, dst)
-    except FileNotFoundError:
-        return False
+    except (FileNotFoundError, FileExistsError) as exc:
+        return isinstance(exc, FileExistsError)
     except OSError:
-        return copy_if_exists(src, dst)
+        tmp = dst.with_name(f".{dst.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            if not copy_if_exists(src, tmp):
+                return False
+            os.rename(tmp, dst)
+        finally:
+            remove_if_exists(tmp)
     return True
 
 

@@ -337,14 +337,17 @@ def _keep_split(split: bool) -> tuple[str, ...]:
 class _Base:
     """What the capture's index starts from, read in one blocking step: the
     workspace index's checksum and, when there is a persisted index (now
-    linked as the capture's index), its checksum and memo, and whether it is
-    a split index (its shared index then linked beside it)."""
+    linked as the capture's index), its checksum and memo (trusted: it names
+    the index's shared index, when split, linked beside it)."""
 
     ws_checksum: str | None
     persisted: bool
     checksum: str | None = None
     memo: IndexBase | None = None
-    split: bool = False
+
+    @property
+    def shared_index(self) -> str | None:
+        return self.memo.shared_index if self.memo is not None else None
 
 
 def _keep_link(index: Path) -> None:
@@ -388,16 +391,17 @@ def _read_base(
     ):
         index.unlink()  # its shared index is gone or damaged: seed
         return _Base(ws_checksum, False)
-    return _Base(ws_checksum, True, checksum, memo, split=True)
+    return _Base(ws_checksum, True, checksum, memo)
 
 
 async def _prepare_index(
     cap: CaptureState, repo: Repository, env: dict[str, str], base: _Base
-) -> tuple[str | None, list[str], bool]:
+) -> tuple[str | None, list[str], str | None]:
     """Fills the capture's index from `base` (see `preloop.snapshot.index`);
     returns the workspace index's tree when it was computed (else None), the
     paths the last capture added, which must leave the index if they are
-    ignored now, and whether the index is a split index of ours."""
+    ignored now, and the shared index when the index is a split index of ours."""
+    shared = base.shared_index
     index = Path(env["GIT_INDEX_FILE"])
     ws_checksum = base.ws_checksum
     if base.persisted:
@@ -409,19 +413,21 @@ async def _prepare_index(
             else:
                 ws_tree = await _workspace_index_tree(cap, repo, env)
             if ws_tree is not None and ws_tree == memo.ws_tree:
-                await _fix_up(cap, repo, env, memo, base.split)
-                return ws_tree, memo.added, base.split
+                await _fix_up(cap, repo, env, memo, shared is not None)
+                return ws_tree, memo.added, shared
         if ws_tree is None:
             ws_tree = await _workspace_index_tree(cap, repo, env)
         if ws_tree is not None:
             reset = await git(
-                [*_keep_split(base.split), "read-tree", "--reset", ws_tree], env=env, check=False
+                [*_keep_split(shared is not None), "read-tree", "--reset", ws_tree],
+                env=env,
+                check=False,
             )
             if reset.returncode == 0:
-                return ws_tree, [], base.split
+                return ws_tree, [], shared
     await cap.work.run("remove-index", remove_if_exists, index)
     await cap.work.run("copy-index", copy_if_exists, repo.git_dir / "index", index)
-    return None, [], False
+    return None, [], None
 
 
 _NO_COMMIT = re.compile(r"^error: '(.+)/' does not have a commit checked out$", re.M)
@@ -640,21 +646,20 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
     )
     ws_checksum = base.ws_checksum
     try:
-        ws_tree, recheck, split = await _prepare_index(cap, repo, env, base)
-        await _add_all_keeping(cap, env, repo, recheck, split)
+        ws_tree, recheck, shared = await _prepare_index(cap, repo, env, base)
+        await _add_all_keeping(cap, env, repo, recheck, shared is not None)
     except CommandFailed:
-        if not base.split:
+        if base.shared_index is None:
             raise
         # A split index git could not read or write (its shared index damaged
         # in a way its checksum did not show): this capture seeds instead, so
         # the damage costs time, never a failed capture.
         base = _Base(base.ws_checksum, False)
-        ws_tree, recheck, split = await _prepare_index(cap, repo, env, base)
-        await _add_all_keeping(cap, env, repo, recheck, split)
-    renew = False
-    if split and base.memo is not None and base.memo.shared_index is not None:
-        shared = shared_index_path(index.parent, base.memo.shared_index)
-        renew = await cap.work.run("split-share", needs_new_shared_index, index, shared)
+        ws_tree, recheck, shared = await _prepare_index(cap, repo, env, base)
+        await _add_all_keeping(cap, env, repo, recheck, False)
+    renew = shared is not None and await cap.work.run(
+        "split-share", needs_new_shared_index, index, shared_index_path(index.parent, shared)
+    )
     # `git add`'s index gets its second name while write-tree runs (it reads
     # the index, then computes and writes for tens of ms before its rename; if
     # the link came after the rename it would name the new index: no harm).

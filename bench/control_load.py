@@ -132,6 +132,7 @@ def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
     completions = sum(r["completions"] for r in reports)
     assert completions == len(plan.jobs)
     holds = sum(r["settle_lock_holds"] for r in reports)
+    batch_holds = sum(r["statement_lock_holds"] for r in reports)
     waits = sum(r["lock_run_waits"] for r in reports)
     return {
         "store": "pg" if url.startswith("postgres") else "lite",
@@ -151,12 +152,9 @@ def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
         # the transactions of the Python cascade (a unit ending: admitting
         # every leg of a matrix, ending the run) that the mean above includes.
         "mean_batch_lock_hold_ms": round(
-            sum(r["statement_lock_hold_ns"] for r in reports)
-            / sum(r["statement_lock_holds"] for r in reports)
-            / 1e6,
-            3,
+            sum(r["statement_lock_hold_ns"] for r in reports) / batch_holds / 1e6, 3
         )
-        if sum(r["statement_lock_holds"] for r in reports)
+        if batch_holds
         else None,
         # The same hold spread over the completions (a batch of CAPACITY jobs
         # holds the lock once): what one completion costs the run's other writers.
@@ -172,7 +170,7 @@ def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
         "fast_path_misses": sum(r["fallbacks"] for r in reports),
         # Batches whose run row stayed taken past COMPLETE_LOCK_WAIT after
         # their job rows were written, rerun run-row-first (migration 14).
-        "lock_first_retries": sum(r.get("lock_first_retries", 0) for r in reports),
+        "lock_first_retries": sum(r["lock_first_retries"] for r in reports),
         "deadlock_retries": sum(r["deadlock_retries"] for r in reports),
     }
 

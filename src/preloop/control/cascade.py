@@ -52,6 +52,12 @@ RUN_CANCELLED = "the run was cancelled"
 _ACQUIRE = Q["acquire_group"]
 
 
+def _queue_limit(queue_max: object) -> int:
+    """How many legs or runs may wait for a group: one (a newer waiter
+    replaces the older), or QUEUE_MAX with `queue: max`."""
+    return QUEUE_MAX if queue_max else 1
+
+
 class _Cascade:
     """The work one transaction does after a state change: concluding jobs,
     ending units, promoting dependents, admitting cohort legs, waking waiters,
@@ -781,7 +787,7 @@ class _Cascade:
             else:
                 have = int(g["waiters"])
                 for k, (job, _) in enumerate(waiters, 1):
-                    if have + k > (QUEUE_MAX if job["conc_queue_max"] else 1):
+                    if have + k > _queue_limit(job["conc_queue_max"]):
                         bulk = False  # an older waiter would be replaced
                         break
         if not bulk:
@@ -801,9 +807,7 @@ class _Cascade:
         if got:
             self.enqueue(first, first_slot, group)
         if waiters:
-            row = tx.one(Q["admit_grouped_update_wait_seq"], (len(waiters),))
-            assert row is not None
-            seq0 = int(row["value"]) - len(waiters) + 1
+            seq0 = tx.next_wait_seq(len(waiters)) - len(waiters) + 1
             self._bulk_waiting(
                 run_id,
                 group,
@@ -884,7 +888,7 @@ class _Cascade:
     def make_room(self, group: str, queue_max: bool, keep: tuple[int, Any] | None) -> None:
         """One pending waiter per group (a newer one replaces the older), or up
         to QUEUE_MAX with `queue: max` (the oldest beyond it is cancelled)."""
-        limit = QUEUE_MAX if queue_max else 1
+        limit = _queue_limit(queue_max)
         excess = self.tx.execute(
             Q["make_room_select_jobs"],
             (group, group, limit),

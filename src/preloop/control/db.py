@@ -177,8 +177,9 @@ class Tx:
             return self.one(sql, (run_id,))
         return self.one(sql + " FOR UPDATE SKIP LOCKED", (run_id,))
 
-    def next_wait_seq(self) -> int:
-        row = self.one("UPDATE wait_seq SET value = value + 1 WHERE id = 1 RETURNING value")
+    def next_wait_seq(self, n: int = 1) -> int:
+        """Takes `n` wait seqs; returns the last of them."""
+        row = self.one("UPDATE wait_seq SET value = value + ? WHERE id = 1 RETURNING value", (n,))
         assert row is not None
         return int(row["value"])
 

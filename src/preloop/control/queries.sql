@@ -347,7 +347,3 @@ SELECT run_id, id, seq, name, attempt, spec, matrix, strategy, timeout_minutes, 
 -- admit_grouped_select_conc_groups --
 -- cascade: _Cascade._do_admit_grouped (after the acquire that locked the group row on PostgreSQL)
 SELECT holder_run, (SELECT count(*) FROM jobs WHERE conc_group = ? AND status = 'waiting') + (SELECT count(*) FROM runs WHERE conc_group = ? AND status = 'pending') AS waiters FROM conc_groups WHERE name = ?
-
--- admit_grouped_update_wait_seq --
--- cascade: _Cascade._do_admit_grouped (the wait seqs of `?` new waiters: the returned value is the last)
-UPDATE wait_seq SET value = value + ? WHERE id = 1 RETURNING value

@@ -155,6 +155,14 @@ def _text_array(items: Sequence[str]) -> str:
     )
 
 
+def _server_refused(claim: _Claim | None) -> None:
+    """The server refused the batch with a SQLSTATE of its own: nothing of that
+    attempt committed (nor of one before it, which it looked for), so the next
+    call is a first attempt again."""
+    if claim is not None:
+        claim.attempts = 0
+
+
 def open_store(url: str | None = None) -> Store:
     """Opens (creating and migrating) a store.
 
@@ -529,15 +537,15 @@ class Store:
                 # batch held its job rows (schema migrations 14 and 17):
                 # undone; again, taking the run row first.
                 self.counters.add_statements(op + ".lock_first", 1)
-                if claim is not None:
-                    # The server answered: nothing of that attempt (nor of
-                    # one before it, which it looked for) committed.
-                    claim.attempts = 0
+                _server_refused(claim)
                 return self._db.statement(op, lock_first)
         except psycopg.Error as exc:
             if exc.sqlstate != _SLOW_PATH:
                 raise
             self.counters.add_statements(op + ".fallback", 1)
+            # The claim after the Python cascade is then a first attempt: no
+            # recovery scan while that transaction holds the run row.
+            _server_refused(claim)
             primary = exc.diag.message_primary or ""
             return _SLOW_ENDED if primary.endswith(_ENDED_MARK) else _SLOW_OTHER
 
@@ -605,7 +613,7 @@ class Store:
         if claim is not None and claim.limit > 0:
             claim.attempts += 1
             if claim.attempts > 1:
-                # A rerun (a lost answer, a deadlock, the slow path): if an
+                # A rerun (a lost answer, a deadlock): if an
                 # attempt before committed, its claims are this runner's jobs
                 # started at `claim.at`; claiming others would orphan them.
                 rows = tx.execute(Q["recover_claims_select_jobs"], (claim.runner, claim.at))

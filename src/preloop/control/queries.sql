@@ -5,11 +5,7 @@
 -- fragments, column lists) stay next to their code.
 
 -- pg_call_select_preloop_complete_claim --
--- store: Store._pg_call
-SELECT settled, claimed, wait_us, hold_us FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?, ?)
-
--- pg_cascade_select_preloop_complete_claim --
--- store: Store._pg_cascade
+-- store: Store._pg_call (run_row and ended: NULL unless in cascade mode)
 SELECT settled, claimed, wait_us, hold_us, run_row, ended FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?, ?, ?)
 
 -- settle_pg_select_preloop_settle --

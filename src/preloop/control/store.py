@@ -519,17 +519,15 @@ class Store:
         or the run ends, `_SLOW_OTHER` otherwise."""
         import psycopg
 
-        def fn(tx: Tx) -> tuple[list[Completion | PreloopError], list[Lease]]:
-            settled, leases = self._pg_call(tx, results, claim)
-            return list(settled), leases
-
-        def lock_first(tx: Tx) -> tuple[list[Completion | PreloopError], list[Lease]]:
-            settled, leases = self._pg_call(tx, results, claim, lock_first=True)
+        def call(
+            tx: Tx, lock_first: bool = False
+        ) -> tuple[list[Completion | PreloopError], list[Lease]]:
+            settled, leases, _ = self._pg_call(tx, results, claim, lock_first=lock_first)
             return list(settled), leases
 
         try:
             try:
-                return self._db.statement(op, fn)
+                return self._db.statement(op, call)
             except psycopg.Error as exc:
                 if exc.sqlstate != _RUN_ROW_BUSY:
                     raise
@@ -538,7 +536,7 @@ class Store:
                 # undone; again, taking the run row first.
                 self.counters.add_statements(op + ".lock_first", 1)
                 _server_refused(claim)
-                return self._db.statement(op, lock_first)
+                return self._db.statement(op, lambda tx: call(tx, lock_first=True))
         except psycopg.Error as exc:
             if exc.sqlstate != _SLOW_PATH:
                 raise
@@ -563,7 +561,7 @@ class Store:
 
         tx.execute("SAVEPOINT preloop_cascade")
         try:
-            done, _, row = self._pg_call_row(tx, results, None, lock_first=True, cascade=True)
+            done, _, row = self._pg_call(tx, results, None, lock_first=True, cascade=True)
         except psycopg.Error as exc:
             if exc.sqlstate != _SLOW_PATH:
                 raise
@@ -589,26 +587,14 @@ class Store:
         claim: _Claim | None,
         *,
         lock_first: bool = False,
-    ) -> tuple[list[Completion], list[Lease]]:
-        """One `preloop_complete_claim` call: `results` (all of one run) and
-        `claim`; raises psycopg's error with SQLSTATE PLSLO when the batch
-        needs the Python cascade, and PLLCK when the run row was not had in
-        time after the batch's job rows (`lock_first`: the run row first,
-        waiting as long as it takes)."""
-        done, leases, _ = self._pg_call_row(tx, results, claim, lock_first=lock_first)
-        return done, leases
-
-    def _pg_call_row(
-        self,
-        tx: Tx,
-        results: Sequence[JobResultItem],
-        claim: _Claim | None,
-        *,
-        lock_first: bool = False,
         cascade: bool = False,
     ) -> tuple[list[Completion], list[Lease], Row]:
-        """`_pg_call`, also returning the function's row (with `cascade`, the
-        run row and the units that ended)."""
+        """One `preloop_complete_claim` call: `results` (all of one run) and
+        `claim`, and the function's row (with `cascade`, the run row and the
+        units that ended); raises psycopg's error with SQLSTATE PLSLO when the
+        batch needs the Python cascade, and PLLCK when the run row was not had
+        in time after the batch's job rows (`lock_first`: the run row first,
+        waiting as long as it takes)."""
         now = claim.at if claim is not None else time.time()
         if claim is not None and claim.limit > 0:
             claim.attempts += 1
@@ -621,14 +607,9 @@ class Store:
                     done = [_not_settled(tx, lease.run_id, lease.job_id) for lease, _, _ in results]
                     return done, [_lease(r, claim, now) for r in rows], {}
         run_id = results[0][0].run_id if results else None
-        sql = (
-            Q["pg_cascade_select_preloop_complete_claim"]
-            if cascade
-            else Q["pg_call_select_preloop_complete_claim"]
-        )
         t0 = time.perf_counter_ns()
         row = tx.one(
-            sql,
+            Q["pg_call_select_preloop_complete_claim"],
             (
                 run_id,
                 _text_array([lease.job_id for lease, _, _ in results]),
@@ -643,7 +624,7 @@ class Store:
                 claim.run_id if claim else None,
                 _types.RUN_OUTPUTS_MAX_BYTES,
                 lock_first,
-                *((True,) if cascade else ()),
+                cascade,
             ),
         )
         assert row is not None

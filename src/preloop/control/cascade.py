@@ -75,6 +75,16 @@ class _Cascade:
         # Runs whose settle write already brought remaining_jobs to 0.
         self.pending_end: dict[int, Row] = {}
 
+    @classmethod
+    def after_settle(cls, tx: Tx, store: Store, run: Row) -> _Cascade:
+        """A cascade continuing a settle that locked and counted `run`: when
+        that left it no job, the run ends as the cascade finishes."""
+        c = cls(tx, store)
+        c.note_run(run)
+        if int(run["remaining_jobs"]) == 0:
+            c.pending_end[int(run["id"])] = run
+        return c
+
     # -- run rows
 
     def note_run(self, run: Row) -> None:
@@ -110,6 +120,12 @@ class _Cascade:
         return ctx
 
     # -- driving
+
+    def finish_into(self, groups: set[str]) -> None:
+        """`finish`, then adds the groups whose waiters are retried after
+        commit to `groups`."""
+        self.finish()
+        groups.update(self.retry_groups)
 
     def finish(self) -> None:
         """Drains the worklist and flushes run counters (which may end runs,

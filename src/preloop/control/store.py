@@ -568,16 +568,11 @@ class Store:
             tx.execute("ROLLBACK TO SAVEPOINT preloop_cascade")
             return None
         run_id = results[0][0].run_id
-        run: Row = row["run_row"]
-        c = _Cascade(tx, self)
-        c.note_run(run)
-        if int(run["remaining_jobs"]) == 0:
-            c.pending_end[run_id] = run
+        c = _Cascade.after_settle(tx, self, row["run_row"])
         # The worklist pops from its end: units end in base-id order.
         ended = sorted(row["ended"] or [], key=lambda u: str(u["base_id"]), reverse=True)
         c.work.extend(("end_unit", (run_id, unit)) for unit in ended)
-        c.finish()
-        groups.update(c.retry_groups)
+        c.finish_into(groups)
         return done
 
     def _pg_call(
@@ -718,13 +713,9 @@ class Store:
         if job is None:
             tx.execute(Q["settle_tx_update_runs"], (run_id,))
             return _not_settled(tx, run_id, job_id)
-        c = _Cascade(tx, self)
-        c.note_run(run)
-        if int(run["remaining_jobs"]) == 0:
-            c.pending_end[run_id] = run
+        c = _Cascade.after_settle(tx, self, run)
         c.after_conclude(job, job["conclusion"], outputs or {})
-        c.finish()
-        groups.update(c.retry_groups)
+        c.finish_into(groups)
         return Completion(run_id, job_id, job["conclusion"], True, outputs_refused=refused)
 
     def _settle_pg(
@@ -763,10 +754,7 @@ class Store:
         run: Row = row["run_row"]
         job: Row = row["job_row"]
         unit: Row = row["unit_row"]
-        c = _Cascade(tx, self)
-        c.note_run(run)
-        if int(run["remaining_jobs"]) == 0:
-            c.pending_end[run_id] = run
+        c = _Cascade.after_settle(tx, self, run)
         c.after_conclude(
             job,
             job["conclusion"],
@@ -774,8 +762,7 @@ class Store:
             unit=unit,
             slot_handed=row["admitted"] is not None,
         )
-        c.finish()
-        groups.update(c.retry_groups)
+        c.finish_into(groups)
         return Completion(run_id, job_id, job["conclusion"], True, outputs_refused=refused)
 
     def cancel_run(self, run_id: int, reason: str = USER_CANCEL_REASON) -> bool:

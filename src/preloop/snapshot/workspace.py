@@ -23,6 +23,17 @@ Nested repositories that `git add -A` would record as new gitlinks
 (unregistered) are dropped; registered submodules stay gitlinks at their
 checked-out commit.
 
+Sparse checkout (`core.sparseCheckout`): `git add -A --sparse`, so files
+outside the sparse patterns are read like any other, except the entries that
+are not checked out (skip-worktree bit), which stay as the index has them.
+Those bits then decide what is read, and they are in no tree: a reset keeps
+the persisted index's bits on unchanged entries and sets none on new ones, a
+fix-up keeps them all, and git clears the bit of a file it finds in the work
+tree on every index read, so even an index built from the very same
+workspace index can lack a bit that one still has. Every capture therefore
+seeds from the workspace index; its index is neither split nor persisted
+(nor is the persisted index of captures without sparse checkout touched).
+
 Objects the new tree needs that only the workspace's object store has (staged
 blobs, for instance) are copied into the cache (one pack) before publication,
 so a run repository only ever depends on its cache entry.
@@ -172,6 +183,7 @@ class Repository:
     head_tree: str | None
     origin_url: str | None
     commit_encoding: str | None = None  # i18n.commitEncoding, when set
+    sparse_checkout: bool = False  # core.sparseCheckout
 
 
 async def inspect_repository(workspace: Path) -> Repository:
@@ -208,17 +220,22 @@ async def inspect_repository(workspace: Path) -> Repository:
             tg.start_soon(
                 ask,
                 "config",
-                ["config", "-z", "--get-regexp", r"^(remote\.origin\.url|i18n\.commitencoding)$"],
+                [
+                    "config",
+                    "-z",
+                    "--get-regexp",
+                    r"^(remote\.origin\.url|i18n\.commitencoding|core\.sparsecheckout)$",
+                ],
             )
     except ExceptionGroup as group:  # one failed (git missing?): report it alone
         raise group.exceptions[0] from None
     where, config = results["where"], results["config"]
-    values: dict[str, str] = {}
+    values: dict[str, str | None] = {}
     if config.returncode == 0:
         for item in config.stdout.decode("utf-8", "surrogateescape").split("\0"):
             key, newline, value = item.partition("\n")
-            if key and newline:
-                values[key] = value
+            if key:
+                values[key] = value if newline else None  # None: a key with no `=`
     lines = where.stdout_text().splitlines()
     # The flags print before HEAD is resolved: an unborn HEAD leaves them intact.
     unborn = where.returncode != 0 and "unknown revision" in where.stderr_text()
@@ -237,6 +254,7 @@ async def inspect_repository(workspace: Path) -> Repository:
                 "run `git fsck` in the repository"
             )
         head_commit, head_tree = lines[6], lines[7]
+    origin = values.get("remote.origin.url")
     return Repository(
         toplevel=Path(lines[1]),
         git_dir=Path(lines[2]),
@@ -245,9 +263,26 @@ async def inspect_repository(workspace: Path) -> Repository:
         object_format=lines[5],
         head=head_commit,
         head_tree=head_tree,
-        origin_url=values["remote.origin.url"].strip() if "remote.origin.url" in values else None,
+        origin_url=origin.strip() if origin is not None else None,
         commit_encoding=values.get("i18n.commitencoding"),
+        sparse_checkout=_config_bool(values.get("core.sparsecheckout", "false")),
     )
+
+
+_CONFIG_INT = re.compile(r"[+-]?(?:0x([0-9a-f]+)|([0-9]+))[kmg]?")
+
+
+def _config_bool(value: str | None) -> bool:
+    """A git boolean as git reads it: a key with no value is true, an empty
+    one false, an integer true unless 0. Anything else is false here: git
+    refuses it itself, in the capture's first command."""
+    if value is None:
+        return True
+    value = value.strip().lower()
+    if value in ("true", "yes", "on"):
+        return True
+    number = _CONFIG_INT.fullmatch(value)  # strtoimax, base 0, a unit suffix
+    return number is not None and (number.group(1) or number.group(2)).strip("0") != ""
 
 
 def _move_into_place(src: Path, dst: Path) -> None:
@@ -433,14 +468,23 @@ async def _prepare_index(
 _NO_COMMIT = re.compile(r"^error: '(.+)/' does not have a commit checked out$", re.M)
 
 
-async def _add_all(env: dict[str, str], toplevel: Path, split: bool) -> CommandResult:
+async def _add_all(env: dict[str, str], toplevel: Path, split: bool, sparse: bool) -> CommandResult:
     """`git add --all`, leaving out nested repositories with no commit yet (git
     refuses to add them at all; with a commit they become gitlinks, which
     `_drop_unregistered_repositories` drops): they are left out of the
-    snapshot like every other nested repository that is not a submodule."""
+    snapshot like every other nested repository that is not a submodule.
+
+    In sparse checkout, `--sparse`: without it git refuses untracked files
+    outside the sparse patterns and skips, silently, tracked files there that
+    are checked out (no skip-worktree bit). Entries with the bit stay as they
+    are either way (`run_diff_files` skips them). Outside sparse checkout it
+    would change nothing that matters here (git 2.39's `path_in_sparse_checkout`
+    is true for every path; only a pathspec that matches nothing but
+    skip-worktree entries stops being an error), so it is left out: the
+    command stays as it was, and git before 2.34 does not know the option."""
     excluded: list[str] = []
     while True:
-        args = [*_keep_split(split), "add", "--all"]
+        args = [*_keep_split(split), "add", *(("--sparse",) if sparse else ()), "--all"]
         if excluded:
             args += ["--", ".", *(f":(exclude,literal){p}" for p in excluded)]
         added = await git(args, env=env, cwd=toplevel, check=False)
@@ -463,7 +507,7 @@ async def _add_all_keeping(
     done: dict[str, object] = {}
 
     async def add() -> None:
-        done["added"] = await _add_all(env, repo.toplevel, split)
+        done["added"] = await _add_all(env, repo.toplevel, split, repo.sparse_checkout)
 
     async def check() -> None:
         done["ignored"] = await _ignored(env, repo.toplevel, recheck)
@@ -628,6 +672,8 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
             namespace=cap.namespace,
             source=str(repo.toplevel),
         )
+        if repo.sparse_checkout:
+            return _Base(None, False)  # seeded: see "Sparse checkout" above
         return _read_base(
             repo.git_dir / "index", persisted, index, memo_path, fmt, entry.repository
         )
@@ -666,12 +712,18 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
     written: dict[str, str] = {}
 
     # write-tree runs in the cache entry: the shared index it may write goes
-    # there (see `preloop.snapshot.index`); it needs no work tree.
+    # there (see `preloop.snapshot.index`); it needs no work tree. In sparse
+    # checkout the index is not split (nor kept): write-tree runs where
+    # `git add` ran, whose sparse checkout keeps a sparse index sparse (the
+    # cache entry, without one, would expand it).
     tree_env = {k: v for k, v in env.items() if k != "GIT_WORK_TREE"}
     tree_env["GIT_DIR"] = str(entry.repository)
+    tree_args = [*split_index_write(renew), "write-tree"]
+    if repo.sparse_checkout:
+        tree_env, tree_args = env, ["write-tree"]
 
     async def write_tree() -> None:
-        result = await git([*split_index_write(renew), "write-tree"], env=tree_env)
+        result = await git(tree_args, env=tree_env)
         written["tree"] = result.stdout_text().strip()
 
     try:
@@ -722,7 +774,8 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
     memo = await _next_memo(env, ws_tree, ws_checksum, head_tree, tree, changes)
 
     await publish_verified(cap, commit, tree, entry.repository)
-    await cap.work.run("persist-index", _persist, index, persisted, memo, memo_path, fmt)
+    if not repo.sparse_checkout:
+        await cap.work.run("persist-index", _persist, index, persisted, memo, memo_path, fmt)
     return Snapshot(
         run_id=cap.run_id,
         kind="workspace",

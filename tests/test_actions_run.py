@@ -460,6 +460,33 @@ def test_a_local_action_symlinked_out_of_the_workspace_fails_its_step(
     assert results(outcome) == {"j": "failure"}, h.all_text()
     text = h.all_text()
     assert "escaped-the-workspace" not in text
-    failed = [line for line in h.lines["j"] if "'./link' points outside the repository" in line]
+    failed = [line for line in h.lines["j"] if "'./link' points outside the job's dir" in line]
     assert len(failed) == 1 and "\n" not in failed[0], text
     assert "after" in h.lines["j"], text
+
+
+def test_a_local_action_beside_the_workspace_runs(tmp_path: Path, store_url: str) -> None:
+    """github/codeql-action's own workflows (.github/workflows/__rust.yml and
+    others): a step moves the checkout to `../action`, later steps run
+    `uses: ./../action/init`. GitHub's runner joins the path to the workspace;
+    so do we, within the job's directory."""
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """            on: push
+            jobs:
+              j:
+                runs-on: ubuntu-latest
+                steps:
+                  - run: |
+                      mkdir -p ../action/init
+                      cd ../action/init
+                      echo 'runs: {using: composite, steps: [{run: echo init-beside,' > action.yml
+                      echo '  shell: bash}]}' >> action.yml
+                  - uses: ./../action/init
+            """
+        ),
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert results(outcome) == {"j": "success"}, h.all_text()
+    assert "init-beside" in h.lines["j"], h.all_text()

@@ -131,7 +131,8 @@ def test_object_values_match_whole() -> None:
     ("data", "where", "message"),
     [
         ({"os": []}, ("vector", "os"), "matrix vector 'os' has no values"),
-        ({"os": ["a"], "exclude": [{"os": "b"}]}, ("exclude", 0), "matches no combination"),
+        ({"os": ["a"], "exclude": [{"os": "b"}, {"oss": "a"}]}, ("exclude", 1), "key 'oss'"),
+        ({"os": ["a"], "exclude": [{}]}, ("exclude", 0), "must not be empty"),
         ({"x": list(range(16)), "y": list(range(17))}, ("matrix",), "272 legs"),
         ({}, ("matrix",), "at least one vector"),
     ],
@@ -156,6 +157,10 @@ def test_exactly_256_legs_is_allowed() -> None:
 
 
 def test_leg_suffix() -> None:
+    """GitHub's JobNameBuilder: scalars depth first, objects and lists
+    flattened, nulls and empty strings left out."""
     assert leg_suffix({"os": "linux", "py": 3.1, "ok": True, "cfg": {"a": 1}}) == (
-        '(linux, 3.1, true, {"a":1})'
+        " (linux, 3.1, true, 1)"
     )
+    assert leg_suffix({"a": None, "b": "", "c": [["x", {"k": False}], 0]}) == " (x, false, 0)"
+    assert leg_suffix({"a": None, "b": ""}) == ""

@@ -79,7 +79,7 @@ def test_matrix_legs_cohort_and_evaluated_fields(repo: Path) -> None:
     leg0, leg1 = p.job("test#0"), p.job("test#1")
     assert leg0.base_id == leg1.base_id == "test"
     assert leg0.name == "test (linux, 5)"
-    assert leg1.name == "test (mac, 5, true)"
+    assert leg1.name == "test (mac, 5)"  # as GitHub names it: not what `include` adds
     assert leg0.needs == ("setup",)
     assert leg0.runs_on == ("linux",) and leg1.runs_on == ("mac",)
     assert leg0.timeout_minutes == 5.0
@@ -476,7 +476,7 @@ def test_cli_prints_stages_for_every_triggered_workflow(repo: Path) -> None:
         "    setup  [runs-on: ubuntu-latest]",
         "  stage 2:",
         "    test (linux, 5)  [runs-on: linux]",
-        "    test (mac, 5, true)  [runs-on: mac]",
+        "    test (mac, 5)  [runs-on: mac]",
         ".github/workflows/release.yml: not triggered: not triggered by 'push' (its events: "
         "release)",
         "(ref unknown; changed paths unknown: not a git repository)",

@@ -212,6 +212,18 @@ def test_pull_request_filters_and_types(tmp_path: Path) -> None:
     assert not trig.triggered and "activity 'labeled'" in trig.reason
 
 
+def test_filters_of_an_event_that_takes_none_are_ignored(tmp_path: Path) -> None:
+    """helm/helm .github/workflows/release.yml: `create: {tags: [v*]}`. GitHub
+    takes the file and runs it on every `create`, a branch's too: `create`
+    has no filters (nor `types`) to apply."""
+    release = wf(tmp_path, "on:\n  create:\n    tags: ['v*']\n    types: [x]\n  push:")
+    assert release.on["create"] is None  # type: ignore[attr-defined]
+    assert decide(release, "create", "refs/tags/v3.17.0")
+    assert decide(release, "create", "refs/heads/feature")
+    labeled = EventFacts("create", "refs/heads/feature", (), action="y")
+    assert evaluate_trigger(release, labeled) == Trigger(True, "on: create")  # type: ignore[arg-type]
+
+
 def test_event_names_suggest_the_nearest() -> None:
     check_event_name("push", EVENTS)
     with pytest.raises(UsageError, match="did you mean 'pull_request'"):

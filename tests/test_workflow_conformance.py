@@ -227,6 +227,103 @@ CASES: list[tuple[str, str, tuple[int, int] | None, bool]] = [
         None,
         False,
     ),
+    # -- no false rejects: production workflows GitHub runs -------------------
+    (
+        # github/codeql-action .github/workflows/__rust.yml (and 55 more of its
+        # workflows): a step moves the checkout to `../action` and the next ones
+        # run `./../action/init`. GitHub's parser checks only the form of a local
+        # `uses` (its runner joins the path to the workspace), as the TS one does.
+        "step-uses-a-local-action-beside-the-workspace",
+        wf("""
+            on: push
+            jobs:
+              a:
+                runs-on: x
+                steps:
+                  - uses: actions/checkout@v6
+                  - uses: ./.github/actions/prepare-test
+                  - uses: ./../action/init
+                    with:
+                      languages: rust
+                  - uses: ./../action/analyze
+            """),
+        None,
+        True,
+    ),
+    (
+        # nodejs/undici .github/workflows/ci.yml: `max-parallel: 0` on matrix
+        # jobs, plain and calling a reusable workflow. GitHub's parser reads any
+        # number (a cap only when positive), as the TS one does.
+        "max-parallel-zero-is-no-cap",
+        wf("""
+            on: push
+            jobs:
+              test:
+                strategy:
+                  fail-fast: false
+                  max-parallel: 0
+                  matrix:
+                    node-version: ['22', '24']
+                    runs-on: [ubuntu-latest, windows-latest]
+                uses: ./.github/workflows/callee.yml
+                with:
+                  s: ${{ matrix.node-version }}
+              test-without-intl:
+                strategy:
+                  max-parallel: 0
+                  matrix:
+                    node-version: ['22', '24']
+                runs-on: ubuntu-latest
+                steps: [{run: echo}]
+            """),
+        None,
+        True,
+    ),
+    (
+        # helm/helm .github/workflows/release.yml (its releases since 2022):
+        # `create: {tags: [v*]}`. GitHub's service reads `on` with the loose
+        # schema (actions/runner src/Sdk/WorkflowParser: `workflow-root`) and
+        # runs it on every `create`; only the strict schema of the TS (editor)
+        # parser refuses the mapping (test_workflow_differential.py checks that).
+        "filters-of-an-event-that-takes-none-are-ignored",
+        wf("""
+            on:
+              create:
+                tags:
+                  - v*
+              delete:
+                branches: [main]
+              push:
+                branches:
+                  - main
+            jobs:
+              a:
+            """)
+        + JOB,
+        None,
+        False,
+    ),
+    (
+        # microsoft/playwright .github/workflows/tests_bidi.yml excludes a leg
+        # that only some events have; GitHub's parser checks an exclude's keys,
+        # not that it matches a combination (nor does the TS one).
+        "exclude-that-matches-no-combination",
+        wf("""
+            on: push
+            jobs:
+              a:
+                strategy:
+                  matrix:
+                    channel: [bidi-chromium, moz-firefox-nightly]
+                    isPullRequest: [false]
+                    exclude:
+                      - isPullRequest: true
+                        channel: bidi-chromium
+            """)
+        + JOB,
+        None,
+        True,
+    ),
     # -- no false accepts ------------------------------------------------------
     (
         "unknown-activity-type",
@@ -483,19 +580,6 @@ CASES: list[tuple[str, str, tuple[int, int] | None, bool]] = [
                   - uses: badrepo@v1
             """),
         (8, 15),
-        False,
-    ),
-    (
-        "step-uses-leaves-the-repository",
-        wf("""
-            on: push
-            jobs:
-              a:
-                runs-on: x
-                steps:
-                  - uses: ./../outside
-            """),
-        (6, 15),
         False,
     ),
     (
@@ -766,6 +850,14 @@ def test_uses_syntax_functions(tmp_path: Path) -> None:
     assert local_path_error("./in/../in", tmp_path) is None
     assert local_path_error("./../x", tmp_path) is not None
     assert local_path_error("./in/escape", tmp_path) is not None
+    # Bounded by another directory (a job's, around its workspace).
+    assert local_path_error("./../x", tmp_path / "in", tmp_path, "the job") is None
+    assert local_path_error("./../../x", tmp_path / "in", tmp_path, "the job") == (
+        "'./../../x' points outside the job"
+    )
+    assert local_path_error("./escape", tmp_path / "in", tmp_path, "the job") == (
+        "'./escape' points outside the job (through a symlink)"
+    )
 
 
 def test_at_most_50_unique_reusable_workflows(repo: Path) -> None:
@@ -886,8 +978,171 @@ def test_max_parallel_expression_error_names_infinity_at_the_value(repo: Path) -
     with pytest.raises(PlanError) as info:
         plan(load_workflow(path), "push")
     assert str(info.value) == (
-        ".github/workflows/w.yml:7:21: job 'a': `max-parallel` is Infinity, not a positive integer"
+        ".github/workflows/w.yml:7:21: job 'a': `max-parallel` is Infinity, not a finite number"
     )
+
+
+def test_max_parallel_caps_only_when_positive(repo: Path) -> None:
+    """GitHub's parser casts `max-parallel` to an integer and caps the legs
+    only when it is positive; `strategy.max-parallel` is then the leg count
+    (nodejs/undici .github/workflows/ci.yml writes `max-parallel: 0`)."""
+    from preloop.workflow import plan
+
+    path = repo / ".github" / "workflows" / "w.yml"
+    for written, cap in [("0", None), ("-2", None), ("1.5", 1), ("${{ 0.5 }}", None), ("2", 2)]:
+        path.write_text(
+            "on: push\njobs:\n  a:\n    runs-on: x\n    strategy:\n"
+            f"      matrix: {{os: [a, b, c]}}\n      max-parallel: {written}\n"
+            "    steps: [{run: echo}]\n"
+        )
+        p = plan(load_workflow(path), "push")
+        assert [c.max_parallel for c in p.cohorts] == [cap], written
+        assert {j.strategy["max-parallel"] for j in p.jobs} == {cap or 3}, written
+
+
+def test_callee_permissions_are_refused_as_github_says_it(repo: Path) -> None:
+    """astral-sh/uv .github/workflows/release.yml: `permissions: {}` at the
+    top, a caller job without its own, and a callee whose workflow-level
+    `permissions` asks `contents: read`. GitHub refuses it once for the
+    callee's workflow-level permissions (its jobs take those) and once per
+    job asking more on its own, by job id."""
+    (repo / ".github" / "workflows" / "binaries.yml").write_text(
+        wf("""
+            on: workflow_call
+            permissions:
+              contents: read
+            jobs:
+              sdist:
+                name: sdist
+                runs-on: x
+                steps: [{run: echo}]
+              macos-x86_64:
+                name: x86_64-apple-darwin
+                permissions:
+                  contents: read
+                  id-token: write
+                runs-on: x
+                steps: [{run: echo}]
+            """)
+    )
+    text = wf("""
+        on: workflow_dispatch
+        permissions: {}
+        jobs:
+          build-release-binaries:
+            uses: $/.github/workflows/binaries.yml
+        """)
+    path = repo / ".github" / "workflows" / "w.yml"
+    path.write_text(text)
+    with pytest.raises(WorkflowError) as info:
+        load_workflow(path)
+    call = ".github/workflows/w.yml:4:3: error calling workflow '$/.github/workflows/binaries.yml'"
+    assert str(info.value).splitlines() == [
+        f"{call}: the workflow is requesting 'contents: read', but is only allowed "
+        "'contents: none'",
+        f"{call}: the nested job 'macos-x86_64' is requesting 'contents: read, id-token: "
+        "write', but is only allowed 'contents: none, id-token: none'",
+    ]
+
+
+def test_exclude_matching_no_leg_of_this_event_plans(repo: Path) -> None:
+    """microsoft/playwright .github/workflows/tests_bidi.yml: the exclude
+    matches a leg only on pull requests; its daily schedule runs both legs."""
+    from preloop.workflow import plan
+
+    path = repo / ".github" / "workflows" / "w.yml"
+    path.write_text(
+        wf("""
+            on: [pull_request, schedule, workflow_dispatch]
+            jobs:
+              test_bidi:
+                name: BiDi
+                runs-on: ubuntu-24.04
+                strategy:
+                  fail-fast: false
+                  matrix:
+                    channel: [bidi-chromium, moz-firefox-nightly]
+                    isPullRequest:
+                    - ${{ github.event_name == 'pull_request' }}
+                    exclude:
+                    - isPullRequest: true
+                      channel: bidi-chromium
+                steps: [{run: echo}]
+            """)
+    )
+    wf_ = load_workflow(path)
+    for event, channels in [
+        ("schedule", ["bidi-chromium", "moz-firefox-nightly"]),
+        ("pull_request", ["moz-firefox-nightly"]),
+    ]:
+        legs = plan(wf_, event, github={"event_name": event}).jobs
+        assert [j.matrix["channel"] for j in legs if j.matrix] == channels, event
+
+
+def test_matrix_leg_names_as_github_builds_them(repo: Path) -> None:
+    """Default leg names as GitHub's JobNameBuilder makes them: the vector
+    values' scalars depth first (astral-sh/ruff .github/workflows/
+    build-binaries.yml: a matrix of objects), not what an `include` adds to a
+    combination (pytest-dev/pytest .github/workflows/test.yml: `build
+    (ubuntu-py312)`), all of an `include` entry that fits no combination,
+    empty strings and nulls left out, and a name longer than 100 characters
+    cut to 97 and `...` (docker/build-push-action .github/workflows/e2e.yml:
+    `registry: ''`, and long registry names)."""
+    from preloop.workflow import plan
+
+    path = repo / ".github" / "workflows" / "w.yml"
+    path.write_text(
+        wf("""
+            on: push
+            jobs:
+              windows:
+                runs-on: windows-latest
+                strategy:
+                  matrix:
+                    platform:
+                      - target: x86_64-pc-windows-msvc
+                        arch: x64
+                      - target: aarch64-pc-windows-msvc
+                        arch: x64
+                        extra: [~, [true, 3]]
+                steps: [{run: echo}]
+              test:
+                runs-on: ${{ matrix.os }}
+                strategy:
+                  matrix:
+                    name: [ubuntu-py312, doctesting]
+                    include:
+                      - name: ubuntu-py312
+                        python: "3.12"
+                        os: ubuntu-latest
+                        use_coverage: true
+                      - name: doctesting
+                        python: "3.10"
+                        os: ubuntu-latest
+                steps: [{run: echo}]
+              build:
+                runs-on: ubuntu-latest
+                strategy:
+                  matrix:
+                    include:
+                      - name: Docker Hub
+                        registry: ''
+                        slug: dockereng/build-push-action-test
+                      - name: AWS ECR
+                        registry: 175142243308.dkr.ecr.us-east-2.amazonaws.com
+                        slug: 175142243308.dkr.ecr.us-east-2.amazonaws.com/sandbox/test
+                steps: [{run: echo}]
+            """)
+    )
+    assert [j.name for j in plan(load_workflow(path), "push").jobs] == [
+        "windows (x86_64-pc-windows-msvc, x64)",
+        "windows (aarch64-pc-windows-msvc, x64, true, 3)",
+        "test (ubuntu-py312)",
+        "test (doctesting)",
+        "build (Docker Hub, dockereng/build-push-action-test)",
+        "build (AWS ECR, 175142243308.dkr.ecr.us-east-2.amazonaws.com, "
+        "175142243308.dkr.ecr.us-east-2.amaz...",
+    ]
 
 
 # GitHub's reader test data round-to-infinity.yml: numbers beyond a double

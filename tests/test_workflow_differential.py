@@ -5,9 +5,9 @@ unknown keys, wrong types, bad steps, caller keys, needs errors, cycles,
 expression errors, YAML errors) and hand-written ones are parsed by both.
 Wherever GitHub's parser reports an error we must report one too, and our
 first error (in file order) must be at the line:col of its first. We are
-stricter in places (empty matrix vectors, max-parallel, excludes that match
-nothing, undeclared reusable-workflow inputs): those are errors GitHub
-reports only when the run starts, and the issue asks for them up front.
+stricter in places (empty matrix vectors, exclude keys that are not vectors',
+undeclared reusable-workflow inputs): the service's parser (actions/runner
+src/Sdk/WorkflowParser) reports those, the npm one does not.
 node runs once for the whole batch (tests/js/workflow_oracle.mjs).
 
 Documented exceptions (the generator avoids them):
@@ -16,6 +16,11 @@ Documented exceptions (the generator avoids them):
   package sometimes where the offending construct began). Tabs and unclosed
   flow collections are compared; other syntax errors are only checked to be
   errors on both sides.
+- Filters under an event that takes none (`create: {tags: [v*]}`): the npm
+  parser reads `on` with the strict schema of GitHub's editors, the service
+  with the loose one and runs such a workflow on every event of the kind
+  (helm/helm's release.yml does this); we accept it as the service does
+  (test_filters_under_an_event_that_takes_none_are_only_refused_by_the_editor).
 """
 
 from __future__ import annotations
@@ -491,3 +496,19 @@ def test_expressions_in_event_filters_match_github_parser(repo: Path) -> None:
         their = sorted((e["line"], e["column"]) for e in errs)
         mine = sorted((line, col) for line, col, _ in ours(repo, text))
         assert mine == their, text
+
+
+def test_filters_under_an_event_that_takes_none_are_only_refused_by_the_editor(
+    repo: Path,
+) -> None:
+    """helm/helm .github/workflows/release.yml, distilled: the npm parser (the
+    strict schema GitHub's editors use) refuses `create`'s mapping; GitHub's
+    service runs the workflow, and so do we. Should the npm parser come to
+    accept it, this exception can go."""
+    text = "on:\n  create:\n    tags:\n      - v*\njobs:\n  a:\n    runs-on: x\n"
+    text += "    steps: [{run: echo}]\n"
+    (errs,) = theirs([text])
+    assert [(e["line"], e["column"], e["message"]) for e in errs] == [
+        (3, 5, "A mapping was not expected")
+    ]
+    assert ours(repo, text) == []

@@ -231,7 +231,7 @@ def test_insert_in_strategy_plans(tmp_path: Path) -> None:
     for given, message in [
         ('"x"', "needs a mapping"),
         ('{"matrix":{"a":[1]},"bogus":1}', "unknown key 'bogus' in `strategy`"),
-        ('{"max-parallel":0}', "`max-parallel` is 0"),
+        ('{"max-parallel":"x"}', '`max-parallel` is "x", not a finite number'),
     ]:
         with pytest.raises(PlanError) as info:
             plan(loaded, "workflow_dispatch", inputs={"strategy": given})

@@ -191,11 +191,15 @@ class ActionSteps:
         earlier failure is repeated, not retried); local ones are read each time."""
         target = parse_uses(uses)
         if isinstance(target, LocalRef):
-            # The loader checked the path, but an earlier step may have made
-            # it a symlink out of the workspace since.
-            outside = local_path_error(uses, self.run.host.workspace)
+            # GitHub's runner joins the path to the workspace and goes wherever
+            # it leads (`./../action/init`: github/codeql-action checks itself out
+            # beside the workspace). Here it may lead anywhere in the job's
+            # directory, which holds the workspace and is all a sandboxed step may
+            # write, but not out of it (`..` or a symlink an earlier step made).
+            workspace = self.run.host.workspace
+            outside = local_path_error(uses, workspace, workspace.parent, "the job's directory")
             if outside is not None:
-                raise ActionStepError(f"{outside}: a local action must stay in the workspace")
+                raise ActionStepError(outside)
             directory = (self.run.host.workspace / target.path).resolve()
             return _Resolved(uses, "local", load_action(directory, uses))
         if isinstance(target, DockerRef):

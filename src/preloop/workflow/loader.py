@@ -9,6 +9,7 @@ Every problem is collected (nothing stops at the first) and reported as
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -22,7 +23,7 @@ from preloop.workflow import expressions as ex
 from preloop.workflow.availability import EVENTS as SCHEMA_EVENTS
 from preloop.workflow.availability import allowed_at, child, expression_keys_allowed
 from preloop.workflow.cron import is_valid_cron
-from preloop.workflow.matrix import MatrixError, expand_matrix
+from preloop.workflow.matrix import MatrixError, expand_matrix, max_parallel_limit
 from preloop.workflow.model import (
     Concurrency,
     Job,
@@ -600,6 +601,13 @@ class _Reader:
                     self.schedule(value)
                 events[event] = plain(value)
                 continue
+            if isinstance(value, YMap) and "mapping" not in SCHEMA_EVENTS[event][2]:
+                # GitHub runs `create: {tags: [v*]}` (helm/helm's release.yml) on
+                # every `create`: its service reads `on` with the loose schema
+                # (`workflow-root`, any value under an event), and only its editor
+                # parser (the strict one in @actions/workflow-parser) refuses the
+                # filters of an event that takes none. Accepted, and ignored.
+                value = None
             if value is not None and not isinstance(value, YMap | YSeq):
                 self.err(value, f"the filters of event '{event}' must be a mapping")
                 continue
@@ -612,10 +620,7 @@ class _Reader:
 
     def event_filters(self, event: str, value: YMap) -> None:
         """An event's filters and activity types, as GitHub's schema lists them."""
-        filters, types, forms = SCHEMA_EVENTS[event]
-        if "mapping" not in forms:
-            self.err(value, f"event '{event}' takes no filters")
-            return
+        filters, types, _ = SCHEMA_EVENTS[event]
         if event != "workflow_dispatch":  # GitHub ignores unknown keys there
             self.keys(value, frozenset(filters), f"event '{event}'")
         for k, v in value.items:
@@ -1127,16 +1132,11 @@ class _Reader:
             if isinstance(mp, YScalar) and isinstance(mp.value, str) and "${{" in mp.value:
                 self.check_template(mp, mp.value)
                 max_parallel = mp.value
-            elif (
-                isinstance(mp, YScalar)
-                and _is_number(mp.value)
-                and float(mp.value).is_integer()
-                and mp.value > 0
-            ):
-                max_parallel = int(mp.value)
+            elif isinstance(mp, YScalar) and _is_number(mp.value) and math.isfinite(mp.value):
+                max_parallel = max_parallel_limit(mp.value)
             else:
                 shown = mp.value if isinstance(mp, YScalar) else _kind(mp)
-                self.err(mp, f"`max-parallel` must be a positive integer, not {shown!r}")
+                self.err(mp, f"`max-parallel` must be a finite number, not {shown!r}")
         matrix = self.matrix(m.get("matrix"), job_id)
         return Strategy(
             matrix=matrix,
@@ -1267,11 +1267,10 @@ class _Reader:
         uses_node = m.get("uses")
         if isinstance(uses_node, YScalar) and isinstance(uses_node.value, str):
             problem = step_uses_error(uses_node.value)
-            if problem is None and is_local(uses_node.value):
-                problem = local_path_error(uses_node.value, self.state.repo)
             if problem is not None:
                 # Only the form: a local action's action.yml is read when its step runs,
-                # as GitHub does (an earlier step may generate it).
+                # as GitHub does (an earlier step may generate it, or put it beside the
+                # workspace: `./../action/init`), and only then is its path bounded.
                 self.err2(uses_node, f"invalid `uses`: {problem}")
         step_id = self.step_value(m, "id", "step `id`")
         if step_id is not None and not _JOB_ID.fullmatch(step_id):

@@ -13,7 +13,6 @@ workflow").
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,18 @@ from typing import Any
 from preloop.errors import PreloopError
 from preloop.workflow.model import Matrix, frozen_map, thaw
 
-__all__ = ["MAX_MATRIX_LEGS", "MatrixError", "expand_matrix", "leg_suffix", "matrix_from_data"]
+__all__ = [
+    "MAX_JOB_NAME",
+    "MAX_MATRIX_LEGS",
+    "Leg",
+    "MatrixError",
+    "default_job_name",
+    "expand_legs",
+    "expand_matrix",
+    "leg_suffix",
+    "matrix_from_data",
+    "max_parallel_limit",
+]
 
 MAX_MATRIX_LEGS = 256
 # Refuse to materialise an absurd product before exclude can shrink it.
@@ -79,16 +89,29 @@ def _kind(v: Any) -> str:
     return "a list"
 
 
-@dataclass(slots=True)
-class _Combo:
+@dataclass(frozen=True, slots=True)
+class Leg:
+    """One leg: `values` (its `matrix` context) and `named`, the values GitHub
+    names it by: a combination's vector values only (what an `include` adds is
+    not in the name: pytest-dev/pytest's test.yml legs are `build
+    (ubuntu-py312)`); for an `include` entry that fits no combination, all of
+    the entry's values."""
+
     values: dict[str, Any]
+    named: dict[str, Any]
 
 
 def expand_matrix(matrix: Matrix, *, allow_empty: bool = False) -> list[dict[str, Any]]:
-    """The matrix's combinations, in GitHub's order.
+    """The matrix's combinations, in GitHub's order (see `expand_legs`)."""
+    return [leg.values for leg in expand_legs(matrix, allow_empty=allow_empty)]
 
-    Raises MatrixError for a vector without values, an `exclude` entry that
-    matches nothing, more than 256 legs, or (unless `allow_empty`) no legs.
+
+def expand_legs(matrix: Matrix, *, allow_empty: bool = False) -> list[Leg]:
+    """The matrix's legs, in GitHub's order.
+
+    Raises MatrixError for a vector without values, an empty `exclude` entry
+    or one with a key that is not a vector's, more than 256 legs, or (unless
+    `allow_empty`) no legs.
     """
     if not matrix.vectors and not matrix.include:
         if allow_empty:
@@ -108,18 +131,29 @@ def expand_matrix(matrix: Matrix, *, allow_empty: bool = False) -> list[dict[str
     for key, values in matrix.vectors:
         combos = [{**c, key: thaw(v)} for c in combos for v in values]
 
+    # GitHub's checks of an `exclude` entry (its MatrixBuilder): not empty, and
+    # only the vectors' keys. One that matches no combination is fine: the
+    # values may come from expressions (microsoft/playwright's tests_bidi.yml
+    # excludes `isPullRequest: true`, a vector of `github.event_name ==
+    # 'pull_request'`, and runs on schedule too).
+    vector_keys = [k for k, _ in matrix.vectors]
     for i, entry in enumerate(matrix.exclude):
-        plain = thaw(entry)
-        if not any(_matches(c, plain) for c in combos):
+        if not entry:
+            raise MatrixError("a matrix `exclude` entry must not be empty", ("exclude", i))
+        unknown = [k for k in entry if k not in vector_keys]
+        if unknown:
             raise MatrixError(
-                f"matrix `exclude` entry {_show(plain)} matches no combination", ("exclude", i)
+                f"matrix `exclude` key '{unknown[0]}' is not one of the matrix's vectors "
+                f"({', '.join(vector_keys) or 'none'})",
+                ("exclude", i),
             )
     if matrix.exclude:
         excludes = [thaw(e) for e in matrix.exclude]
         combos = [c for c in combos if not any(_matches(c, e) for e in excludes)]
 
+    legs = [Leg(c, dict(c)) for c in combos]
     base = {k for k, _ in matrix.vectors}
-    extra: list[dict[str, Any]] = []
+    extra: list[Leg] = []
     for entry in matrix.include:
         plain = thaw(entry)
         original = {k: v for k, v in plain.items() if k in base}
@@ -130,39 +164,63 @@ def expand_matrix(matrix: Matrix, *, allow_empty: bool = False) -> list[dict[str
                 c.update(added)
                 merged = True
         if not merged:
-            extra.append(dict(plain))
-    combos.extend(extra)
-    if len(combos) > MAX_MATRIX_LEGS:
+            extra.append(Leg(dict(plain), dict(plain)))
+    legs.extend(extra)
+    if len(legs) > MAX_MATRIX_LEGS:
         raise MatrixError(
-            f"the matrix expands to {len(combos)} legs; at most {MAX_MATRIX_LEGS} are allowed"
+            f"the matrix expands to {len(legs)} legs; at most {MAX_MATRIX_LEGS} are allowed"
         )
-    if not combos and not allow_empty:
+    if not legs and not allow_empty:
         raise MatrixError("the matrix has no combinations left after `exclude`")
-    return combos
+    return legs
+
+
+def max_parallel_limit(n: float) -> int | None:
+    """The cap a finite `max-parallel` number sets, None for no cap. GitHub's
+    parser casts the number to a 32-bit integer (truncating: 1.5 caps at 1)
+    and caps only when that is positive: 0 or less runs every leg at once
+    (nodejs/undici's ci.yml says `max-parallel: 0`); so does a number past
+    the 32-bit range (saturated or wrapped, never a smaller cap)."""
+    capped = int(n)
+    return capped if 0 < capped < 2**31 else None
 
 
 def _matches(combo: Mapping[str, Any], entry: Mapping[str, Any]) -> bool:
     return all(k in combo and combo[k] == v for k, v in entry.items())
 
 
-def _show(v: Any) -> str:
-    return json.dumps(v, separators=(", ", ": "), sort_keys=False, default=str)
+#: GitHub shortens a job's default display name to this many characters.
+MAX_JOB_NAME = 100
 
 
 def leg_suffix(values: Mapping[str, Any]) -> str:
-    """The `(v1, v2)` part of a leg's display name: values in matrix order."""
-    parts = []
-    for v in values.values():
-        if isinstance(v, str):
-            parts.append(v)
-        elif v is None:
-            parts.append("")
-        elif isinstance(v, bool):
-            parts.append("true" if v else "false")
-        elif isinstance(v, int | float):
-            from preloop.workflow.expressions import coerce_string
+    """The ` (v1, v2)` part of a leg's display name, as GitHub's JobNameBuilder
+    makes it: every string, number and boolean in the leg's values, depth
+    first (an object's or a list's too: astral-sh/ruff's `platform: {target:
+    ..., arch: ...}` legs are `windows (x86_64-pc-windows-msvc, x64)`), empty
+    strings and nulls left out; '' when nothing is left."""
+    from preloop.workflow.expressions import coerce_string
 
+    parts: list[str] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, Mapping):
+            for item in v.values():
+                walk(item)
+        elif isinstance(v, list | tuple):
+            for item in v:
+                walk(item)
+        elif isinstance(v, str | int | float) and v != "":
             parts.append(coerce_string(v))
-        else:
-            parts.append(json.dumps(thaw(v), separators=(",", ":")))
-    return "(" + ", ".join(parts) + ")"
+
+    for v in values.values():
+        walk(v)
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def default_job_name(name: str) -> str:
+    """A job's default display name (its `name`, else its id, and a leg's
+    values), shortened as GitHub does past MAX_JOB_NAME characters."""
+    if len(name) <= MAX_JOB_NAME:
+        return name
+    return name[: MAX_JOB_NAME - 3] + "..."

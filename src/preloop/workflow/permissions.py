@@ -2,9 +2,11 @@
 
 GitHub refuses a run whose reusable workflow (its workflow-level
 `permissions`, or a job's own) requests a scope at a higher level than the
-calling job has (the caller job's `permissions`, else its workflow's). When
-the caller sets none, its token gets the repository's default policy, which a
-local checkout cannot know: nothing is checked then.
+calling job has (the caller job's `permissions`, else its workflow's: with
+`permissions: {}` at the top of astral-sh/uv's release.yml, its callee's
+`contents: read` is refused). When the caller sets none, its token gets the
+repository's default policy, which a local checkout cannot know: nothing is
+checked then.
 """
 
 from __future__ import annotations
@@ -42,26 +44,31 @@ def _describe(levels: Mapping[str, str], scopes: list[str]) -> str:
 
 
 def permission_problems(callee: Workflow, granted: Any) -> list[str]:
-    """What the jobs of `callee` (and the workflows they call) ask beyond `granted`."""
+    """What `callee` (and the workflows it calls) asks beyond `granted`, said
+    as GitHub's parser says it: the callee's workflow-level `permissions`
+    once (its jobs without their own take those), then each job that sets
+    its own, by job id."""
     allowed = permission_levels(granted)
     if allowed is None:
         return []
     problems: list[str] = []
-    wf_level = callee.permissions
-    for job in callee.jobs:
-        requested = job.permissions if job.permissions is not None else wf_level
+
+    def check(requested: Any, who: str) -> None:
         wanted = permission_levels(requested)
-        if wanted is not None:
-            over = [
-                s for s in wanted if _RANK.get(wanted[s], 0) > _RANK.get(allowed.get(s, "none"), 0)
-            ]
-            if over:
-                problems.append(
-                    f"the nested job '{job.name or job.id}' is requesting "
-                    f"'{_describe(wanted, over)}', but is only allowed '{_describe(allowed, over)}'"
-                )
-                continue
+        if wanted is None:
+            return
+        over = [s for s in wanted if _RANK.get(wanted[s], 0) > _RANK.get(allowed.get(s, "none"), 0)]
+        if over:
+            problems.append(
+                f"{who} is requesting '{_describe(wanted, over)}', "
+                f"but is only allowed '{_describe(allowed, over)}'"
+            )
+
+    check(callee.permissions, "the workflow")
+    for job in callee.jobs:
+        if job.permissions is not None:
+            check(job.permissions, f"the nested job '{job.id}'")
         if job.callee is not None:
-            inner = requested if requested is not None else granted
-            problems.extend(permission_problems(job.callee, inner))
+            inner = job.permissions if job.permissions is not None else callee.permissions
+            problems.extend(permission_problems(job.callee, granted if inner is None else inner))
     return problems

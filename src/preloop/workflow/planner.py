@@ -27,7 +27,15 @@ from typing import Any
 
 from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
-from preloop.workflow.matrix import MAX_MATRIX_LEGS, MatrixError, expand_matrix, leg_suffix
+from preloop.workflow.matrix import (
+    MAX_MATRIX_LEGS,
+    Leg,
+    MatrixError,
+    default_job_name,
+    expand_legs,
+    leg_suffix,
+    max_parallel_limit,
+)
 from preloop.workflow.matrix import matrix_from_data as _matrix_from_data
 from preloop.workflow.model import (
     Concurrency,
@@ -224,10 +232,10 @@ class _Planner:
             strategy, matrix_value = self.resolve_strategy(job, scope, strategy)
             job = replace(job, strategy=strategy)
         matrix = strategy.matrix if strategy else None
-        combos: list[dict[str, Any]] | None = None
+        combos: list[Leg] | None = None
         if matrix_value is not None:
             try:
-                combos = expand_matrix(_matrix_from_data(matrix_value), allow_empty=self.expanding)
+                combos = expand_legs(_matrix_from_data(matrix_value), allow_empty=self.expanding)
             except MatrixError as exc:
                 raise self.fail(job, scope, str(exc)) from exc
         elif matrix is not None and matrix.template is not None:
@@ -235,16 +243,16 @@ class _Planner:
                 return [self.plan_deferred(job, scope, matrix.template)]
             try:
                 value = _eval_data(matrix.template, scope.contexts)
-                combos = expand_matrix(_matrix_from_data(value))
+                combos = expand_legs(_matrix_from_data(value))
             except (ex.ExpressionError, MatrixError) as exc:
                 raise self.fail(job, scope, f"invalid matrix: {exc}") from exc
         elif matrix is not None:
             try:
-                combos = expand_matrix(matrix)
+                combos = expand_legs(matrix)
             except MatrixError as exc:
                 raise self.fail(job, scope, str(exc)) from exc
         if combos is None:
-            return [self.plan_leg(job, scope, base, base, None, None)]
+            return [self.plan_leg(job, scope, base, base, None, None, None)]
         assert strategy is not None
         total = len(combos)
         leg_ctx = {**scope.contexts, "matrix": {}, "strategy": {}}
@@ -254,14 +262,14 @@ class _Planner:
             Cohort(id=base, max_parallel=max_parallel, fail_fast=fail_fast, total=total)
         )
         ids = []
-        for i, combo in enumerate(combos):
+        for i, leg in enumerate(combos):
             strat = {
                 "fail-fast": fail_fast,
                 "job-index": i,
                 "job-total": total,
                 "max-parallel": max_parallel if max_parallel is not None else total,
             }
-            ids.append(self.plan_leg(job, scope, base, f"{base}#{i}", combo, strat))
+            ids.append(self.plan_leg(job, scope, base, f"{base}#{i}", leg.values, strat, leg.named))
         return ids
 
     def resolve_strategy(self, job: Job, scope: _Scope, strategy: Strategy) -> tuple[Strategy, Any]:
@@ -300,14 +308,14 @@ class _Planner:
 
     def max_parallel_value(
         self, job: Job, scope: _Scope, value: Any, at: tuple[int, int] = (0, 0)
-    ) -> int:
-        """An evaluated `max-parallel` as a positive integer, else PlanError."""
+    ) -> int | None:
+        """An evaluated `max-parallel` as its cap (None: none), else PlanError."""
         n = ex.to_number(value)
-        if not (math.isfinite(n) and n.is_integer() and n > 0):
+        if not math.isfinite(n):
             # As GitHub prints values: `Infinity`, a string quoted.
             shown = ex.to_json(value) if isinstance(value, str) else ex.coerce_string(value)
-            raise self.fail(job, scope, f"`max-parallel` is {shown}, not a positive integer", at)
-        return int(n)
+            raise self.fail(job, scope, f"`max-parallel` is {shown}, not a finite number", at)
+        return max_parallel_limit(n)
 
     def eval_bool(self, v: bool | str, ctx: Mapping[str, Any], scope: _Scope, dflt: bool) -> bool:
         if isinstance(v, bool):
@@ -325,6 +333,7 @@ class _Planner:
         job_id: str,
         combo: dict[str, Any] | None,
         strat: dict[str, Any] | None,
+        named: dict[str, Any] | None,
     ) -> str:
         ctx = dict(scope.contexts)
         available = scope.available
@@ -341,7 +350,7 @@ class _Planner:
             return _evaluable(v, available)
 
         try:
-            name = self.display_name(job, scope, ctx, combo, known)
+            name = self.display_name(job, scope, ctx, named, known)
             conc = self.concurrency(job.concurrency, ctx, known)
         except ex.ExpressionError as exc:
             raise self.fail(job, scope, str(exc)) from exc
@@ -410,7 +419,7 @@ class _Planner:
         job: Job,
         scope: _Scope,
         ctx: Mapping[str, Any],
-        combo: dict[str, Any] | None,
+        named: dict[str, Any] | None,
         known: Any,
     ) -> str:
         own = job.name
@@ -418,8 +427,8 @@ class _Planner:
             # A name that uses expressions is the whole display name (GitHub
             # appends the matrix values only to a plain name).
             own = ex.interpolate(own, ctx) if known(own) else own
-        elif combo is not None and combo:
-            own = f"{own or job.id} {leg_suffix(combo)}"
+        else:
+            own = default_job_name((own or job.id) + (leg_suffix(named) if named else ""))
         own = own or job.id
         if scope.caller is not None:
             caller_name = scope.contexts.get("_caller_name", scope.caller)

@@ -6,8 +6,14 @@ and reusable-workflow jobs) and whatever resolves actions:
   (`docker://image`, `./path`, `$/path`, `owner/repo[/path]@ref`);
 - `workflow_uses_error(uses)`: a job's `uses:` (`./.github/workflows/x.yml`,
   `$/...`, `owner/repo/.github/workflows/x.yml@ref`);
-- `local_path_error(uses, repo)`: a local reference must stay inside the
-  repository (no `..` out of it, no symlink out of it).
+- `local_path_error(uses, repo, within=None, where=...)`: a local reference,
+  read from `repo`, must stay inside `within` (default: `repo`; no `..` out
+  of it, no symlink out of it).
+
+GitHub's parser does not check where a step's local action points: its runner
+joins the path to GITHUB_WORKSPACE, so `./../action/init` (github/codeql-action
+checks itself out beside the workspace) is a valid step. Only what resolves
+the action at step time bounds it (see preloop.actions.steps).
 """
 
 from __future__ import annotations
@@ -62,17 +68,22 @@ def workflow_uses_error(uses: str) -> str | None:
     return None
 
 
-def local_path_error(uses: str, repo: Path) -> str | None:
-    """Why local reference `uses` leaves repository `repo` (None when it stays)."""
+def local_path_error(
+    uses: str, repo: Path, within: Path | None = None, where: str = "the repository"
+) -> str | None:
+    """Why local reference `uses`, a path from `repo`, leaves `within` (default:
+    `repo`), which the message calls `where`; None when it stays."""
     rel = _local_part(uses)
-    norm = posixpath.normpath(rel) if rel else "."
-    if posixpath.isabs(rel) or norm == ".." or norm.startswith("../"):
-        return f"'{uses}' points outside the repository"
+    bound = repo if within is None else within
+    # Lexically first (`..` past the bound), then through symlinks.
+    lexical = posixpath.normpath(posixpath.join(os.path.relpath(repo, bound), rel or "."))
+    if posixpath.isabs(rel) or lexical == ".." or lexical.startswith("../"):
+        return f"'{uses}' points outside {where}"
     try:
-        target = (repo / norm).resolve()
-        root = repo.resolve()
+        target = (repo / posixpath.normpath(rel or ".")).resolve()
+        root = bound.resolve()
     except (OSError, RuntimeError):  # a symlink loop
         return f"'{uses}' cannot be resolved (a symlink loop?)"
     if target != root and not str(target).startswith(str(root) + os.sep):
-        return f"'{uses}' points outside the repository (through a symlink)"
+        return f"'{uses}' points outside {where} (through a symlink)"
     return None

@@ -290,6 +290,11 @@ def test_preloop_run_sandbox_end_to_end_as_root(
                           touch {host_dir}/escaped 2>/dev/null && echo ESCAPE-host
                           echo x > /var/tmp/preloop-e2e-{os.getpid()}
                           git log --oneline -1 >/dev/null && echo checkout-ok
+                          py=$(ls -d "$RUNNER_TOOL_CACHE"/Python/3.*/x64 | head -n 1)
+                          "$py/bin/pip" --version >/dev/null && echo pip-ok
+                          "$py/bin/python" -c "import site, sys; \\
+                            open(site.getsitepackages()[0] + '/probe.pth', 'w').close(); \\
+                            print('venv-writable', sys.prefix)"
                 """
             ),
         )
@@ -301,6 +306,8 @@ def test_preloop_run_sandbox_end_to_end_as_root(
     assert outcome.conclusion == "success", text
     assert "CapEff:\t0000000000000000" in text and "checkout-ok" in text
     assert "ESCAPE" not in text, text
+    # the job's Pythons are venvs in its own directory, which it may write
+    assert "pip-ok" in text and "venv-writable " + str(state / "work") in text, text
     assert not (tmp_path / "repo" / "escaped").exists()
     assert not (host_dir / "escaped").exists()
     assert not Path(f"/var/tmp/preloop-e2e-{os.getpid()}").exists()

@@ -17,8 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.python_support import VERSION, XY, host_python_prefix, tiny_project_files, tree_state
 from tests.run_support import git, make_repo, results, run_engine
 
+from preloop.runner.checkout import work_dir
 from preloop.services.toolcache import list_tool_cache
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
@@ -361,6 +363,7 @@ def test_tool_cache_find_python_returns_the_hosts_interpreter(
           echo "old outcome=${{ steps.old.outcome }}"
           echo "py outcome=${{ steps.py.outcome }} version=${{ steps.py.outputs.python-version }}"
           echo "python is $(command -v python) at $pythonLocation"
+          test -f "$pythonLocation/pyvenv.cfg" && echo "venv at $pythonLocation"
           test "$(python -c 'import platform; print(platform.python_version())')" = \
             "${{ steps.py.outputs.python-version }}"
 """
@@ -374,22 +377,19 @@ def test_tool_cache_find_python_returns_the_hosts_interpreter(
     found = [ln.removeprefix("found ") for ln in lines if ln.startswith("found ")]
     assert found[1] == "-"  # a version the host lacks
     path = Path(found[0])
-    assert path.parent.parent.parent == state / "toolcache"
+    # the job's own tool cache (its Pythons are venvs over the shared
+    # entries), in the job's directory; the last step ran its interpreter
+    tool_cache = path.parent.parent.parent
+    assert f"tool cache at {tool_cache}" in lines
+    assert tool_cache.name == "tool" and work_dir(state) in tool_cache.parents
+    assert f"venv at {path}" in lines
     version = path.parent.name
     assert version.startswith("3.")
-    real = subprocess.run(
-        [str(path / "bin" / "python"), "-c", "import platform; print(platform.python_version())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert real == version
     host = _host_pythons(state)
     listed = next(ln for ln in lines if ln.startswith("versions ")).removeprefix("versions ")
     assert sorted(listed.split(",")) == sorted(host)
     # the newest 3.x the host has, as setup-python would pick
     assert version == _newest(host)
-    assert f"tool cache at {state / 'toolcache'}" in text
     # the action: 2.0 failed, 3.x succeeded and put the tool cache's 3.x on PATH
     assert "old outcome=failure" in text
     assert "The version '2.0' with architecture" in text
@@ -399,6 +399,94 @@ def test_tool_cache_find_python_returns_the_hosts_interpreter(
     assert shown.returncode == 0, shown.stderr
     entries = json.loads(shown.stdout)["entries"]
     assert any(e["tool"] == "Python" and e["version"] == version for e in entries)
+
+
+def test_a_jobs_pip_installs_stay_in_the_job(tmp_path: Path) -> None:
+    """A Python that a setup action installed in the shared tool cache (here
+    a pyenv-style prefix of this test's own) is, in each job, a venv over it:
+    the first job's `python -m pip install -e` and `pip install` of a wheel
+    are there for its later steps (with `pip cache dir` and `python -m venv`
+    working), the second job does not see them, and the installed Python is
+    byte for byte what it was."""
+    prefix = host_python_prefix(tmp_path / "pyenv")
+    state = tmp_path / "state"
+    entry = state / "toolcache" / "Python" / VERSION
+    entry.mkdir(parents=True)
+    (entry / "x64").symlink_to(prefix)
+    (entry / "x64.complete").write_text("")
+    before = tree_state(prefix)
+    setup = f"""
+      - uses: ./.github/actions/find-python
+        with:
+          python-version: "{VERSION}"
+"""
+    jobs = f"""
+  first:
+    runs-on: ubuntu-latest
+    steps:{setup}
+      - run: python -m pip install --no-index --no-build-isolation -e ./tiny
+      - run: |
+          pip wheel --no-index --no-build-isolation -w "$RUNNER_TEMP/dist" ./other
+          pip install --no-index "$RUNNER_TEMP/dist/other-1.0-py3-none-any.whl"
+      - run: |
+          cd "$RUNNER_TEMP"  # not the checkout, whose tiny/ and other/ import as packages
+          python -c "import sys, tiny, other; print('installed', tiny.VALUE, other.VALUE)"
+          python -c "import sys; print('prefix', sys.prefix)"
+          echo "pip is $(command -v pip): $(pip --version)"
+          echo "pip cache $(pip cache dir)"
+          python -m venv --without-pip "$RUNNER_TEMP/inner"
+          "$RUNNER_TEMP/inner/bin/python" -c "import sys; print('inner', sys.prefix)"
+  second:
+    needs: first
+    runs-on: ubuntu-latest
+    steps:{setup}
+      - run: |
+          cd "$RUNNER_TEMP"
+          for m in tiny other; do
+            python -c "import $m" 2>/dev/null && echo "second sees $m" || echo "second: no $m"
+          done
+"""
+    files = {
+        **_workflow(jobs),
+        **_find_python_action(),
+        **tiny_project_files("tiny", "tiny/"),
+        **tiny_project_files("other", "other/"),
+    }
+    files[".github/workflows/ci.yml"] = files[".github/workflows/ci.yml"].replace(
+        "env:\n",
+        "env:\n"
+        "  PIP_DISABLE_PIP_VERSION_CHECK: '1'\n"
+        f"  PIP_CACHE_DIR: {tmp_path / 'pip-cache'}\n"
+        # bytecode the interpreter caches beside the base's modules it runs
+        # (pip's) is no install: left out, so the base compares byte for byte
+        "  PYTHONDONTWRITEBYTECODE: '1'\n",
+        1,
+    )
+    repo = make_repo(tmp_path / "repo", files)
+    outcome, h = run_engine(repo, f"sqlite:///{tmp_path / 'p.db'}", state)
+    text = h.all_text()
+    assert results(outcome) == {"first": "success", "second": "success"}, text
+    lines = [ln.strip() for ln in text.splitlines()]
+    assert "installed tiny other" in lines, text
+    # the installs went to the job's venv: not into the Python under it, nor the next job
+    assert tree_state(prefix) == before
+    assert "second: no tiny" in lines and "second: no other" in lines, text
+    venv = Path(next(ln for ln in lines if ln.startswith("prefix ")).removeprefix("prefix "))
+    # the job's own tool cache, in its directory under the state's work dir
+    assert (
+        venv.parts[-3:] == ("Python", VERSION, "x64") and venv.parent.parent.parent.name == "tool"
+    )
+    assert work_dir(state) in venv.parents
+    site = f"{prefix}/lib/python{XY}/site-packages/pip (python {XY})"
+    assert f"pip is {venv}/bin/pip: pip " in text and site in text, text
+    assert f"pip cache {tmp_path / 'pip-cache'}" in lines, text
+    inner = next(ln for ln in lines if ln.startswith("inner ")).removeprefix("inner ")
+    assert inner.endswith("/temp/inner") and work_dir(state) in Path(inner).parents, text
+    # the shared cache still lists the installed Python, as it was
+    shared = list_tool_cache(state / "toolcache")
+    assert [(e.path, e.origin) for e in shared if e.version == VERSION] == [
+        (str(entry / "x64"), "installed")
+    ]
 
 
 #: Where an offline copy of actions/setup-python may be: a bare repository at
@@ -415,8 +503,9 @@ def test_the_real_setup_python_finds_the_hosts_python(
 ) -> None:
     """actions/setup-python@v5 itself, fetched by `preloop run` from a local
     mirror (PRELOOP_ACTIONS_URL=file://...): `3.x` succeeds without a download
-    and puts the host's newest 3.x on PATH; `2.0` fails and the log names the
-    versions the host has."""
+    and puts the host's newest 3.x on PATH, as the job's own venv over it
+    (with `cache: pip`, which runs that venv's `pip cache dir`); `2.0` fails
+    and the log names the versions the host has."""
     mirrors = tmp_path / "mirrors" / "actions"
     mirrors.mkdir(parents=True)
     (mirrors / "setup-python").symlink_to(SETUP_PYTHON_MIRROR / "actions+setup-python" / "repo")
@@ -434,12 +523,22 @@ def test_the_real_setup_python_finds_the_hosts_python(
         uses: actions/setup-python@v5
         with:
           python-version: "3.x"
+          cache: pip
       - run: |
           echo "old outcome=${{ steps.old.outcome }}"
           echo "py outcome=${{ steps.py.outcome }} version=${{ steps.py.outputs.python-version }}"
           echo "python is $(command -v python)"
+          echo "tool cache $RUNNER_TOOL_CACHE"
+          python -c "import sys; print('prefixes', sys.prefix, sys.base_prefix)"
+          echo "pip is $(command -v pip): $(pip --version)"
+          echo "lib $LD_LIBRARY_PATH pkgconfig $PKG_CONFIG_PATH"
+          mkdir -p "$PIP_CACHE_DIR" && echo x > "$PIP_CACHE_DIR/x"  # what setup-python saves
 """
-    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    files = {**_workflow(jobs), "requirements.txt": ""}
+    files[".github/workflows/ci.yml"] = files[".github/workflows/ci.yml"].replace(
+        "env:\n", f"env:\n  PIP_CACHE_DIR: {tmp_path / 'pip-cache'}\n", 1
+    )
+    repo = make_repo(tmp_path / "repo", files)
     state = tmp_path / "state"
     outcome, h = run_engine(repo, f"sqlite:///{tmp_path / 'p.db'}", state)
     text = h.all_text()
@@ -449,12 +548,19 @@ def test_the_real_setup_python_finds_the_hosts_python(
     lines = [ln.strip() for ln in text.splitlines()]
     assert "old outcome=failure" in lines, text
     assert f"py outcome=success version={version}" in lines, text
-    laid = next(
-        e.path
-        for e in list_tool_cache(state / "toolcache")
-        if e.tool == "Python" and e.version == version
-    )
-    assert f"python is {laid}/bin/python" in lines, text
+    # the job's own tool cache, whose Python is a venv over the shared entry
+    tool_cache = Path(next(ln for ln in lines if ln.startswith("tool cache ")).split()[-1])
+    assert tool_cache.name == "tool" and work_dir(state) in tool_cache.parents, text
+    venv = tool_cache / "Python" / version / "x64"
+    assert f"python is {venv}/bin/python" in lines, text
+    prefixes = next(ln for ln in lines if ln.startswith("prefixes ")).split()
+    assert prefixes[1] == str(venv) and prefixes[2] != str(venv), text
+    assert f"pip is {venv}/bin/pip: pip " in text, text
+    assert f"(python {'.'.join(version.split('.')[:2])})" in text, text
+    assert f"lib {venv}/lib pkgconfig {venv}/lib/pkgconfig" in lines, text
+    # setup-python ran the venv's `pip cache dir` to restore, and again to save
+    assert f"{venv}/bin/pip cache dir" in text and "pip cache is not found" in text, text
+    assert "Cache saved with the key: setup-python-" in text, text
     # a setup step asking for a version the host lacks names the versions it has
     hint = next(ln for ln in lines if "has no Python matching '2.0'" in ln)
     assert all(v in hint for v in host) and str(state / "toolcache") in hint

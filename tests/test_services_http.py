@@ -18,12 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.python_support import VERSION, XY, host_python_prefix, tiny_project, tree_state
 
 from preloop.control import open_store
+from preloop.runner.checkout import sweep_work_dir, work_dir
 from preloop.services import ServiceAccess, job_environment, run_services
 from preloop.services.storage import LocalStorage, StorageConflict, StorageError
 from preloop.services.tokens import Claims, mint
-from preloop.services.toolcache import list_tool_cache, refresh_tool_cache, setup_action_hint
+from preloop.services.toolcache import (
+    job_tool_cache,
+    list_tool_cache,
+    refresh_tool_cache,
+    setup_action_hint,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ART = "/twirp/github.actions.results.api.v1.ArtifactService/"
@@ -281,6 +288,128 @@ def test_tool_cache_follows_the_host(tmp_path: Path) -> None:
     ]
     assert not (root / "Python" / version).exists()
     assert list_tool_cache(root)[0].path == str(installed)
+
+
+def _site(prefix: Path) -> Path:
+    return prefix / "lib" / f"python{XY}" / "site-packages"
+
+
+def _run(python: Path, *args: str, env: dict[str, str]) -> str:
+    out = subprocess.run(
+        [str(python), *args], capture_output=True, text=True, env=env, cwd=python.parent
+    )
+    assert out.returncode == 0, f"{python} {args}: {out.stderr}"
+    return out.stdout
+
+
+@pytest.mark.parametrize("kind", ["pyenv", "system"])
+def test_a_jobs_pythons_are_throwaway_venvs_over_the_hosts(tmp_path: Path, kind: str) -> None:
+    """Each job's tool cache holds its own venv over each host Python: pip
+    (`python -m pip`, `pip`, `-e`, a wheel, pip itself) installs there, later
+    steps of the job see it, the next job does not, and the host's
+    interpreter stays byte for byte as it was; a distribution's
+    EXTERNALLY-MANAGED interpreter installs too. Other tools are links to the
+    shared cache; a job directory a dead runner left is swept with its venvs
+    and nothing else."""
+    prefix = host_python_prefix(tmp_path / "pyenv", system=kind == "system")
+    bindir, home = tmp_path / "bin", tmp_path / "home"
+    bindir.mkdir()
+    env = {
+        "PATH": str(bindir),
+        "HOME": str(home),
+        "PYENV_ROOT": str(tmp_path / ("pyenv" if kind == "pyenv" else "none")),
+        "UV_PYTHON_INSTALL_DIR": str(tmp_path / "none"),
+    }
+    if kind == "system":  # found on PATH like /usr/bin/python3.X
+        (bindir / f"python{XY}").symlink_to(prefix / "bin" / f"python{XY}")
+    shared = tmp_path / "toolcache"
+    (shared / "node" / "99.0.0" / "x64").mkdir(parents=True)
+    (shared / "node" / "99.0.0" / "x64.complete").write_text("")
+    listed = refresh_tool_cache(shared, env)
+    assert [(e.tool, e.version, e.origin) for e in listed if e.tool == "Python"] == [
+        ("Python", VERSION, "host")
+    ]
+    before = tree_state(prefix)
+    state = tmp_path / "state"
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True)
+    first = job_tool_cache(shared, work_dir(state) / f"{dead.stdout.strip()}-1-a-x" / "tool")
+    second = job_tool_cache(shared, work_dir(state) / f"{os.getpid()}-1-b-y" / "tool")
+    assert (first / "node").resolve() == (shared / "node").resolve()
+    assert [(e.tool, e.version) for e in list_tool_cache(first)] == [
+        ("node", "99.0.0"),
+        ("Python", VERSION),
+    ]
+    hint = setup_action_hint(first, "actions/setup-python@v5", {"python-version": "2.0"})
+    assert hint is not None and f"the tool cache ({shared})" in hint
+    venv = first / "Python" / VERSION / "x64"
+    assert (first / "Python" / VERSION / "x64.complete").exists()
+    cfg = (venv / "pyvenv.cfg").read_text()
+    assert f"home = {prefix / 'bin'}\n" in cfg and "include-system-site-packages = true\n" in cfg
+    python, pip = venv / "bin" / "python", venv / "bin" / "pip"
+    # Bytecode the interpreter would cache beside the base's own modules it
+    # runs (pip's) is no install: left out, so the base compares byte for byte.
+    run_env = {
+        **os.environ,
+        "HOME": str(home),
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    if kind == "system":
+        refused = subprocess.run(
+            [str(prefix / "bin" / f"python{XY}"), "-m", "pip", "install", "--no-index", "x"],
+            capture_output=True,
+            text=True,
+            env=run_env,
+        )
+        assert "externally-managed-environment" in refused.stderr, refused.stderr
+    # the base's pip, run by the venv's python
+    assert f"from {_site(prefix)}/pip (python {XY})" in _run(pip, "--version", env=run_env)
+    projects = tmp_path / "projects"
+    tiny, other = tiny_project(projects / "tiny", "tiny"), tiny_project(projects / "other", "other")
+    no_index = ["--no-index", "--no-build-isolation"]
+    _run(python, "-m", "pip", "install", *no_index, "-e", str(tiny), env=run_env)
+    _run(pip, "wheel", *no_index, "-w", str(projects / "dist"), str(other), env=run_env)
+    wheel = projects / "dist" / "other-1.0-py3-none-any.whl"
+    _run(venv / "bin" / f"pip{XY}", "install", "--no-index", str(wheel), env=run_env)
+    probe = "import sys, tiny, other; print(sys.prefix, tiny.VALUE, other.VALUE)"
+    assert _run(python, "-c", probe, env=run_env).split() == [str(venv), "tiny", "other"]
+    assert _run(pip, "cache", "dir", env=run_env).strip() == str(home / ".cache" / "pip")
+    if kind == "pyenv":
+        # `python -m pip install --upgrade pip` puts a pip of its own in the venv
+        bundled = prefix / "lib" / f"python{XY}" / "ensurepip" / "_bundled"
+        upgrade = ["--upgrade", "--force-reinstall", "--no-index", "--find-links", str(bundled)]
+        _run(python, "-m", "pip", "install", *upgrade, "pip", env=run_env)
+        assert f"from {_site(venv)}/pip (python {XY})" in _run(pip, "--version", env=run_env)
+        # and `python -m venv` makes a venv of its own
+        _run(python, "-m", "venv", "--without-pip", str(tmp_path / "inner"), env=run_env)
+        inner = tmp_path / "inner" / "bin" / "python"
+        assert _run(inner, "-c", "import sys; print(sys.prefix)", env=run_env).strip() == str(
+            tmp_path / "inner"
+        )
+        # setup-python's LD_LIBRARY_PATH and PKG_CONFIG_PATH, and python-config, still answer
+        assert sorted(p.name for p in (venv / "lib").iterdir()) == sorted(
+            p.name for p in (prefix / "lib").iterdir()
+        )
+        config = venv / "bin" / f"python{XY}-config"
+        if config.exists():
+            includes = subprocess.run([str(config), "--includes"], capture_output=True, text=True)
+            assert (Path(includes.stdout.split()[0].removeprefix("-I")) / "Python.h").is_file()
+    # the next job starts from the host's interpreter as it is
+    venv2 = second / "Python" / VERSION / "x64"
+    fresh = subprocess.run(
+        [str(venv2 / "bin" / "python"), "-c", "import tiny"], capture_output=True, text=True
+    )
+    assert "No module named 'tiny'" in fresh.stderr
+    assert f"from {_site(prefix)}/pip " in _run(venv2 / "bin" / "pip", "--version", env=run_env)
+    _run(venv2 / "bin" / "pip", "install", "--user", "--no-index", str(wheel), env=run_env)
+    user = _run(venv2 / "bin" / "python", "-c", "import other; print(other.__file__)", env=run_env)
+    assert user.startswith(str(home / ".local"))
+    assert tree_state(prefix) == before
+    # a dead runner's job directory goes, with its venvs, and nothing they link to
+    assert [p.name for p in sweep_work_dir(state)] == [first.parent.name]
+    assert tree_state(prefix) == before
+    assert list_tool_cache(shared) == listed
+    assert (second / "Python" / VERSION / "x64.complete").exists()
 
 
 def test_setup_action_hint_names_the_versions_the_host_has(tmp_path: Path) -> None:

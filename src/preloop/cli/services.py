@@ -75,12 +75,14 @@ def _iso(ts: float) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object for scripts.")
 @click.option("--no-refresh", is_flag=True, help="List what is there without scanning the host.")
 def toolcache_command(state_dir: Path | None, as_json: bool, no_refresh: bool) -> None:
-    """The tool cache jobs see as RUNNER_TOOL_CACHE (default <state>/toolcache).
+    """The shared tool cache (default <state>/toolcache, or $RUNNER_TOOL_CACHE).
 
     It is refreshed from the host's toolchains (Python on PATH, pyenv and
     uv-managed Pythons; node; go; java; uv) before listing, as before every
     job, so actions/setup-python, setup-node, setup-go, setup-java (Temurin)
-    and astral-sh/setup-uv find them without a download.
+    and astral-sh/setup-uv find them without a download. Each job's
+    RUNNER_TOOL_CACHE is its own, laid out over this one: its Pythons are
+    throwaway venvs over these, so what a job installs goes with it.
     """
     state = state_dir if state_dir is not None else config.state_dir()
     root = default_tool_cache(state)

@@ -63,6 +63,7 @@ from preloop.services import (
     ServiceEndpoint,
     job_environment,
 )
+from preloop.services.toolcache import default_tool_cache
 from preloop.workflow import PlanError, PlannedJob, expand_deferred
 
 __all__ = ["DEFAULT_LABELS", "JobEvents", "Runner", "RunnerOptions"]
@@ -147,11 +148,12 @@ class _Reported:
     outcome: Completion | BaseException | None = None
 
 
-def _sandbox_reads(state_dir: Path, service_env: dict[str, str]) -> list[Path]:
+def _sandbox_reads(state_dir: Path) -> list[Path]:
     """What a sandboxed job reads from inside the hidden state directory: the
     action cache (actions are fetched when the job starts, so it must exist
-    before the sandbox binds it) and the tool cache."""
-    reads = [actions_dir(state_dir), Path(service_env["RUNNER_TOOL_CACHE"])]
+    before the sandbox binds it) and the shared tool cache, which the job's
+    own tool cache (in the job's directory, writable) links into."""
+    reads = [actions_dir(state_dir), default_tool_cache(state_dir)]
     for path in reads:
         path.mkdir(parents=True, exist_ok=True)
     return reads
@@ -489,8 +491,16 @@ class Runner:
             line(
                 f"checked out snapshot {location.commit[:12]} in {time.monotonic() - started:.2f}s"
             )
+            # The job's tool cache is in its directory, beside RUNNER_TEMP
+            # rather than in it (a step may empty RUNNER_TEMP): removed with
+            # the job, and by sweep_work_dir when the runner died.
             service_env = await anyio.to_thread.run_sync(
-                job_environment, opts.state_dir, services, str(lease.run_id), lease.job_id
+                job_environment,
+                opts.state_dir,
+                services,
+                str(lease.run_id),
+                lease.job_id,
+                job_dir / "tool",
             )
             if "ACTIONS_RUNTIME_TOKEN" in service_env:
                 masker.add(service_env["ACTIONS_RUNTIME_TOKEN"])  # as GitHub's runner does
@@ -500,7 +510,7 @@ class Runner:
                     opts.state_dir,
                     workspace=workspace,
                     network=opts.sandbox_network,
-                    read_only=_sandbox_reads(opts.state_dir, service_env),
+                    read_only=_sandbox_reads(opts.state_dir),
                 )
                 if opts.sandbox
                 else None

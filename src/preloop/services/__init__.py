@@ -1,7 +1,9 @@
 """What GitHub's runner provides besides running steps: a tool cache, artifacts, the actions cache.
 
-- `preloop.services.toolcache`: `$RUNNER_TOOL_CACHE` (default `<state>/toolcache`)
-  laid out from the host's toolchains, so `setup-python` & co. find them;
+- `preloop.services.toolcache`: the shared tool cache (`$RUNNER_TOOL_CACHE`,
+  default `<state>/toolcache`) laid out from the host's toolchains, so
+  `setup-python` & co. find them, and each job's own tool cache over it,
+  whose Pythons are throwaway virtual environments;
 - `preloop.services.server`: the artifact (v4) and cache (v2 twirp and the
   older REST) HTTP services on 127.0.0.1, started by `preloop run` for its run
   (`run_services`) and stopped with it;
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from preloop import config
 from preloop.services.storage import LocalStorage, ServiceStorage
 from preloop.services.tokens import Claims, mint
-from preloop.services.toolcache import default_tool_cache, refresh_tool_cache
+from preloop.services.toolcache import default_tool_cache, job_tool_cache, refresh_tool_cache
 
 if TYPE_CHECKING:
     from preloop.control.store import Store
@@ -106,15 +108,23 @@ class ServiceEndpoint:
 
 
 def job_environment(
-    state_dir: Path, access: ServiceAccess | None, run_id: str, job_id: str
+    state_dir: Path,
+    access: ServiceAccess | None,
+    run_id: str,
+    job_id: str,
+    tool_cache: Path | None = None,
 ) -> dict[str, str]:
     """The environment variables a job of run `run_id` needs for the runner's
-    services. Refreshes the tool cache from the host's toolchains first (a few
-    `stat`s when nothing changed). Without `access` (a runner given no
-    service) only the tool cache is provided."""
-    tool_cache = default_tool_cache(state_dir)
-    refresh_tool_cache(tool_cache)
-    env = {"RUNNER_TOOL_CACHE": str(tool_cache)}
+    services. Refreshes the shared tool cache from the host's toolchains first
+    (a few `stat`s when nothing changed), then lays out the job's own tool
+    cache over it at `tool_cache` (`job_tool_cache`: its Pythons are fresh
+    virtual environments, so what the job installs goes with it). Without
+    `tool_cache` the job is given the shared one. Without `access` (a runner
+    given no service) only the tool cache is provided."""
+    shared = default_tool_cache(state_dir)
+    refresh_tool_cache(shared)
+    root = shared if tool_cache is None else job_tool_cache(shared, tool_cache)
+    env = {"RUNNER_TOOL_CACHE": str(root)}
     if access is not None:
         claims = Claims(
             str(run_id), job_id, access.repo, access.ref, access.default_ref, access.base_ref

@@ -21,6 +21,13 @@ probe result of each interpreter keyed by its path, size and mtime, so a
 refresh is a handful of `stat`s when nothing changed; an entry whose
 toolchain disappeared is removed, and entries that setup actions installed
 themselves (a download on GitHub's side) are never touched.
+
+A job does not use that shared cache directly: `job_tool_cache(shared, dest)`
+lays out the job's own `RUNNER_TOOL_CACHE` in its directory, where each
+`Python` entry is a fresh virtual environment over the shared one (what a
+job's `pip install` writes lands there and goes with the job, never in the
+host's interpreter) and every other tool is a link to the shared tool
+directory (setup actions that download still fill the shared cache).
 """
 
 from __future__ import annotations
@@ -40,8 +47,10 @@ from pathlib import Path
 __all__ = [
     "ToolEntry",
     "default_tool_cache",
+    "job_tool_cache",
     "list_tool_cache",
     "refresh_tool_cache",
+    "shared_tool_cache",
 ]
 
 MANIFEST = ".preloop-host.json"
@@ -245,11 +254,13 @@ def _discover(env: Mapping[str, str], prober: _Prober) -> list[_Found]:
 
 
 @contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
+def _locked(root: Path, *, shared: bool = False) -> Iterator[None]:
+    """A refresh holds it exclusively; jobs laying out their tool cache from
+    `root` hold it shared, so that none sees an entry half re-laid."""
     root.mkdir(parents=True, exist_ok=True)
     fd = os.open(root / ".preloop-host.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
@@ -320,6 +331,11 @@ def refresh_tool_cache(root: Path, env: Mapping[str, str] | None = None) -> list
             if not ours or old[rel] != desc or not complete or not dest.exists():
                 _lay_out(root, _arch_for(f.tool, arch), f)
             new[rel] = desc
+        for tool, _ in SETUP_ACTIONS.values():
+            # A job's tool cache links each tool directory present here: one
+            # that exists before a setup action first downloads that tool is
+            # where the download lands, for every later job too.
+            (root / tool).mkdir(exist_ok=True)
         for rel in set(old) - set(new):  # the toolchain left the host
             (root / f"{rel}.complete").unlink(missing_ok=True)
             _remove(root / rel)
@@ -381,6 +397,176 @@ def list_tool_cache(root: Path) -> list[ToolEntry]:
     return entries
 
 
+#: In a job's tool cache: a link to the shared tool cache it was laid out from.
+SHARED_LINK = ".preloop-shared"
+_PYTHON = "Python"
+_LIB_DIR = re.compile(r"python\d+\.\d+t?")
+# pip's own console scripts import its entry point, which moved between pip
+# versions (pip._internal, .main, .cli.main); running the package the way
+# `python -m pip` does works with whichever pip the base interpreter has.
+_PIP_SCRIPT = """\
+# -*- coding: utf-8 -*-
+# The base interpreter's pip, run by this environment's python: what it
+# installs lands in this environment (written by preloop; pip replaces it
+# when it installs itself here).
+import runpy
+if __name__ == "__main__":
+    runpy.run_module("pip", run_name="__main__")
+"""
+
+
+_SH_SHEBANG = """\
+#!/bin/sh
+'''exec' "PYTHON" "$0" "$@"
+' '''
+"""
+
+
+def _shebang(python: str) -> str:
+    """pip's (distlib's) rule: a path too long for a shebang line everywhere,
+    or with a space in it, is run through /bin/sh instead."""
+    if len(python) + 3 <= 127 and " " not in python:
+        return f"#!{python}\n"
+    return _SH_SHEBANG.replace("PYTHON", python)
+
+
+def _write(path: str, text: str, mode: int = 0o644) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _interpreter(entry: str, xy: str, t: str) -> str | None:
+    for name in ("python", f"python{xy}{t}", f"python{xy.split('.')[0]}"):
+        exe = os.path.realpath(f"{entry}/bin/{name}")
+        if os.path.isfile(exe) and os.access(exe, os.X_OK):
+            return exe
+    return None
+
+
+def _python_venv(entry: str, dest: str, version: str, arch: str) -> bool:
+    """Writes at `dest` the virtual environment `python -m venv
+    --system-site-packages --without-pip` would make over the interpreter of
+    the tool cache entry `entry` (see CPython's Lib/venv/__init__.py),
+    without running anything, plus what setup-python and builds expect of a
+    tool cache Python: `pip` scripts running the base's pip with this
+    environment's python, the base's `lib/` entries (libpython, pkgconfig:
+    setup-python points LD_LIBRARY_PATH and PKG_CONFIG_PATH there) and its
+    `pythonX.Y-config` scripts. False when `entry` has no interpreter."""
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if m is None:
+        return False
+    major, xy = m[1], f"{m[1]}.{m[2]}"
+    t = "t" if arch.endswith("-freethreaded") else ""
+    exe = _interpreter(entry, xy, t)
+    if exe is None:
+        return False
+    prefix = os.path.realpath(entry)
+    own = exe.startswith(prefix + os.sep)  # a whole prefix: pyenv's, uv's, a download
+    bindir, lib = f"{dest}/bin", f"{dest}/lib"
+    for d in (dest, bindir, lib, f"{lib}/python{xy}{t}", f"{lib}/python{xy}{t}/site-packages"):
+        os.mkdir(d)
+    os.symlink("lib", f"{dest}/lib64")  # as CPython's venv does on 64-bit POSIX
+    _write(
+        f"{dest}/pyvenv.cfg",
+        f"home = {os.path.dirname(exe)}\n"
+        "include-system-site-packages = true\n"
+        f"version = {xy}.{m[3] or 0}\n"
+        f"executable = {exe}\n"
+        f"command = {exe} -m venv --system-site-packages --without-pip {dest}\n",
+    )
+    os.symlink(exe, f"{bindir}/python")
+    for name in [f"python{major}", f"python{xy}"] + ([f"python{xy}t"] if t else []):
+        # more names of that same link: a hard link costs a fraction of a
+        # new symlink's inode, and reads the same
+        os.link(f"{bindir}/python", f"{bindir}/{name}", follow_symlinks=False)
+    _write(f"{bindir}/pip", _shebang(f"{bindir}/python") + _PIP_SCRIPT, 0o755)
+    for name in (f"pip{major}", f"pip{xy}"):
+        os.link(f"{bindir}/pip", f"{bindir}/{name}")  # pip replaces each name on its own
+    # A link to pythonX.Y-config would name this directory as the prefix
+    # (the script derives it from its own path), whose include/ is empty:
+    # the base's own script gives the base's headers and libraries.
+    config = f"{os.path.dirname(exe)}/python{xy}{t}-config"
+    if os.path.exists(config):
+        _write(f"{bindir}/python{xy}{t}-config", f'#!/bin/sh\nexec "{config}" "$@"\n', 0o755)
+        for name in ("python3-config", "python-config") if own else ():
+            if os.path.exists(f"{prefix}/bin/{name}"):
+                os.link(f"{bindir}/python{xy}{t}-config", f"{bindir}/{name}")
+    if own:  # a system interpreter's lib/ is the system's: nothing of it is the tool's
+        try:
+            names = os.listdir(f"{prefix}/lib")
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            if not _LIB_DIR.fullmatch(name):
+                os.symlink(f"{prefix}/lib/{name}", f"{lib}/{name}")
+    return True
+
+
+def job_tool_cache(shared: Path, dest: Path) -> Path:
+    """Lays out a job's own tool cache at `dest` (a new directory, removed
+    with the job) over the shared tool cache `shared`, and returns `dest`.
+
+    Each complete `Python/<version>/<arch>` of `shared` (the host's and those
+    setup actions installed there alike) becomes a virtual environment over
+    it. On GitHub every job starts from a pristine tool cache Python; here
+    the shared entry is the user's own interpreter (pyenv's, uv's, the
+    system's), which a job's `pip install` must never change nor hand on to
+    other jobs; a Debian interpreter's EXTERNALLY-MANAGED marker does not
+    apply in a venv, so `pip install` works as it does on GitHub. Python 2
+    has no venv: its entries are linked as they are. Every other tool is a
+    link to the shared tool directory, so setup actions that download a tool
+    fill the shared cache.
+
+    Written by hand, no `python -m venv` per version per job: a few
+    milliseconds for a handful of interpreters."""
+    dest = Path(dest)
+    dest.mkdir(parents=True)
+    os.symlink(shared, dest / SHARED_LINK)
+    with _locked(Path(shared), shared=True):
+        for tool in sorted(os.listdir(shared)):
+            if tool.startswith("."):
+                continue
+            if tool != _PYTHON:
+                os.symlink(shared / tool, dest / tool)
+                continue
+            for version in sorted(os.listdir(shared / tool)):
+                _job_python(shared / tool / version, dest / tool / version, version)
+    return dest
+
+
+def _job_python(shared: Path, dest: Path, version: str) -> None:
+    try:
+        names = os.listdir(shared)
+    except NotADirectoryError:
+        return
+    for name in names:
+        if not name.endswith(".complete"):
+            continue
+        arch = name[: -len(".complete")]
+        entry = shared / arch
+        if not entry.exists():
+            continue
+        dest.mkdir(parents=True, exist_ok=True)
+        major = re.match(r"\d+", version)
+        if major is not None and int(major[0]) < 3:
+            os.symlink(entry, dest / arch)
+        elif not _python_venv(str(entry), str(dest / arch), version, arch):
+            continue
+        os.close(os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+
+
+def shared_tool_cache(root: Path) -> Path:
+    """The shared tool cache a job's tool cache `root` was laid out from
+    (`root` itself when it is not a job's)."""
+    try:
+        return Path(os.readlink(Path(root) / SHARED_LINK))
+    except OSError:
+        return Path(root)
+
+
 def entries_as_dicts(entries: Iterable[ToolEntry]) -> list[dict[str, str]]:
     return [asdict(e) for e in entries]
 
@@ -415,6 +601,7 @@ def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str |
     spec = str(inputs.get(input_name) or "").strip()
     if not re.fullmatch(r"v?\d+(\.(\d+|x|\*))*", spec):
         return None
+    root = shared_tool_cache(root)  # the one `preloop toolcache` lists, not the job's
     versions = [e.version for e in list_tool_cache(root) if e.tool == tool]
     if any(_matches(v, spec) for v in versions):
         return None

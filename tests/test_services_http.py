@@ -329,6 +329,18 @@ def test_a_jobs_pythons_are_throwaway_venvs_over_the_hosts(tmp_path: Path, kind:
     assert [(e.tool, e.version, e.origin) for e in listed if e.tool == "Python"] == [
         ("Python", VERSION, "host")
     ]
+    # A distribution the user installed in that interpreter, with a console
+    # script (as pytest has): installed there, it is "already satisfied" for
+    # a job's pip, which then writes no script of its own.
+    site = _site(prefix)
+    (site / "hello.py").write_text("import sys\ndef main():\n    print('hello', sys.prefix)\n")
+    dist = site / "hello-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hello\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[console_scripts]\nhello = hello:main [extra]\n\n[other]\nnot-a-script = hello:main\n"
+    )
+    (dist / "RECORD").write_text("hello.py,,\nhello-1.0.dist-info/RECORD,,\n")
     before = tree_state(prefix)
     state = tmp_path / "state"
     dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True)
@@ -375,6 +387,9 @@ def test_a_jobs_pythons_are_throwaway_venvs_over_the_hosts(tmp_path: Path, kind:
     assert _run(python, "-c", probe, env=run_env).split() == [str(venv), "tiny", "other"]
     assert _run(pip, "cache", "dir", env=run_env).strip() == str(home / ".cache" / "pip")
     if kind == "pyenv":
+        # the base's console scripts, run by the venv's python
+        assert _run(venv / "bin" / "hello", env=run_env).split() == ["hello", str(venv)]
+        assert not (venv / "bin" / "not-a-script").exists()
         # `python -m pip install --upgrade pip` puts a pip of its own in the venv
         bundled = prefix / "lib" / f"python{XY}" / "ensurepip" / "_bundled"
         upgrade = ["--upgrade", "--force-reinstall", "--no-index", "--find-links", str(bundled)]
@@ -394,6 +409,8 @@ def test_a_jobs_pythons_are_throwaway_venvs_over_the_hosts(tmp_path: Path, kind:
         if config.exists():
             includes = subprocess.run([str(config), "--includes"], capture_output=True, text=True)
             assert (Path(includes.stdout.split()[0].removeprefix("-I")) / "Python.h").is_file()
+    else:  # a system interpreter's scripts are the system's, on PATH already
+        assert not (venv / "bin" / "hello").exists()
     # the next job starts from the host's interpreter as it is
     venv2 = second / "Python" / VERSION / "x64"
     fresh = subprocess.run(

@@ -415,6 +415,20 @@ if __name__ == "__main__":
 """
 
 
+# pip's (distlib's) console-script template.
+_ENTRY_SCRIPT = """\
+# -*- coding: utf-8 -*-
+import re
+import sys
+from {module} import {name}
+if __name__ == "__main__":
+    sys.argv[0] = re.sub(r"(-script\\.pyw|\\.exe)?$", "", sys.argv[0])
+    sys.exit({call}())
+"""
+_ENTRY_POINT = re.compile(r"([\w.]+)\s*:\s*([\w.]+)")
+_SCRIPT_NAME = re.compile(r"[\w.+-]+")
+
+
 _SH_SHEBANG = """\
 #!/bin/sh
 '''exec' "PYTHON" "$0" "$@"
@@ -438,6 +452,47 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
         os.close(fd)
 
 
+def _entry_points(site: str) -> Iterator[tuple[str, str, str]]:
+    """`(script, module, attribute)` of every console and GUI script the
+    distributions installed in the directory `site` declare."""
+    try:
+        names = os.listdir(site)
+    except OSError:
+        return
+    for dist in sorted(names):
+        if not dist.endswith((".dist-info", ".egg-info")):
+            continue
+        try:
+            with open(f"{site}/{dist}/entry_points.txt", encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError):
+            continue
+        section = ""
+        for line in text.splitlines():
+            line = line.strip()
+            if line.startswith("["):
+                section = line.strip("[]").strip()
+            elif section in ("console_scripts", "gui_scripts") and "=" in line:
+                script, _, value = line.partition("=")
+                target = _ENTRY_POINT.match(value.strip())  # `[extras]` after it are no code
+                if target is not None and _SCRIPT_NAME.fullmatch(script.strip()):
+                    yield script.strip(), target[1], target[2]
+
+
+def _console_scripts(site: str, bindir: str) -> None:
+    """The base's console scripts, run by the venv's python. A distribution
+    installed in the base counts as installed here (system site packages
+    are visible), so `pip install pytest` answers "already satisfied" and
+    makes no script: without these, `pytest` would be found further down
+    PATH (a pyenv shim, another Python) or not at all. pip writes its own
+    over one of these when it installs that distribution here."""
+    shebang = _shebang(f"{bindir}/python")
+    for script, module, attribute in _entry_points(site):
+        text = _ENTRY_SCRIPT.format(module=module, name=attribute.split(".")[0], call=attribute)
+        with contextlib.suppress(FileExistsError):  # python*, pip*: already written
+            _write(f"{bindir}/{script}", shebang + text, 0o755)
+
+
 def _interpreter(entry: str, xy: str, t: str) -> str | None:
     for name in ("python", f"python{xy}{t}", f"python{xy.split('.')[0]}"):
         exe = os.path.realpath(f"{entry}/bin/{name}")
@@ -452,7 +507,8 @@ def _python_venv(entry: str, dest: str, version: str, arch: str) -> bool:
     the tool cache entry `entry` (see CPython's Lib/venv/__init__.py),
     without running anything, plus what setup-python and builds expect of a
     tool cache Python: `pip` scripts running the base's pip with this
-    environment's python, the base's `lib/` entries (libpython, pkgconfig:
+    environment's python, the console scripts of the base's other
+    distributions, the base's `lib/` entries (libpython, pkgconfig:
     setup-python points LD_LIBRARY_PATH and PKG_CONFIG_PATH there) and its
     `pythonX.Y-config` scripts. False when `entry` has no interpreter."""
     m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
@@ -495,6 +551,8 @@ def _python_venv(entry: str, dest: str, version: str, arch: str) -> bool:
             if os.path.exists(f"{prefix}/bin/{name}"):
                 os.link(f"{bindir}/python{xy}{t}-config", f"{bindir}/{name}")
     if own:  # a system interpreter's lib/ is the system's: nothing of it is the tool's
+        # (and its scripts are in /usr/bin, on PATH anyway)
+        _console_scripts(f"{prefix}/lib/python{xy}{t}/site-packages", bindir)
         try:
             names = os.listdir(f"{prefix}/lib")
         except FileNotFoundError:

@@ -23,6 +23,7 @@ import contextlib
 import os
 import shutil
 import socket
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,7 +158,12 @@ class CheckoutTemplates:
 
     A `store` snapshot whose commit is not at its recorded path (another
     machine's) is fetched from `store` into `state_dir`'s object cache
-    first; the run repository made for it lives as long as its template."""
+    first; the run repository made for it lives as long as its template.
+
+    A job's directory (its copy, its temp, its tool cache) is removed in the
+    background once the job ended (`remove_later`), so the next claim need
+    not wait for it; `close` waits for those removals: when the owner's runs
+    have ended, nothing of their jobs is left behind, half deleted."""
 
     def __init__(
         self, root: Path, *, store: Store | None = None, state_dir: Path | None = None
@@ -170,6 +176,16 @@ class CheckoutTemplates:
         self._copying: dict[SnapshotLocation, int] = {}
         self._small: dict[SnapshotLocation, bool] = {}
         self._fetched: dict[SnapshotLocation, str] = {}
+        self._removals: list[threading.Thread] = []
+
+    def remove_later(self, path: Path) -> None:
+        """Removes the job directory `path` in a thread of its own."""
+        self._removals = [t for t in self._removals if t.is_alive()]
+        removal = threading.Thread(
+            target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}
+        )
+        removal.start()
+        self._removals.append(removal)
 
     async def checkout(self, location: SnapshotLocation, dest: Path, where: str) -> None:
         lock = self._locks.setdefault(location, anyio.Lock())
@@ -243,7 +259,11 @@ class CheckoutTemplates:
 
     def close(self) -> None:
         """Removes every template (the owner's runs have ended) and the run
-        repositories fetched for them."""
+        repositories fetched for them, and waits for the job directories
+        still being removed."""
+        for removal in self._removals:
+            removal.join()
+        self._removals.clear()
         for path in self._paths.values():
             shutil.rmtree(path, ignore_errors=True)
         self._paths.clear()

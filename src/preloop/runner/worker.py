@@ -20,8 +20,6 @@ import dataclasses
 import functools
 import logging
 import os
-import shutil
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -413,10 +411,7 @@ class Runner:
                 await anyio.to_thread.run_sync(log.close)
                 self.current = None
                 self.jobs_run += 1
-                # Removed in the background: the next claim need not wait.
-                threading.Thread(
-                    target=shutil.rmtree, args=(job_dir,), kwargs={"ignore_errors": True}
-                ).start()
+                self.templates.remove_later(job_dir)
                 if self.events.on_end is not None:
                     self.events.on_end(lease, final)
         return final

@@ -429,6 +429,32 @@ def test_a_jobs_pythons_are_throwaway_venvs_over_the_hosts(tmp_path: Path, kind:
     assert (second / "Python" / VERSION / "x64.complete").exists()
 
 
+def _dist_with_script(site: Path, name: str) -> None:
+    """A distribution installed in `site` whose console script `name` prints
+    the prefix of the python running it."""
+    (site / f"{name}_mod.py").write_text("import sys\ndef main():\n    print(sys.prefix)\n")
+    dist = site / f"{name}-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[console_scripts]\n{name} = {name}_mod:main\n")
+
+
+def test_a_distribution_installed_on_the_host_later_gets_its_script(tmp_path: Path) -> None:
+    """Each base's entry points are read once while its site-packages stays
+    as it is; one installed there later is in the venvs of the jobs after."""
+    prefix = host_python_prefix(tmp_path / "pyenv")
+    env = {"PATH": "", "HOME": str(tmp_path), "PYENV_ROOT": str(tmp_path / "pyenv")}
+    env["UV_PYTHON_INSTALL_DIR"] = str(tmp_path / "none")
+    shared = tmp_path / "toolcache"
+    refresh_tool_cache(shared, env)
+    _dist_with_script(_site(prefix), "early")
+    first = job_tool_cache(shared, tmp_path / "jobs" / "1") / "Python" / VERSION / "x64"
+    assert (first / "bin" / "early").exists() and not (first / "bin" / "late").exists()
+    _dist_with_script(_site(prefix), "late")
+    second = job_tool_cache(shared, tmp_path / "jobs" / "2") / "Python" / VERSION / "x64"
+    assert _run(second / "bin" / "late", env=dict(os.environ)).strip() == str(second)
+
+
 def test_setup_action_hint_names_the_versions_the_host_has(tmp_path: Path) -> None:
     root = tmp_path / "tc"
     for version in ("3.12.1", "3.11.7"):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import platform
@@ -60,6 +61,7 @@ _PY_PROBE = (
     "sys.version_info.releaselevel, sys.prefix, sys.implementation.name]))"
 )
 _VERSION = re.compile(r"^\d+\.\d+\.\d+$")
+_PYTHON3 = re.compile(r"python3(\.\d+)?")
 
 
 def tool_arch() -> str:
@@ -145,7 +147,8 @@ def _pythons(env: Mapping[str, str], prober: _Prober) -> Iterator[_Found]:
     for d in _path_dirs(env):
         with contextlib.suppress(OSError):
             for name in sorted(os.listdir(d)):
-                if re.fullmatch(r"python3(\.\d+)?", name):
+                # startswith first: a refresh runs for every job, over every PATH entry
+                if name.startswith("python3") and _PYTHON3.fullmatch(name):
                     candidates.append(d / name)
     roots = [
         Path(env.get("PYENV_ROOT") or Path(env.get("HOME", "~")) / ".pyenv").expanduser()
@@ -452,16 +455,34 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
         os.close(fd)
 
 
-def _entry_points(site: str) -> Iterator[tuple[str, str, str]]:
+_DIST_DIRS = (".dist-info", ".egg-info")
+
+
+def _entry_points(site: str) -> tuple[tuple[str, str, str], ...]:
     """`(script, module, attribute)` of every console and GUI script the
     distributions installed in the directory `site` declare."""
     try:
-        names = os.listdir(site)
+        mtime = os.stat(site).st_mtime_ns
+        names = tuple(sorted(n for n in os.listdir(site) if n.endswith(_DIST_DIRS)))
     except OSError:
-        return
-    for dist in sorted(names):
-        if not dist.endswith((".dist-info", ".egg-info")):
-            continue
+        return ()
+    return _read_entry_points(site, mtime, names)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_entry_points(
+    site: str, mtime_ns: int, dists: tuple[str, ...]
+) -> tuple[tuple[str, str, str], ...]:
+    """`_entry_points`, read once per state of `site`: installing, upgrading
+    or removing a distribution changes its metadata directories (their names
+    carry the version) and the directory's mtime. Every job lays out a venv
+    over each base; reading each distribution's metadata again for each job
+    would cost more than the rest of that layout."""
+    return tuple(_scan_entry_points(site, dists))
+
+
+def _scan_entry_points(site: str, dists: tuple[str, ...]) -> Iterator[tuple[str, str, str]]:
+    for dist in dists:
         try:
             with open(f"{site}/{dist}/entry_points.txt", encoding="utf-8") as f:
                 text = f.read()

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -453,6 +454,65 @@ def test_a_distribution_installed_on_the_host_later_gets_its_script(tmp_path: Pa
     _dist_with_script(_site(prefix), "late")
     second = job_tool_cache(shared, tmp_path / "jobs" / "2") / "Python" / VERSION / "x64"
     assert _run(second / "bin" / "late", env=dict(os.environ)).strip() == str(second)
+
+
+def test_versioned_installer_scripts_are_the_venvs_own(tmp_path: Path) -> None:
+    """pip's and setuptools' entry points name the Python their wheel was
+    built with (pyenv's 3.10 has pip's `pip3.9`): as pip's own installer
+    does, those are not written; the venv's `pipX.Y` is its own version."""
+    prefix = host_python_prefix(tmp_path / "pyenv")
+    env = {"PATH": "", "HOME": str(tmp_path), "PYENV_ROOT": str(tmp_path / "pyenv")}
+    env["UV_PYTHON_INSTALL_DIR"] = str(tmp_path / "none")
+    shared = tmp_path / "toolcache"
+    refresh_tool_cache(shared, env)
+    dist = _site(prefix) / "oldtools-1.0.dist-info"
+    dist.mkdir()
+    (dist / "entry_points.txt").write_text(
+        "[console_scripts]\npip3.9 = pip._internal.cli.main:main\n"
+        "easy_install-3.8 = setuptools.command.easy_install:main\n"
+        "easy_install = setuptools.command.easy_install:main\n"
+    )
+    bindir = job_tool_cache(shared, tmp_path / "job") / "Python" / VERSION / "x64" / "bin"
+    assert sorted(p.name for p in bindir.glob("pip*")) == ["pip", "pip3", f"pip{XY}"]
+    assert [p.name for p in bindir.glob("easy_install*")] == ["easy_install"]
+
+
+def _old_python() -> Path | None:
+    """A CPython before 3.11 on this host (pyenv's), or None."""
+    versions = Path(os.path.expanduser("~/.pyenv/versions"))
+    for exe in sorted(versions.glob("3.*/bin/python3")):
+        out = subprocess.run(
+            [str(exe), "-c", "import sys; print(sys.version_info < (3, 11))"],
+            capture_output=True,
+            text=True,
+        )
+        if out.stdout.strip() == "True":
+            return exe.parent.parent
+    return None
+
+
+def test_a_venv_made_in_a_job_outlives_the_job(tmp_path: Path) -> None:
+    """Before 3.11, `python -m venv` run by a venv's python points the new
+    venv's `home` at that venv: a `.venv` a job makes (kept with
+    actions/cache, or under $HOME) must point at the base interpreter, not
+    into the job's directory, which goes with the job."""
+    base = _old_python()
+    if base is None:
+        pytest.skip("no CPython before 3.11 under ~/.pyenv/versions")
+    version = base.name
+    shared = tmp_path / "shared"
+    (shared / "Python" / version).mkdir(parents=True)
+    (shared / "Python" / version / "x64").symlink_to(base)
+    (shared / "Python" / version / "x64.complete").write_text("")
+    job = job_tool_cache(shared, tmp_path / "job" / "tool")
+    kept = tmp_path / "kept-venv"
+    python = job / "Python" / version / "x64" / "bin" / "python"
+    subprocess.run([str(python), "-m", "venv", "--without-pip", str(kept)], check=True)
+    shutil.rmtree(tmp_path / "job")  # the job ended
+    out = subprocess.run(
+        [str(kept / "bin" / "python"), "-c", "print('alive')"], capture_output=True
+    )
+    assert out.stdout.strip() == b"alive", (kept / "pyvenv.cfg").read_text()
 
 
 def test_setup_action_hint_names_the_versions_the_host_has(tmp_path: Path) -> None:

@@ -430,6 +430,7 @@ if __name__ == "__main__":
 """
 _ENTRY_POINT = re.compile(r"([\w.]+)\s*:\s*([\w.]+)")
 _SCRIPT_NAME = re.compile(r"[\w.+-]+")
+_VERSIONED_INSTALLER = re.compile(r"pip\d+(\.\d+)?|easy_install-\d+\.\d+")
 
 
 _SH_SHEBANG = """\
@@ -509,6 +510,11 @@ def _console_scripts(site: str, bindir: str) -> None:
     over one of these when it installs that distribution here."""
     shebang = _shebang(f"{bindir}/python")
     for script, module, attribute in _entry_points(site):
+        if _VERSIONED_INSTALLER.fullmatch(script):
+            # pip's own installer drops these (their names carry the Python
+            # the wheel was built with: pip3.9 in a 3.10) and writes its own:
+            # here `pip` and `pipX.Y` are already written.
+            continue
         text = _ENTRY_SCRIPT.format(module=module, name=attribute.split(".")[0], call=attribute)
         with contextlib.suppress(FileExistsError):  # python*, pip*: already written
             _write(f"{bindir}/{script}", shebang + text, 0o755)
@@ -554,6 +560,15 @@ def _python_venv(entry: str, dest: str, version: str, arch: str) -> bool:
         f"executable = {exe}\n"
         f"command = {exe} -m venv --system-site-packages --without-pip {dest}\n",
     )
+    if (int(major), int(m[2])) < (3, 11):
+        # Before 3.11 a venv's sys._base_executable is its own python, so a
+        # `python -m venv .venv` made with it points `home` into this job's
+        # directory, and a .venv that outlives the job (actions/cache, $HOME)
+        # breaks with it; 3.11 derives it from `home` here.
+        _write(
+            f"{lib}/python{xy}{t}/site-packages/_preloop_base_executable.pth",
+            f"import sys; sys._base_executable = {exe!r}\n",
+        )
     os.symlink(exe, f"{bindir}/python")
     for name in [f"python{major}", f"python{xy}"] + ([f"python{xy}t"] if t else []):
         # more names of that same link: a hard link costs a fraction of a

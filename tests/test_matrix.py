@@ -8,6 +8,7 @@ import pytest
 
 from preloop.workflow.matrix import (
     MatrixError,
+    expand_legs,
     expand_matrix,
     leg_suffix,
     matrix_from_data,
@@ -125,6 +126,58 @@ def test_object_values_match_whole() -> None:
         }
     )
     assert legs == [{"cfg": {"cc": "clang", "v": 17}}]
+
+
+# GitHub's MatrixFilter turns each leaf of an include/exclude entry into an
+# expression, `matrix['cfg']['node'] == 12`, so its `==` decides: numbers and
+# strings coerce, strings compare ignoring case, mappings match leaf by leaf.
+@pytest.mark.parametrize(
+    ("vector", "entry", "left"),
+    [
+        # YAML's `py: 3.10` is the number 3.1; `matrix['py'] == 3.1` holds for '3.10'
+        (["3.9", "3.10"], 3.1, ["3.9"]),
+        ([3.9, 3.1], "3.10", [3.9]),
+        (["1", "2"], 1, ["2"]),
+        (["ubuntu-latest", "windows-latest"], "Ubuntu-Latest", ["windows-latest"]),
+        # 'true' is NaN as a number, so it is not the boolean true
+        ([True, "TRUE", "x"], "true", [True, "x"]),
+        ([0, 1, "0"], False, [1]),
+        ([{"node": 12, "npm": 6}, {"node": 14}], {"node": 12}, [{"node": 14}]),
+        ([{"Node": "A"}, {"node": "b"}], {"node": "a"}, [{"node": "b"}]),
+        ([["x", "y"], ["x"]], ["X", "y"], [["x"]]),
+        ([{"a": 1}, "s"], {}, []),  # no leaves, no constraint: every leg goes
+    ],
+)
+def test_exclude_compares_with_the_expression_equality(
+    vector: list[Any], entry: Any, left: list[Any]
+) -> None:
+    legs = expand({"v": vector, "exclude": [{"v": entry}]}, allow_empty=True)
+    assert [leg["v"] for leg in legs] == left
+
+
+def test_include_matches_with_the_expression_equality() -> None:
+    legs = expand(
+        {
+            "os": ["ubuntu-latest"],
+            "py": ["3.10"],
+            "cfg": [{"node": 12, "npm": 6}],
+            "include": [{"os": "Ubuntu-Latest", "py": 3.1, "cfg": {"node": "12"}, "x": 1}],
+        }
+    )
+    assert legs == [{"os": "ubuntu-latest", "py": "3.10", "cfg": {"node": 12, "npm": 6}, "x": 1}]
+
+
+def test_unmatched_include_lists_its_vector_keys_first() -> None:
+    # GetUnmatchedVectors: the entry's filter (vector keys, in the entry's
+    # order), then its other keys; both the name and `matrix` follow it.
+    data = {
+        "os": ["ubuntu"],
+        "py": ["3.12"],
+        "include": [{"label": "arm", "py": "3.13", "extra": 1, "os": "macos"}],
+    }
+    new = expand_legs(matrix_from_data(data))[1]
+    assert list(new.values) == ["py", "os", "label", "extra"]
+    assert "b" + leg_suffix(new.named) == "b (3.13, macos, arm, 1)"
 
 
 @pytest.mark.parametrize(

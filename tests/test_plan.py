@@ -72,6 +72,33 @@ jobs:
 """
 
 
+def test_matrix_filters_compare_yaml_values_as_github_does(repo: Path) -> None:
+    # YAML reads `py: 3.10` as the number 3.1; GitHub's filter expression
+    # `matrix['py'] == 3.1` still matches the string '3.10', and ignores case.
+    p = plan_of(
+        repo,
+        """
+        on: push
+        jobs:
+          t:
+            runs-on: x
+            strategy:
+              matrix:
+                os: [ubuntu-latest, windows-latest]
+                py: ["3.9", "3.10"]
+                exclude:
+                  - py: 3.10
+                  - os: Windows-Latest
+                include:
+                  - arch: arm
+                    os: macos
+            steps: [{run: b}]
+        """,
+    )
+    assert [j.name for j in p.jobs] == ["t (ubuntu-latest, 3.9)", "t (macos, arm)"]
+    assert list(p.job("t#1").matrix) == ["os", "arch"]
+
+
 def test_matrix_legs_cohort_and_evaluated_fields(repo: Path) -> None:
     p = plan_of(repo, MATRIX)
     assert [j.id for j in p.jobs] == ["setup", "test#0", "test#1"]

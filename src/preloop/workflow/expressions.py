@@ -377,6 +377,12 @@ def _access(obj: Any, star: bool, idx: Any) -> Any:
     return None
 
 
+def index_value(obj: Any, key: Any) -> Any:
+    """GitHub's `obj[key]`: keys looked up ignoring case, null when absent.
+    Public for the matrix filters, which GitHub evaluates as expressions."""
+    return _access(obj, False, key)
+
+
 # --------------------------------------------------------------------------- json
 
 

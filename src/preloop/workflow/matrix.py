@@ -2,12 +2,14 @@
 workflow").
 
 1. The vectors' cartesian product, the first vector varying slowest.
-2. `exclude`: a combination is removed when it matches an entry partially
-   (every key of the entry has the entry's value).
-3. `include`, after exclude: an entry is merged into every combination whose
-   *original* (vector) values it does not overwrite; values added by an
-   earlier include may be overwritten. An entry that fits no combination is
-   appended as a new one (and later entries are not merged into it).
+2. `exclude`: a combination is removed when it matches an entry: every leaf
+   of the entry (nested mappings and lists walked) equals the combination's
+   value at that path, by the expression language's `==` (see `_matches`).
+3. `include`, after exclude: an entry is merged into every combination its
+   vector keys match (the same comparison); values added by an earlier
+   include may be overwritten. An entry that fits no combination is appended
+   as a new one (and later entries are not merged into it), its vector keys
+   first.
 4. At most 256 legs.
 """
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from preloop.errors import PreloopError
+from preloop.workflow.expressions import index_value, loose_equals
 from preloop.workflow.model import Matrix, frozen_map, thaw
 
 __all__ = [
@@ -95,7 +98,7 @@ class Leg:
     names it by: a combination's vector values only (what an `include` adds is
     not in the name: pytest-dev/pytest's test.yml legs are `build
     (ubuntu-py312)`); for an `include` entry that fits no combination, all of
-    the entry's values."""
+    the entry's values, its vector keys first."""
 
     values: dict[str, Any]
     named: dict[str, Any]
@@ -164,7 +167,11 @@ def expand_legs(matrix: Matrix, *, allow_empty: bool = False) -> list[Leg]:
                 c.update(added)
                 merged = True
         if not merged:
-            extra.append(Leg(dict(plain), dict(plain)))
+            # GitHub's GetUnmatchedVectors builds the new leg from the entry's
+            # filter (its vector keys) and then its extra keys, each in the
+            # entry's order; the leg's name and `matrix` follow that order.
+            fresh = {**original, **added}
+            extra.append(Leg(fresh, dict(fresh)))
     legs.extend(extra)
     if len(legs) > MAX_MATRIX_LEGS:
         raise MatrixError(
@@ -186,7 +193,22 @@ def max_parallel_limit(n: float) -> int | None:
 
 
 def _matches(combo: Mapping[str, Any], entry: Mapping[str, Any]) -> bool:
-    return all(k in combo and combo[k] == v for k, v in entry.items())
+    """Whether `combo` passes the filter `entry`, as GitHub's MatrixFilter
+    decides for both `include` and `exclude`: one expression per leaf of the
+    entry, `matrix['cfg']['node'] == 12`, all truthy. So the expression
+    language's coercion applies (`py: 3.10`, the number 3.1, matches '3.10';
+    'Ubuntu-Latest' matches 'ubuntu-latest'), nested values match leaf by leaf
+    (a subset of a mapping matches), and an empty mapping or list is no
+    constraint at all."""
+
+    def leaves(value: Any, at: Any) -> bool:
+        if isinstance(value, Mapping):
+            return all(leaves(v, index_value(at, k)) for k, v in value.items())
+        if isinstance(value, list | tuple):
+            return all(leaves(v, index_value(at, i)) for i, v in enumerate(value))
+        return loose_equals(at, value)
+
+    return leaves(entry, combo)
 
 
 #: GitHub shortens a job's default display name to this many characters.

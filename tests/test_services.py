@@ -489,6 +489,42 @@ def test_a_jobs_pip_installs_stay_in_the_job(tmp_path: Path) -> None:
     ]
 
 
+def test_a_download_in_a_jobs_tool_cache_is_there_for_the_job_after(tmp_path: Path) -> None:
+    """What a job installs in its own tool cache as setup-python does (a
+    Python the host lacks, a PyPy) is in the shared cache once the job
+    ended, before the job that needs it starts: that one finds both."""
+    state = tmp_path / "state"
+    python = os.path.realpath(sys.executable)
+    jobs = f"""
+  first:
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          for dir in Python/3.99.1 PyPy/7.3.99; do
+            mkdir -p "$RUNNER_TOOL_CACHE/$dir/x64/bin"
+            ln -s {python} "$RUNNER_TOOL_CACHE/$dir/x64/bin/python"
+            touch "$RUNNER_TOOL_CACHE/$dir/x64.complete"
+          done
+  second:
+    needs: first
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          cat "$RUNNER_TOOL_CACHE/Python/3.99.1/x64/pyvenv.cfg"
+          "$RUNNER_TOOL_CACHE/PyPy/7.3.99/x64/bin/python" -c "print('pypy', 'found')"
+"""
+    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    outcome, h = run_engine(repo, f"sqlite:///{tmp_path / 'p.db'}", state)
+    text = h.all_text()
+    assert results(outcome) == {"first": "success", "second": "success"}, text
+    assert "include-system-site-packages = true" in text and "pypy found" in text, text
+    entries = list_tool_cache(state / "toolcache")
+    assert {(e.tool, e.version, e.origin) for e in entries} >= {
+        ("Python", "3.99.1", "installed"),
+        ("PyPy", "7.3.99", "installed"),
+    }
+
+
 #: Where an offline copy of actions/setup-python may be: a bare repository at
 #: `<dir>/actions+setup-python/repo` (the layout of this machine's mirrors).
 SETUP_PYTHON_MIRROR = Path(os.environ.get("PRELOOP_TEST_ACTION_MIRRORS", "/work/.mirror"))

@@ -27,6 +27,7 @@ from preloop.services import ServiceAccess, job_environment, run_services
 from preloop.services.storage import LocalStorage, StorageConflict, StorageError
 from preloop.services.tokens import Claims, mint
 from preloop.services.toolcache import (
+    adopt_job_tools,
     job_tool_cache,
     list_tool_cache,
     refresh_tool_cache,
@@ -428,6 +429,64 @@ def test_a_jobs_pythons_are_throwaway_venvs_over_the_hosts(tmp_path: Path, kind:
     assert tree_state(prefix) == before
     assert list_tool_cache(shared) == listed
     assert (second / "Python" / VERSION / "x64.complete").exists()
+
+
+def test_what_setup_python_downloads_in_a_job_reaches_the_next_job(tmp_path: Path) -> None:
+    """A Python that setup-python installs in a job's own tool cache (as
+    @actions/tool-cache's cacheDir does: `<arch>/`, then `<arch>.complete`),
+    and a PyPy whose tool directory the shared cache did not have, are moved
+    into the shared cache when the job ends: the next job gets a venv over
+    that Python, its pip script runs from there, and a refresh keeps both.
+    A download without its marker, one the shared cache has already, and a
+    job's venv stay in the job."""
+    env = {"PATH": "", "HOME": str(tmp_path), "PYENV_ROOT": str(tmp_path / "none")}
+    env["UV_PYTHON_INSTALL_DIR"] = str(tmp_path / "none")
+    shared = tmp_path / "toolcache"
+    refresh_tool_cache(shared, env)  # no Python on this host
+    first = job_tool_cache(shared, tmp_path / "jobs" / "1" / "tool")
+    assert not (first / "Python").is_symlink() and not (first / "PyPy").exists()
+    # the download: a real interpreter prefix, with pip's script naming it where it is
+    entry = first / "Python" / VERSION / "x64"
+    entry.parent.mkdir(parents=True)
+    host_python_prefix(tmp_path / "dl").rename(entry)
+    (entry / "bin" / "pip").write_text(
+        f"#!{entry}/bin/python{XY}\nimport runpy\nrunpy.run_module('pip', run_name='__main__')\n"
+    )
+    (entry.parent / "x64.complete").write_text("")
+    (first / "Python" / "3.98.0" / "x64" / "bin").mkdir(parents=True)  # interrupted: no marker
+    pypy = first / "PyPy" / "7.3.17" / "x64"
+    (pypy / "bin").mkdir(parents=True)
+    (pypy / "bin" / "pypy3").write_text("pypy\n")
+    (pypy.parent / "x64.complete").write_text("")
+
+    assert adopt_job_tools(first) == ["PyPy/7.3.17/x64", f"Python/{VERSION}/x64"]
+    assert adopt_job_tools(first) == []  # nothing left to move
+    assert (first / "Python" / "3.98.0" / "x64").is_dir()
+    assert not (shared / "Python" / "3.98.0").exists()
+    assert (shared / "PyPy" / "7.3.17" / "x64" / "bin" / "pypy3").read_text() == "pypy\n"
+    installed = [(e.tool, e.version, e.origin) for e in refresh_tool_cache(shared, env)]
+    assert ("Python", VERSION, "installed") in installed
+    assert ("PyPy", "7.3.17", "installed") in installed
+    adopted = shared / "Python" / VERSION / "x64"
+    run_env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    assert f"{_site(adopted)}/pip " in _run(adopted / "bin" / "pip", "--version", env=run_env)
+
+    second = job_tool_cache(shared, tmp_path / "jobs" / "2" / "tool")
+    venv = second / "Python" / VERSION / "x64"
+    base = _run(venv / "bin" / "python", "-c", "import sys; print(sys.base_prefix)", env=run_env)
+    assert base.strip() == str(adopted)
+    assert (second / "PyPy").resolve() == shared / "PyPy"
+    # a second download of what the shared cache has stays in its job
+    again = second / "Python" / "3.98.0" / "x64"
+    again.mkdir(parents=True)
+    (again.parent / "x64.complete").write_text("")
+    (shared / "Python" / "3.98.0" / "x64").mkdir(parents=True)
+    assert adopt_job_tools(second) == []
+    assert again.is_dir() and not (shared / "Python" / "3.98.0" / "x64.complete").exists()
+    # the job's venv over an entry removed meanwhile is no install
+    shutil.rmtree(shared / "Python" / VERSION)
+    assert adopt_job_tools(second) == []
+    assert not (shared / "Python" / VERSION).exists() and (venv / "pyvenv.cfg").exists()
 
 
 def _dist_with_script(site: Path, name: str) -> None:

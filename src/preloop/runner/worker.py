@@ -61,7 +61,7 @@ from preloop.services import (
     ServiceEndpoint,
     job_environment,
 )
-from preloop.services.toolcache import default_tool_cache
+from preloop.services.toolcache import adopt_job_tools, default_tool_cache
 from preloop.workflow import PlanError, PlannedJob, expand_deferred
 
 __all__ = ["DEFAULT_LABELS", "JobEvents", "Runner", "RunnerOptions"]
@@ -384,6 +384,10 @@ class Runner:
         finally:
             with anyio.CancelScope(shield=True):
                 final = result or JobResult("cancelled", {}, [], [], "", "cancelled")
+                # Before the result is recorded: a job that `needs` this one
+                # may start as soon as it is, and must find what this one's
+                # setup actions downloaded rather than download it again.
+                await anyio.to_thread.run_sync(adopt_job_tools, job_dir / "tool")
                 try:
                     if report is not None:
                         done = await report(lease, final)

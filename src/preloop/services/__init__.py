@@ -146,7 +146,9 @@ def job_environment(
     (a few `stat`s when nothing changed; at most every REFRESH_EVERY seconds
     per process), then lays out the job's own tool
     cache over it at `tool_cache` (`job_tool_cache`: its Pythons are fresh
-    virtual environments, so what the job installs goes with it). Without
+    virtual environments, so what the job installs goes with it; what its
+    setup actions download there is moved into the shared cache when it
+    ends, by `adopt_job_tools`). Without
     `tool_cache` the job is given the shared one. Without `access` (a runner
     given no service) only the tool cache is provided."""
     shared = default_tool_cache(state_dir)

@@ -26,16 +26,23 @@ A job does not use that shared cache directly: `job_tool_cache(shared, dest)`
 lays out the job's own `RUNNER_TOOL_CACHE` in its directory, where each
 `Python` entry is a fresh virtual environment over the shared one (what a
 job's `pip install` writes lands there and goes with the job, never in the
-host's interpreter) and every other tool is a link to the shared tool
-directory (setup actions that download still fill the shared cache).
+host's interpreter) and every other tool directory the shared cache has is a
+link to it (a download of node, go, ... lands in the shared cache). A
+download into one of the job's own directories (`Python`, or a tool the
+shared cache had no directory for: `PyPy`, `GraalPy`) is moved into the
+shared cache when the job ends (`adopt_job_tools`), so later jobs find it
+rather than download it again; like every entry a setup action installed,
+a refresh never removes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import json
+import logging
 import os
 import platform
 import re
@@ -47,6 +54,7 @@ from pathlib import Path
 
 __all__ = [
     "ToolEntry",
+    "adopt_job_tools",
     "default_tool_cache",
     "job_tool_cache",
     "list_tool_cache",
@@ -62,6 +70,7 @@ _PY_PROBE = (
 )
 _VERSION = re.compile(r"^\d+\.\d+\.\d+$")
 _PYTHON3 = re.compile(r"python3(\.\d+)?")
+_log = logging.getLogger(__name__)
 
 
 def tool_arch() -> str:
@@ -258,8 +267,9 @@ def _discover(env: Mapping[str, str], prober: _Prober) -> list[_Found]:
 
 @contextlib.contextmanager
 def _locked(root: Path, *, shared: bool = False) -> Iterator[None]:
-    """A refresh holds it exclusively; jobs laying out their tool cache from
-    `root` hold it shared, so that none sees an entry half re-laid."""
+    """A refresh and `adopt_job_tools` hold it exclusively; jobs laying out
+    their tool cache from `root` hold it shared, so that none sees an entry
+    half re-laid or half moved in."""
     root.mkdir(parents=True, exist_ok=True)
     fd = os.open(root / ".preloop-host.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
@@ -329,7 +339,9 @@ def refresh_tool_cache(root: Path, env: Mapping[str, str] | None = None) -> list
             dest = root / rel
             ours = rel in old
             if not ours and (dest.exists() or dest.is_symlink()):
-                continue  # installed there by a setup action: leave it alone
+                # installed there by a setup action (or moved there from a
+                # job's own directory by adopt_job_tools): leave it alone
+                continue
             complete = (root / f"{rel}.complete").exists()
             if not ours or old[rel] != desc or not complete or not dest.exists():
                 _lay_out(root, _arch_for(f.tool, arch), f)
@@ -610,9 +622,10 @@ def job_tool_cache(shared: Path, dest: Path) -> Path:
     system's), which a job's `pip install` must never change nor hand on to
     other jobs; a Debian interpreter's EXTERNALLY-MANAGED marker does not
     apply in a venv, so `pip install` works as it does on GitHub. Python 2
-    has no venv: its entries are linked as they are. Every other tool is a
-    link to the shared tool directory, so setup actions that download a tool
-    fill the shared cache.
+    has no venv: its entries are linked as they are. Every other tool
+    directory is a link to the shared one, so setup actions that download
+    that tool fill the shared cache; what they download into the job's own
+    directories is moved there by `adopt_job_tools` when the job ends.
 
     Written by hand, no `python -m venv` per version per job: about 1 ms
     per interpreter (some 40 files and directories each on an ext4 state
@@ -652,6 +665,117 @@ def _job_python(shared: Path, dest: Path, version: str) -> None:
         elif not _python_venv(str(entry), str(dest / arch), version, arch):
             continue
         os.close(os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+
+
+def _job_installs(job: Path) -> Iterator[tuple[str, str, str]]:
+    """`(tool, version, arch)` of each complete entry a setup action wrote in
+    the job's tool cache `job` itself: in a real tool directory (a link is
+    the shared cache's own), a real `<arch>` directory (Python 2's entries
+    are links to the shared ones) holding no `pyvenv.cfg`. A venv is never a
+    setup action's install: it is what `job_tool_cache` made over a shared
+    entry (or one a step made), and only means something beside its base."""
+    for tool in os.listdir(job):
+        tool_dir = job / tool
+        if tool.startswith(".") or tool_dir.is_symlink() or not tool_dir.is_dir():
+            continue
+        for version in os.listdir(tool_dir):
+            version_dir = tool_dir / version
+            if version_dir.is_symlink() or not version_dir.is_dir():
+                continue
+            for name in os.listdir(version_dir):
+                arch = name.removesuffix(".complete")
+                entry = version_dir / arch
+                if (
+                    arch != name
+                    and not entry.is_symlink()
+                    and entry.is_dir()
+                    and not (entry / "pyvenv.cfg").exists()
+                ):
+                    yield tool, version, arch
+
+
+def _relocate_scripts(entry: Path, olds: Iterable[str], new: str) -> None:
+    """Rewrites the shebangs of `entry/bin`'s scripts that name the entry by
+    its old path (pip's, which setup-python's install writes with
+    `ensurepip`; PyPy's `bin/` is on a later job's PATH as it is) to name it
+    by the new one. In the first three lines only: a long path is run
+    through /bin/sh, named on the second line (pip's `exec` form)."""
+    bindir = entry / "bin"
+    if not bindir.is_dir():
+        return
+    for script in bindir.iterdir():
+        if script.is_symlink() or not script.is_file():
+            continue
+        with open(script, "rb") as f:
+            if f.read(2) != b"#!":
+                continue
+            f.seek(0)
+            text = b"".join(f.readline() for _ in range(3))
+            rest = f.read()
+        fixed = text
+        for old in olds:
+            fixed = fixed.replace(old.encode() + b"/", new.encode() + b"/")
+        if fixed == text:
+            continue
+        tmp = script.with_name(f".{script.name}.preloop-tmp")
+        tmp.write_bytes(fixed + rest)
+        os.chmod(tmp, script.stat().st_mode & 0o7777)
+        os.replace(tmp, script)
+
+
+def adopt_job_tools(job: Path) -> list[str]:
+    """Moves into the shared tool cache what setup actions installed in the
+    job's tool cache `job` itself (see `_job_installs`; a download into a
+    linked tool directory is there already) and returns the `<tool>/<version>/
+    <arch>` it moved. An entry the shared cache has (complete or not) or
+    that a refresh laid out for the host stays in the job, to go with it, as
+    does one without its `.complete` marker (an interrupted download).
+
+    Under the shared cache's lock, so that no refresh nor job layout sees
+    half an entry: the `<arch>` directory is renamed there (no copy: both
+    are under the state directory; on another filesystem it stays in the
+    job), its scripts' shebangs rewritten, and its marker written last: a
+    crash leaves at worst an entry without one, which nothing uses. Called
+    again, it finds nothing left to move. Never raises for a failure (a
+    warning is logged): the job's result does not depend on it. For a job
+    that ended, before its directory is removed."""
+    job = Path(job)
+    try:
+        shared = Path(os.readlink(job / SHARED_LINK))
+    except OSError:
+        return []  # not a job's tool cache, or the job never got one
+    adopted: list[str] = []
+    try:
+        found = sorted(_job_installs(job))
+        if not found:
+            return adopted  # the usual job: no lock to wait for
+        with _locked(shared):
+            try:
+                manifest = json.loads((shared / MANIFEST).read_text(encoding="utf-8"))
+                host = set(manifest.get("entries") or {})
+            except (OSError, ValueError, AttributeError):
+                host = set()
+            for tool, version, arch in found:
+                rel = f"{tool}/{version}/{arch}"
+                src, dest = job / rel, shared / rel
+                marker = dest.with_name(f"{arch}.complete")
+                if rel in host or dest.exists() or dest.is_symlink() or marker.exists():
+                    continue
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                olds = {str(src), os.path.realpath(src)}
+                try:
+                    os.rename(src, dest)
+                except OSError as exc:
+                    if exc.errno != errno.EXDEV:
+                        raise
+                    _log.warning("tool cache: %s is on another filesystem than %s", job, shared)
+                    break
+                _relocate_scripts(dest, olds, str(dest))
+                os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+                adopted.append(rel)
+    except OSError as exc:
+        _log.warning("tool cache: what the job installed in %s stays there: %s", job, exc)
+    return adopted
 
 
 def shared_tool_cache(root: Path) -> Path:

@@ -627,10 +627,11 @@ def job_tool_cache(shared: Path, dest: Path) -> Path:
     that tool fill the shared cache; what they download into the job's own
     directories is moved there by `adopt_job_tools` when the job ends.
 
-    Written by hand, no `python -m venv` per version per job: about 1 ms
-    per interpreter (some 40 files and directories each on an ext4 state
-    disk, more with many console scripts); `python -m venv` would take
-    tens of ms each."""
+    Written by hand, no `python -m venv` per version per job: some 30
+    files, links and directories per interpreter (more with many console
+    scripts), about 1 ms where creating a file costs ~25 µs; `python -m
+    venv` would take tens of ms each. On a file system where creating
+    costs far more (this machine's /tmp: 0.4-0.8 ms) it shows per job."""
     dest = Path(dest)
     dest.mkdir(parents=True)
     os.symlink(shared, dest / SHARED_LINK)

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import threading
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +37,9 @@ from preloop import config
 from preloop.services.storage import LocalStorage, ServiceStorage
 from preloop.services.tokens import Claims, mint
 from preloop.services.toolcache import (
-    MANIFEST,
     default_tool_cache,
     job_tool_cache,
-    refresh_tool_cache,
+    refresh_now_and_then,
 )
 
 if TYPE_CHECKING:
@@ -114,26 +111,6 @@ class ServiceEndpoint:
         )
 
 
-#: Seconds a process goes without looking at the host's toolchains again: a
-#: refresh stats every PATH entry and interpreter (a few ms, under a lock every
-#: job of every runner takes); a toolchain installed on the host is seen by
-#: the jobs that start this long after.
-REFRESH_EVERY = 2.0
-_refreshed: dict[Path, float] = {}
-_refreshed_lock = threading.Lock()
-
-
-def _refresh_now_and_then(shared: Path) -> None:
-    with _refreshed_lock:
-        last = _refreshed.get(shared)
-    recent = last is not None and time.monotonic() - last < REFRESH_EVERY
-    if recent and (shared / MANIFEST).exists():  # not removed since
-        return
-    refresh_tool_cache(shared)
-    with _refreshed_lock:
-        _refreshed[shared] = time.monotonic()
-
-
 def job_environment(
     state_dir: Path,
     access: ServiceAccess | None,
@@ -142,17 +119,16 @@ def job_environment(
     tool_cache: Path | None = None,
 ) -> dict[str, str]:
     """The environment variables a job of run `run_id` needs for the runner's
-    services. Refreshes the shared tool cache from the host's toolchains first
-    (a few `stat`s when nothing changed; at most every REFRESH_EVERY seconds
-    per process), then lays out the job's own tool
-    cache over it at `tool_cache` (`job_tool_cache`: its Pythons are fresh
-    virtual environments, so what the job installs goes with it; what its
-    setup actions download there is moved into the shared cache when it
-    ends, by `adopt_job_tools`). Without
-    `tool_cache` the job is given the shared one. Without `access` (a runner
-    given no service) only the tool cache is provided."""
+    services. Refreshes the shared tool cache from the host's toolchains
+    first (`refresh_now_and_then`), then lays out the job's own tool cache
+    over it at `tool_cache` (`job_tool_cache`: its Pythons are fresh virtual
+    environments, so what the job installs goes with it; what its setup
+    actions download there is moved into the shared cache when it ends, by
+    `adopt_job_tools`). Without `tool_cache` the job is given the shared one.
+    Without `access` (a runner given no service) only the tool cache is
+    provided."""
     shared = default_tool_cache(state_dir)
-    _refresh_now_and_then(shared)
+    refresh_now_and_then(shared)
     root = shared if tool_cache is None else job_tool_cache(shared, tool_cache)
     env = {"RUNNER_TOOL_CACHE": str(root)}
     if access is not None:

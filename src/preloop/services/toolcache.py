@@ -48,9 +48,12 @@ import platform
 import re
 import shutil
 import subprocess
+import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "ToolEntry",
@@ -58,6 +61,7 @@ __all__ = [
     "default_tool_cache",
     "job_tool_cache",
     "list_tool_cache",
+    "refresh_now_and_then",
     "refresh_tool_cache",
     "shared_tool_cache",
 ]
@@ -265,6 +269,16 @@ def _discover(env: Mapping[str, str], prober: _Prober) -> list[_Found]:
     return list(found.values())
 
 
+def _read_manifest(root: Path) -> dict[str, Any]:
+    """`root`'s manifest of the entries preloop laid out for the host and of
+    its probes; empty when there is none (or it is not one)."""
+    try:
+        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
 @contextlib.contextmanager
 def _locked(root: Path, *, shared: bool = False) -> Iterator[None]:
     """A refresh and `adopt_job_tools` hold it exclusively; jobs laying out
@@ -323,12 +337,7 @@ def refresh_tool_cache(root: Path, env: Mapping[str, str] | None = None) -> list
     arch = tool_arch()
     with _locked(root):
         manifest_path = root / MANIFEST
-        try:
-            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-            if not isinstance(manifest, dict):
-                manifest = {}
-        except (OSError, ValueError):
-            manifest = {}
+        manifest = _read_manifest(root)
         prober = _Prober(dict(manifest.get("probes") or {}))
         found = _discover(env, prober)
         old: dict[str, str] = dict(manifest.get("entries") or {})
@@ -362,6 +371,29 @@ def refresh_tool_cache(root: Path, env: Mapping[str, str] | None = None) -> list
     return list_tool_cache(root)
 
 
+#: Seconds a process goes without looking at the host's toolchains again: a
+#: refresh stats every PATH entry and interpreter (a few ms, under the lock
+#: every job's layout takes too); a toolchain installed on the host is seen
+#: by the jobs that start this long after.
+REFRESH_EVERY = 2.0
+_refreshed: dict[Path, float] = {}
+_refreshed_lock = threading.Lock()
+
+
+def refresh_now_and_then(root: Path) -> None:
+    """`refresh_tool_cache(root)` before a job, unless this process did it
+    less than REFRESH_EVERY seconds ago and `root` is still there."""
+    root = Path(root)
+    with _refreshed_lock:
+        last = _refreshed.get(root)
+    recent = last is not None and time.monotonic() - last < REFRESH_EVERY
+    if recent and (root / MANIFEST).exists():
+        return
+    refresh_tool_cache(root)
+    with _refreshed_lock:
+        _refreshed[root] = time.monotonic()
+
+
 def _versions(root: Path) -> Iterable[tuple[str, str, str]]:
     with contextlib.suppress(OSError):
         for tool in sorted(os.listdir(root)):
@@ -384,10 +416,7 @@ def _version_key(version: str) -> tuple[int, ...]:
 def list_tool_cache(root: Path) -> list[ToolEntry]:
     """Every complete `<tool>/<version>/<arch>` in `root`, newest version first per tool."""
     root = Path(root)
-    try:
-        ours = set(json.loads((root / MANIFEST).read_text(encoding="utf-8")).get("entries") or {})
-    except (OSError, ValueError, AttributeError):
-        ours = set()
+    ours = set(_read_manifest(root).get("entries") or {})
     entries = []
     for tool, version, arch in _versions(root):
         rel = f"{tool}/{version}/{arch}"
@@ -440,7 +469,6 @@ if __name__ == "__main__":
     sys.argv[0] = re.sub(r"(-script\\.pyw|\\.exe)?$", "", sys.argv[0])
     sys.exit({call}())
 """
-_ENTRY_POINT = re.compile(r"([\w.]+)\s*:\s*([\w.]+)")
 _SCRIPT_NAME = re.compile(r"[\w.+-]+")
 _VERSIONED_INSTALLER = re.compile(r"pip\d+(\.\d+)?|easy_install-\d+\.\d+")
 
@@ -468,18 +496,16 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
         os.close(fd)
 
 
-_DIST_DIRS = (".dist-info", ".egg-info")
-
-
 def _entry_points(site: str) -> tuple[tuple[str, str, str], ...]:
     """`(script, module, attribute)` of every console and GUI script the
     distributions installed in the directory `site` declare."""
     try:
         mtime = os.stat(site).st_mtime_ns
-        names = tuple(sorted(n for n in os.listdir(site) if n.endswith(_DIST_DIRS)))
+        listed = os.listdir(site)
     except OSError:
         return ()
-    return _read_entry_points(site, mtime, names)
+    dists = tuple(sorted(n for n in listed if n.endswith((".dist-info", ".egg-info"))))
+    return _read_entry_points(site, mtime, dists)
 
 
 @functools.lru_cache(maxsize=64)
@@ -491,26 +517,19 @@ def _read_entry_points(
     carry the version) and the directory's mtime. Every job lays out a venv
     over each base; reading each distribution's metadata again for each job
     would cost more than the rest of that layout."""
-    return tuple(_scan_entry_points(site, dists))
+    from importlib.metadata import distributions
 
-
-def _scan_entry_points(site: str, dists: tuple[str, ...]) -> Iterator[tuple[str, str, str]]:
-    for dist in dists:
-        try:
-            with open(f"{site}/{dist}/entry_points.txt", encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError):
-            continue
-        section = ""
-        for line in text.splitlines():
-            line = line.strip()
-            if line.startswith("["):
-                section = line.strip("[]").strip()
-            elif section in ("console_scripts", "gui_scripts") and "=" in line:
-                script, _, value = line.partition("=")
-                target = _ENTRY_POINT.match(value.strip())  # `[extras]` after it are no code
-                if target is not None and _SCRIPT_NAME.fullmatch(script.strip()):
-                    yield script.strip(), target[1], target[2]
+    found = []
+    for dist in distributions(path=[site]):
+        for ep in dist.entry_points:
+            if ep.group not in ("console_scripts", "gui_scripts"):
+                continue
+            # EntryPoint's pattern (`module:attr [extras]`) keeps the module
+            # and attribute to dotted names: nothing else reaches the script.
+            match = ep.pattern.match(ep.value)
+            if match and match["attr"] and _SCRIPT_NAME.fullmatch(ep.name):
+                found.append((ep.name, match["module"], match["attr"]))
+    return tuple(found)
 
 
 def _console_scripts(site: str, bindir: str) -> None:
@@ -665,7 +684,7 @@ def _job_python(shared: Path, dest: Path, version: str) -> None:
             os.symlink(entry, dest / arch)
         elif not _python_venv(str(entry), str(dest / arch), version, arch):
             continue
-        os.close(os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        (dest / name).touch()
 
 
 def _job_installs(job: Path) -> Iterator[tuple[str, str, str]]:
@@ -741,9 +760,8 @@ def adopt_job_tools(job: Path) -> list[str]:
     warning is logged): the job's result does not depend on it. For a job
     that ended, before its directory is removed."""
     job = Path(job)
-    try:
-        shared = Path(os.readlink(job / SHARED_LINK))
-    except OSError:
+    shared = shared_tool_cache(job)
+    if shared == job:
         return []  # not a job's tool cache, or the job never got one
     adopted: list[str] = []
     try:
@@ -751,11 +769,7 @@ def adopt_job_tools(job: Path) -> list[str]:
         if not found:
             return adopted  # the usual job: no lock to wait for
         with _locked(shared):
-            try:
-                manifest = json.loads((shared / MANIFEST).read_text(encoding="utf-8"))
-                host = set(manifest.get("entries") or {})
-            except (OSError, ValueError, AttributeError):
-                host = set()
+            host = set(_read_manifest(shared).get("entries") or {})
             for tool, version, arch in found:
                 rel = f"{tool}/{version}/{arch}"
                 src, dest = job / rel, shared / rel
@@ -772,7 +786,7 @@ def adopt_job_tools(job: Path) -> list[str]:
                     _log.warning("tool cache: %s is on another filesystem than %s", job, shared)
                     break
                 _relocate_scripts(dest, olds, str(dest))
-                os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+                marker.touch()
                 adopted.append(rel)
     except OSError as exc:
         _log.warning("tool cache: what the job installed in %s stays there: %s", job, exc)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from preloop.errors import PreloopError
-from preloop.workflow.expressions import index_value, loose_equals
+from preloop.workflow.expressions import coerce_string, index_value, loose_equals
 from preloop.workflow.model import Matrix, frozen_map, thaw
 
 __all__ = [
@@ -221,8 +221,6 @@ def leg_suffix(values: Mapping[str, Any]) -> str:
     first (an object's or a list's too: astral-sh/ruff's `platform: {target:
     ..., arch: ...}` legs are `windows (x86_64-pc-windows-msvc, x64)`), empty
     strings and nulls left out; '' when nothing is left."""
-    from preloop.workflow.expressions import coerce_string
-
     parts: list[str] = []
 
     def walk(v: Any) -> None:

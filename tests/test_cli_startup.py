@@ -72,12 +72,59 @@ def test_du_import_budget(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"x")
     names = imported_modules("du", str(tmp_path))
     assert not _heavy(names)
+    # A plain `du PATH` is answered before the command framework is imported.
+    assert "click" not in names and "dataclasses" not in names, sorted(names)
+    assert {n for n in names if n.startswith("preloop")} <= {
+        "preloop",
+        "preloop.__main__",
+        "preloop.cli",
+        "preloop.cli.du_report",
+        "preloop._native",
+    }
+    assert len(names) <= 70, sorted(names)
+    # Through click (`--` ends the options), still without the heavy modules.
+    names = imported_modules("du", "--", str(tmp_path))
+    assert not _heavy(names) and "click" in names
     assert {n for n in names if n.startswith("preloop.cli.")} <= {
         "preloop.cli.app",
         "preloop.cli.commands",
         "preloop.cli.du",
+        "preloop.cli.du_report",
     }
     assert len(names) <= 130, sorted(names)
+
+
+@pytest.mark.parametrize(
+    "flags", [[], ["--json"], ["--cross-filesystems"], ["--json", "--cross-filesystems"]]
+)
+@pytest.mark.parametrize("missing", [False, True])
+def test_du_fast_path_prints_what_the_command_prints(
+    tmp_path: Path, flags: list[str], missing: bool
+) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"x" * 1000)
+    (tmp_path / "d" / "l").symlink_to("f")
+    path = str(tmp_path / ("missing" if missing else "d"))
+
+    def run(*args: str) -> tuple[int, str, str]:
+        r = subprocess.run(
+            [sys.executable, "-m", "preloop", "du", *args], capture_output=True, text=True
+        )
+        return r.returncode, r.stdout, r.stderr
+
+    fast = run(*flags, path)
+    assert fast == run(*flags, "--", path)  # the click command
+    assert fast[0] == (1 if missing else 0), fast
+    assert (path in fast[2]) if missing else (path in fast[1])
+
+
+def test_du_fields_are_tree_sizes() -> None:
+    import dataclasses
+
+    from preloop.cli.du_report import FIELDS
+    from preloop.fs import TreeSize
+
+    assert tuple(f.name for f in dataclasses.fields(TreeSize)) == FIELDS
 
 
 def test_help_lists_every_command() -> None:

@@ -3,7 +3,8 @@ registers itself on `cli` when imported; `preloop.cli.commands.COMMANDS` says
 which module defines which command, so only the command that runs is imported.
 
 `preloop --version` is answered before click is imported: it is what scripts and
-shells run most to probe for the tool.
+shells run most to probe for the tool. So is a plain `preloop du [--json]
+[--cross-filesystems] PATH` (`preloop.cli.du_report`), measured against `du -sb`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.stdout.write(f"preloop, version {version()}\n")
         sys.exit(0)
+    if args[:1] == ["du"]:
+        from preloop.cli.du_report import fast_du
+
+        code = fast_du(args[1:])
+        if code is not None:
+            sys.exit(code)
     from preloop.cli.app import main as run_main
 
     run_main(argv)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import sys
 
 import click
 
-from preloop.cli.app import cli, emit_json, fail
-from preloop.fs import tree_bytes
+from preloop.cli.app import cli
+from preloop.cli.du_report import du_report
 
 
 @cli.command("du")
@@ -24,16 +24,8 @@ def du_command(path: str, as_json: bool, cross_filesystems: bool) -> None:
     Apparent bytes match `du -sb`, allocated bytes `du -s --block-size=1`;
     symlinks are not followed and hard-linked files count once.
     """
-    try:
-        size = tree_bytes(path, one_file_system=not cross_filesystems)
-    except OSError as exc:
-        fail(f"cannot size {exc.filename or path}: {exc.strerror or exc}")
-    if as_json:
-        emit_json({"path": path, **asdict(size)})
-        return
-    click.echo(
-        f"{size.apparent_bytes}\tapparent bytes\n"
-        f"{size.allocated_bytes}\tallocated bytes\n"
-        f"{size.files}\tfiles\n{size.dirs}\tdirs\n{size.symlinks}\tsymlinks\n"
-        f"{path}"
-    )
+    code, text = du_report(path, as_json=as_json, cross_filesystems=cross_filesystems)
+    if code:
+        click.echo(text, nl=False, err=True)
+        sys.exit(code)
+    click.echo(text, nl=False)

@@ -388,3 +388,42 @@ def test_workflow_command_parser_batches_are_line_by_line(
         start += size
     assert got == expected
     assert batched.effects == one.effects
+
+
+def _masked_by_coverage(text: str, values: frozenset[str]) -> str:
+    """What masking must give: each run of characters covered by some
+    occurrence of some value (overlapping or adjacent ones) becomes one mask."""
+    covered = [False] * len(text)
+    for v in values:
+        start = text.find(v)
+        while start >= 0:
+            covered[start : start + len(v)] = [True] * len(v)
+            start = text.find(v, start + 1)
+    out, i = [], 0
+    while i < len(text):
+        if covered[i]:
+            while i < len(text) and covered[i]:
+                i += 1
+            out.append("***")
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+@FUZZ
+@given(
+    st.lists(st.text(alphabet="ab\"'&<", min_size=1, max_size=6), max_size=4),
+    st.text(alphabet="ab\"'&<x", max_size=60),
+    st.booleans(),
+)
+def test_masking_hides_every_occurrence_and_nothing_else(
+    values: list[str], text: str, alternation: bool
+) -> None:
+    masker = Masker()
+    if alternation:
+        masker.find_limit = 0  # the compiled alternation, as with many secrets
+    for v in values:
+        masker.add(v)
+    assert masker.mask(text) == _masked_by_coverage(text, masker.values)
+    assert masker.contains_secret(text) == any(v in text for v in masker.values)

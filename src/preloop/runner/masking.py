@@ -40,6 +40,8 @@ MASK = "***"
 # three-character base64 fragment would mask unrelated text everywhere.
 _MIN_ENCODED = 4
 _LONG_TEXT = 4096
+# Up to this many values (forms included) a text is searched value by value.
+_FIND_LIMIT = 48
 
 
 def _base64_forms(value: str) -> list[str]:
@@ -87,6 +89,10 @@ def encoded_forms(value: str) -> list[str]:
 class Masker:
     """Replaces registered values, and their encoded forms, by `***`."""
 
+    #: Up to this many values (forms included) a text is searched value by
+    #: value; beyond, with one compiled alternation (see `_occurrences`).
+    find_limit = _FIND_LIMIT
+
     def __init__(self) -> None:
         self._values: set[str] = set()
         self._originals: set[str] = set()
@@ -127,7 +133,7 @@ class Masker:
         """Whether masking would change `text`."""
         if not self._values:
             return False
-        if len(text) > _LONG_TEXT:
+        if len(text) > _LONG_TEXT or len(self._values) <= self.find_limit:
             # A substring search per value beats the regex alternation on
             # long text (a step printing megabytes on one line).
             return any(v in text for v in self._values)
@@ -139,33 +145,52 @@ class Masker:
             self._pattern = re.compile("|".join(re.escape(v) for v in ordered))
         return self._pattern
 
-    def mask(self, text: str) -> str:
-        if not self._values or not text:
-            return text
-        if len(text) > _LONG_TEXT and not self.contains_secret(text):
-            return text
+    def _occurrences(self, text: str) -> list[tuple[int, int]]:
+        """`(start, end)` of occurrences of the values in `text`, sorted,
+        covering every character of every occurrence (overlapping ones
+        included). Up to `find_limit` values, a `str.find` per value: a
+        job's token and its encoded forms are some ten values of hundreds of
+        characters, whose alternation takes `re` ~2 ms to compile, again
+        after every `add`, for a few lines of output. Beyond, the compiled
+        alternation, which finds each start where some value occurs (its
+        longest occurrence there)."""
+        found: list[tuple[int, int]] = []
+        if len(self._values) <= self.find_limit:
+            for v in self._values:
+                start = text.find(v)
+                while start >= 0:
+                    found.append((start, start + len(v)))
+                    start = text.find(v, start + 1)
+            found.sort()
+            return found
         pattern = self._compiled()
-        first = pattern.search(text)
-        if first is None:
-            return text
-        # Every occurrence of every value (overlapping ones included), merged
-        # into spans: "abcd" and "cdef" hide all of "abcdef".
-        spans: list[tuple[int, int]] = []
-        pos = first.start()
-        while True:
-            m = pattern.search(text, pos)
-            if m is None:
-                break
+        pos = 0
+        while (m := pattern.search(text, pos)) is not None:
             start = m.start()
             end = max(
                 (start + len(v) for v in self._values if text.startswith(v, start)),
                 default=m.end(),
             )
+            found.append((start, end))
+            pos = start + 1
+        return found
+
+    def mask(self, text: str) -> str:
+        if not self._values or not text:
+            return text
+        if len(text) > _LONG_TEXT and not self.contains_secret(text):
+            return text
+        found = self._occurrences(text)
+        if not found:
+            return text
+        # Overlapping or adjacent occurrences merged into spans: "abcd" and
+        # "cdef" hide all of "abcdef".
+        spans: list[tuple[int, int]] = []
+        for start, end in found:
             if spans and start <= spans[-1][1]:
                 spans[-1] = (spans[-1][0], max(spans[-1][1], end))
             else:
                 spans.append((start, end))
-            pos = start + 1
         out: list[str] = []
         last = 0
         for start, end in spans:

@@ -206,10 +206,17 @@ def test_per_completion_cost(benchmark: Any, store_url: str, legs: int) -> None:
     assert result["graph_loads_per_completion"] == 0
 
 
+# Each end condition is polled every 2 ms on the database the queue runs on,
+# so it must cost that queue as little as ours costs us (a primary-key read,
+# ~0.02 ms of server time): `NOT EXISTS` over the queue's own partial
+# indexes of open jobs. A `count(*)` over the table (1.7 ms at 20,000
+# PgQueuer rows, 2.6 ms for procrastinate's) took a third to most of a core
+# from the queue it was timing.
 PEERS = {
-    "pgqueuer": "SELECT count(*) = 0 FROM pgqueuer",
-    "procrastinate": "SELECT count(*) = 0 FROM procrastinate_jobs "
-    "WHERE status IN ('todo', 'doing')",
+    "pgqueuer": "SELECT NOT EXISTS (SELECT 1 FROM pgqueuer WHERE status = 'queued') "
+    "AND NOT EXISTS (SELECT 1 FROM pgqueuer WHERE status = 'picked')",
+    "procrastinate": "SELECT NOT EXISTS (SELECT 1 FROM procrastinate_jobs "
+    "WHERE status IN ('todo', 'doing'))",
 }
 PEERS_SCRIPT = str(Path(__file__).with_name("peers.py"))
 

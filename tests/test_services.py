@@ -21,7 +21,7 @@ from tests.python_support import VERSION, XY, host_python_prefix, tiny_project_f
 from tests.run_support import git, make_repo, results, run_engine
 
 from preloop.runner.checkout import work_dir
-from preloop.services.toolcache import list_tool_cache
+from preloop.services.toolcache import job_uses_tool_cache, list_tool_cache
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
 
@@ -399,6 +399,51 @@ def test_tool_cache_find_python_returns_the_hosts_interpreter(
     assert shown.returncode == 0, shown.stderr
     entries = json.loads(shown.stdout)["entries"]
     assert any(e["tool"] == "Python" and e["version"] == version for e in entries)
+
+
+def test_only_jobs_that_may_read_the_tool_cache_get_it_laid_out(
+    tmp_path: Path, store_url: str
+) -> None:
+    """A job of `run:` steps that never name the tool cache gets an empty
+    directory (no venv per host Python); one that names it, or runs an
+    action, gets the layout."""
+    jobs = """
+  plain:
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          d=$(printenv RUNNER_TOOL""_CACHE)
+          echo "plain dir=$(basename "$d") entries=$(ls -A "$d" | wc -l)"
+  named:
+    runs-on: ubuntu-latest
+    steps:
+      - run: echo "named pythons=$(ls "$RUNNER_TOOL_CACHE/Python" | wc -l)"
+"""
+    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    text = h.all_text()
+    assert results(outcome) == {"plain": "success", "named": "success"}, text
+    lines = [ln.strip() for ln in text.splitlines()]
+    assert "plain dir=tool entries=0" in lines, text
+    named = next(ln for ln in lines if ln.startswith("named pythons="))
+    assert int(named.removeprefix("named pythons=")) >= 1, text
+
+
+@pytest.mark.parametrize(
+    ("spec", "uses"),
+    [
+        ({"steps": [{"run": "make test"}]}, False),
+        ({"steps": [{"run": "make"}, {"uses": "actions/setup-python@v5"}]}, True),
+        ({"steps": [{"uses": "./.github/actions/build"}]}, True),
+        ({"steps": [{"run": 'ls "$RUNNER_TOOL_CACHE"'}]}, True),
+        ({"steps": [{"run": "ls", "env": {"D": "${{ runner.tool_cache }}"}}]}, True),
+        ({"steps": [{"run": "ls /opt/hostedtoolcache"}]}, True),
+        ({"steps": [{"run": "x"}], "env": {"T": "$AGENT_TOOLSDIRECTORY"}}, True),
+        ({"steps": [{"run": "x"}], "defaults": {"run": {"working-directory": "tool_cache"}}}, True),
+    ],
+)
+def test_job_uses_tool_cache(spec: dict[str, object], uses: bool) -> None:
+    assert job_uses_tool_cache(spec) is uses
 
 
 def test_a_jobs_pip_installs_stay_in_the_job(tmp_path: Path) -> None:

@@ -61,7 +61,11 @@ from preloop.services import (
     ServiceEndpoint,
     job_environment,
 )
-from preloop.services.toolcache import adopt_job_tools, default_tool_cache
+from preloop.services.toolcache import (
+    adopt_job_tools,
+    default_tool_cache,
+    job_uses_tool_cache,
+)
 from preloop.workflow import PlanError, PlannedJob, expand_deferred
 
 __all__ = ["DEFAULT_LABELS", "JobEvents", "Runner", "RunnerOptions"]
@@ -494,12 +498,15 @@ class Runner:
             # rather than in it (a step may empty RUNNER_TEMP): removed with
             # the job, and by sweep_work_dir when the runner died.
             service_env = await anyio.to_thread.run_sync(
-                job_environment,
-                opts.state_dir,
-                services,
-                str(lease.run_id),
-                lease.job_id,
-                job_dir / "tool",
+                functools.partial(
+                    job_environment,
+                    opts.state_dir,
+                    services,
+                    str(lease.run_id),
+                    lease.job_id,
+                    job_dir / "tool",
+                    lay_out=job_uses_tool_cache(spec),
+                )
             )
             if "ACTIONS_RUNTIME_TOKEN" in service_env:
                 masker.add(service_env["ACTIONS_RUNTIME_TOKEN"])  # as GitHub's runner does

@@ -117,6 +117,8 @@ def job_environment(
     run_id: str,
     job_id: str,
     tool_cache: Path | None = None,
+    *,
+    lay_out: bool = True,
 ) -> dict[str, str]:
     """The environment variables a job of run `run_id` needs for the runner's
     services. Refreshes the shared tool cache from the host's toolchains
@@ -125,11 +127,17 @@ def job_environment(
     environments, so what the job installs goes with it; what its setup
     actions download there is moved into the shared cache when it ends, by
     `adopt_job_tools`). Without `tool_cache` the job is given the shared one.
+    With `lay_out` false (`job_uses_tool_cache` said no) `tool_cache` is
+    made an empty directory and nothing is refreshed or laid out.
     Without `access` (a runner given no service) only the tool cache is
     provided."""
     shared = default_tool_cache(state_dir)
-    refresh_now_and_then(shared)
-    root = shared if tool_cache is None else job_tool_cache(shared, tool_cache)
+    if tool_cache is not None and not lay_out:
+        tool_cache.mkdir(parents=True)
+        root = tool_cache
+    else:
+        refresh_now_and_then(shared)
+        root = shared if tool_cache is None else job_tool_cache(shared, tool_cache)
     env = {"RUNNER_TOOL_CACHE": str(root)}
     if access is not None:
         claims = Claims(

@@ -60,6 +60,7 @@ __all__ = [
     "adopt_job_tools",
     "default_tool_cache",
     "job_tool_cache",
+    "job_uses_tool_cache",
     "list_tool_cache",
     "refresh_now_and_then",
     "refresh_tool_cache",
@@ -664,6 +665,27 @@ def job_tool_cache(shared: Path, dest: Path) -> Path:
             for version in sorted(os.listdir(shared / tool)):
                 _job_python(shared / tool / version, dest / tool / version, version)
     return dest
+
+
+# What names the tool cache in a step: `$RUNNER_TOOL_CACHE`, `${{
+# runner.tool_cache }}`, `$AGENT_TOOLSDIRECTORY`, a hosted runner's
+# `/opt/hostedtoolcache` path.
+_NAMES_TOOL_CACHE = re.compile(r"tool_?cache|toolsdirectory", re.IGNORECASE)
+
+
+def job_uses_tool_cache(spec: Mapping[str, Any]) -> bool:
+    """Whether the job of step spec `spec` may read its tool cache: it runs
+    an action (setup actions look there; a composite action may run one),
+    or one of its steps, its `env` or its `defaults` names the tool cache.
+    A job of `run:` steps that never name it is given an empty directory
+    instead of `job_tool_cache`'s layout: some 30 creates per host
+    interpreter, 10-150 ms a job where creating an inode is slow, for jobs
+    that mostly never look."""
+    steps = spec.get("steps") or []
+    if any(isinstance(step, Mapping) and step.get("uses") for step in steps):
+        return True
+    text = json.dumps([steps, spec.get("env"), spec.get("defaults")], default=str)
+    return _NAMES_TOOL_CACHE.search(text) is not None
 
 
 def _job_python(shared: Path, dest: Path, version: str) -> None:

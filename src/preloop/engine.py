@@ -72,6 +72,7 @@ from preloop.services import (
     SERVICES_CONTEXT_KEY,
     ServiceAccess,
     default_branch_ref,
+    preload_server,
     remove_expired_artifacts,
     run_services,
     services_scope,
@@ -544,6 +545,7 @@ class Engine:
 
     async def run_all(self) -> RunsOutcome:
         req = self.request
+        preload_server()  # served once the runs are submitted
         selection = await self.prepare()
         if self.events.on_selected is not None:
             self.events.on_selected(selection)

@@ -53,6 +53,7 @@ __all__ = [
     "default_branch_ref",
     "job_environment",
     "open_storage",
+    "preload_server",
     "remove_expired_artifacts",
     "run_services",
     "runner_services",
@@ -193,6 +194,23 @@ def remove_expired_artifacts(state_dir: Path, store: Store | None = None) -> lis
         return storage.remove_expired_artifacts(days)
     finally:
         storage.close()
+
+
+def preload_server() -> None:
+    """Starts importing the HTTP server (aiohttp: ~150 ms of imports) in a
+    daemon thread, for a caller that will serve soon but has git and the
+    store to wait for first: the import overlaps those waits instead of
+    delaying the first job. Importing it again (`_serving`) waits for this
+    import to finish, as any import of a module being imported does."""
+    import importlib
+    import threading
+
+    threading.Thread(
+        target=importlib.import_module,
+        args=("preloop.services.server",),
+        name="preloop-preload-server",
+        daemon=True,
+    ).start()
 
 
 @contextlib.contextmanager

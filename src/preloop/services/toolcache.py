@@ -673,17 +673,34 @@ def job_tool_cache(shared: Path, dest: Path) -> Path:
 _NAMES_TOOL_CACHE = re.compile(r"tool_?cache|toolsdirectory", re.IGNORECASE)
 
 
+# GitHub's actions that never read the tool cache (their inputs are still
+# searched for a name of it, as every step's are: a cache `path:` may be one).
+_NO_TOOL_CACHE_ACTIONS = frozenset(
+    {
+        "actions/checkout",
+        "actions/upload-artifact",
+        "actions/download-artifact",
+        "actions/cache",
+        "actions/cache/restore",
+        "actions/cache/save",
+    }
+)
+
+
 def job_uses_tool_cache(spec: Mapping[str, Any]) -> bool:
     """Whether the job of step spec `spec` may read its tool cache: it runs
-    an action (setup actions look there; a composite action may run one),
-    or one of its steps, its `env` or its `defaults` names the tool cache.
-    A job of `run:` steps that never name it is given an empty directory
-    instead of `job_tool_cache`'s layout: some 30 creates per host
-    interpreter, 10-150 ms a job where creating an inode is slow, for jobs
-    that mostly never look."""
+    an action other than checkout, artifacts and cache (setup actions look
+    there; a local or composite action may run one), or one of its steps,
+    its `env` or its `defaults` names the tool cache. Any other job (`run:`
+    steps after `actions/checkout`, the usual test job without a setup
+    action) is given an empty directory instead of `job_tool_cache`'s
+    layout: some 30 creates per host interpreter, 10-150 ms a job where
+    creating an inode is slow, for jobs that never look."""
     steps = spec.get("steps") or []
-    if any(isinstance(step, Mapping) and step.get("uses") for step in steps):
-        return True
+    for step in steps:
+        uses = step.get("uses") if isinstance(step, Mapping) else None
+        if uses and str(uses).split("@", 1)[0].lower() not in _NO_TOOL_CACHE_ACTIONS:
+            return True
     text = json.dumps([steps, spec.get("env"), spec.get("defaults")], default=str)
     return _NAMES_TOOL_CACHE.search(text) is not None
 

@@ -99,7 +99,7 @@ def _count(url: str, kind: str) -> int:
     import psycopg
 
     sql = {
-        "pgqueuer": "SELECT count(*) FROM pgqueuer",
+        "pgqueuer": "SELECT count(*) FROM pgqueuer WHERE status IN ('queued', 'picked')",
         "procrastinate": "SELECT count(*) FROM procrastinate_jobs "
         "WHERE status IN ('todo', 'doing')",
     }[kind]

@@ -3,6 +3,7 @@ and the lazy command table staying complete."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,43 @@ def test_du_fast_path_prints_what_the_command_prints(
     assert fast == run(*flags, "--", path)  # the click command
     assert fast[0] == (1 if missing else 0), fast
     assert (path in fast[2]) if missing else (path in fast[1])
+
+
+@pytest.mark.parametrize("stdout", ["full", "reader gone", "closed"])
+def test_du_fast_path_fails_writing_as_the_command_does(tmp_path: Path, stdout: str) -> None:
+    """Output that cannot be written: the same exit status and stderr (one
+    line, or nothing for a reader that went away), never a traceback."""
+
+    def run(*args: str) -> tuple[int, str]:
+        if stdout == "full":
+            with open("/dev/full", "wb") as full:
+                r = subprocess.run(
+                    [sys.executable, "-m", "preloop", "du", *args],
+                    stdout=full,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            return r.returncode, r.stderr
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            r = subprocess.run(
+                [sys.executable, "-m", "preloop", "du", *args],
+                stdout=write_end if stdout == "reader gone" else subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                # "closed": the command starts with descriptor 1 closed
+                preexec_fn=None if stdout == "reader gone" else (lambda: os.close(1)),
+            )
+        finally:
+            os.close(write_end)
+        return r.returncode, r.stderr
+
+    fast = run(str(tmp_path))
+    assert fast == run("--", str(tmp_path))
+    assert "Traceback" not in fast[1]
+    expected = {"full": 1, "reader gone": 1, "closed": 0}[stdout]
+    assert fast[0] == expected, fast
 
 
 def test_du_fields_are_tree_sizes() -> None:

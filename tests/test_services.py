@@ -20,6 +20,7 @@ import pytest
 from tests.python_support import VERSION, XY, host_python_prefix, tiny_project_files, tree_state
 from tests.run_support import git, make_repo, results, run_engine
 
+from preloop.errors import ConfigError
 from preloop.runner.checkout import work_dir
 from preloop.services.toolcache import job_uses_tool_cache, list_tool_cache
 
@@ -401,12 +402,15 @@ def test_tool_cache_find_python_returns_the_hosts_interpreter(
     assert any(e["tool"] == "Python" and e["version"] == version for e in entries)
 
 
+@pytest.mark.parametrize("layout", ["auto", "always"])
 def test_only_jobs_that_may_read_the_tool_cache_get_it_laid_out(
-    tmp_path: Path, store_url: str
+    tmp_path: Path, store_url: str, layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A job of `run:` steps that never name the tool cache gets an empty
     directory (no venv per host Python); one that names it, or runs an
-    action, gets the layout."""
+    action, gets the layout; with PRELOOP_TOOL_CACHE_LAYOUT=always, every
+    job does."""
+    monkeypatch.setenv("PRELOOP_TOOL_CACHE_LAYOUT", layout)
     jobs = """
   plain:
     runs-on: ubuntu-latest
@@ -424,7 +428,9 @@ def test_only_jobs_that_may_read_the_tool_cache_get_it_laid_out(
     text = h.all_text()
     assert results(outcome) == {"plain": "success", "named": "success"}, text
     lines = [ln.strip() for ln in text.splitlines()]
-    assert "plain dir=tool entries=0" in lines, text
+    plain = next(ln for ln in lines if ln.startswith("plain dir=tool entries="))
+    entries = int(plain.removeprefix("plain dir=tool entries="))
+    assert (entries == 0) == (layout == "auto"), text
     named = next(ln for ln in lines if ln.startswith("named pythons="))
     assert int(named.removeprefix("named pythons=")) >= 1, text
 
@@ -446,12 +452,21 @@ def test_only_jobs_that_may_read_the_tool_cache_get_it_laid_out(
         ({"steps": [{"run": 'ls "$RUNNER_TOOL_CACHE"'}]}, True),
         ({"steps": [{"run": "ls", "env": {"D": "${{ runner.tool_cache }}"}}]}, True),
         ({"steps": [{"run": "ls /opt/hostedtoolcache"}]}, True),
+        ({"steps": [{"run": "node -e \"require('@actions/tool-cache')\""}]}, True),
         ({"steps": [{"run": "x"}], "env": {"T": "$AGENT_TOOLSDIRECTORY"}}, True),
         ({"steps": [{"run": "x"}], "defaults": {"run": {"working-directory": "tool_cache"}}}, True),
     ],
 )
 def test_job_uses_tool_cache(spec: dict[str, object], uses: bool) -> None:
     assert job_uses_tool_cache(spec) is uses
+
+
+def test_every_job_uses_the_tool_cache_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PRELOOP_TOOL_CACHE_LAYOUT", "always")
+    assert job_uses_tool_cache({"steps": [{"run": "node ci/find-python.cjs"}]})
+    monkeypatch.setenv("PRELOOP_TOOL_CACHE_LAYOUT", "sometimes")
+    with pytest.raises(ConfigError, match="PRELOOP_TOOL_CACHE_LAYOUT"):
+        job_uses_tool_cache({"steps": []})
 
 
 def test_a_jobs_pip_installs_stay_in_the_job(tmp_path: Path) -> None:

@@ -139,6 +139,14 @@ def _parse_transport(raw: str) -> str:
     return value
 
 
+def _parse_tool_cache_layout(raw: str) -> str:
+    """`auto` or `always`."""
+    value = raw.strip().lower()
+    if value not in ("auto", "always"):
+        raise ValueError(f"expected auto or always, got {raw!r}")
+    return value
+
+
 def _home_default(env: Mapping[str, str]) -> str:
     return str(Path("~/.preloop").expanduser())
 
@@ -249,6 +257,15 @@ KNOBS: dict[str, Knob] = {
             "30",
             parse_positive_int,
             "Seconds a step may stay silent before `preloop run` prints a still-running line.",
+        ),
+        Knob(
+            "PRELOOP_TOOL_CACHE_LAYOUT",
+            "auto",
+            _parse_tool_cache_layout,
+            "A job's own tool cache: `auto` lays it out for jobs that may read it (an action "
+            "other than checkout, artifacts and cache, or a step naming the tool cache), an "
+            "empty directory for the others; `always` for every job (a step's script reads "
+            "RUNNER_TOOL_CACHE without naming it).",
         ),
         Knob(
             "PRELOOP_LEASE_SECONDS",

@@ -11,6 +11,7 @@ only the native walker (not `preloop.fs`, whose dataclass costs 15 ms).
 
 from __future__ import annotations
 
+import os
 import sys
 
 __all__ = ["FIELDS", "du_report", "fast_du"]
@@ -57,10 +58,26 @@ def fast_du(args: list[str]) -> int | None:
             path = arg
     if not path:
         return None
-    code, text = du_report(
-        path,
-        as_json=flags.get("as_json", False),
-        cross_filesystems=flags.get("cross_filesystems", False),
-    )
-    (sys.stdout if code == 0 else sys.stderr).write(text)
+    # As `preloop.cli.app.main` and click answer these on the command's path.
+    try:
+        code, text = du_report(
+            path,
+            as_json=flags.get("as_json", False),
+            cross_filesystems=flags.get("cross_filesystems", False),
+        )
+        stream = sys.stdout if code == 0 else sys.stderr
+        if stream is not None:  # closed: there is nobody to tell
+            stream.write(text)
+            stream.flush()
+    except KeyboardInterrupt:
+        sys.stderr.write("\npreloop: aborted\n")
+        return 130
+    except BrokenPipeError:
+        # The reader is gone: quiet, and nothing left for the exit's flush.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        sys.stderr.write(f"preloop: error: {where}{exc.strerror or exc}\n")
+        return 1
     return code

@@ -26,9 +26,10 @@ the result is logged, stored or shown.
 from __future__ import annotations
 
 import base64
+import heapq
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 from urllib.parse import quote
 
@@ -145,24 +146,26 @@ class Masker:
             self._pattern = re.compile("|".join(re.escape(v) for v in ordered))
         return self._pattern
 
-    def _occurrences(self, text: str) -> list[tuple[int, int]]:
-        """`(start, end)` of occurrences of the values in `text`, sorted,
-        covering every character of every occurrence (overlapping ones
-        included). Up to `find_limit` values, a `str.find` per value: a
-        job's token and its encoded forms are some ten values of hundreds of
-        characters, whose alternation takes `re` ~2 ms to compile, again
-        after every `add`, for a few lines of output. Beyond, the compiled
-        alternation, which finds each start where some value occurs (its
-        longest occurrence there)."""
-        found: list[tuple[int, int]] = []
+    def _occurrences(self, text: str) -> Iterator[tuple[int, int]]:
+        """`(start, end)` of occurrences of the values in `text`, in order of
+        start, covering every character of every occurrence (overlapping ones
+        included). Up to `find_limit` values, a `str.find` per value, merged
+        as found (a value repeating through a long line is not listed whole
+        first): a job's token and its encoded forms are some ten values of
+        hundreds of characters, whose alternation takes `re` ~2 ms to
+        compile, again after every `add`, for a few lines of output. Beyond,
+        the compiled alternation, which finds each start where some value
+        occurs (its longest occurrence there)."""
         if len(self._values) <= self.find_limit:
-            for v in self._values:
+
+            def found(v: str) -> Iterator[tuple[int, int]]:
                 start = text.find(v)
                 while start >= 0:
-                    found.append((start, start + len(v)))
+                    yield start, start + len(v)
                     start = text.find(v, start + 1)
-            found.sort()
-            return found
+
+            yield from heapq.merge(*(found(v) for v in self._values))
+            return
         pattern = self._compiled()
         pos = 0
         while (m := pattern.search(text, pos)) is not None:
@@ -171,26 +174,26 @@ class Masker:
                 (start + len(v) for v in self._values if text.startswith(v, start)),
                 default=m.end(),
             )
-            found.append((start, end))
+            yield start, end
             pos = start + 1
-        return found
 
     def mask(self, text: str) -> str:
         if not self._values or not text:
             return text
-        if len(text) > _LONG_TEXT and not self.contains_secret(text):
-            return text
-        found = self._occurrences(text)
-        if not found:
-            return text
+        if (len(text) > _LONG_TEXT or len(self._values) <= self.find_limit) and not any(
+            v in text for v in self._values
+        ):
+            return text  # the usual line: no generator, no merge
         # Overlapping or adjacent occurrences merged into spans: "abcd" and
         # "cdef" hide all of "abcdef".
         spans: list[tuple[int, int]] = []
-        for start, end in found:
+        for start, end in self._occurrences(text):
             if spans and start <= spans[-1][1]:
                 spans[-1] = (spans[-1][0], max(spans[-1][1], end))
             else:
                 spans.append((start, end))
+        if not spans:
+            return text
         out: list[str] = []
         last = 0
         for start, end in spans:

@@ -202,15 +202,14 @@ def preload_server() -> None:
     store to wait for first: the import overlaps those waits instead of
     delaying the first job. Importing it again (`_serving`) waits for this
     import to finish, as any import of a module being imported does."""
-    import importlib
     import threading
 
-    threading.Thread(
-        target=importlib.import_module,
-        args=("preloop.services.server",),
-        name="preloop-preload-server",
-        daemon=True,
-    ).start()
+    def load() -> None:
+        # A failure is `_serving`'s to report, if the run gets that far.
+        with contextlib.suppress(Exception):
+            import preloop.services.server  # noqa: F401
+
+    threading.Thread(target=load, name="preloop-preload-server", daemon=True).start()
 
 
 @contextlib.contextmanager

@@ -670,7 +670,7 @@ def job_tool_cache(shared: Path, dest: Path) -> Path:
 # What names the tool cache in a step: `$RUNNER_TOOL_CACHE`, `${{
 # runner.tool_cache }}`, `$AGENT_TOOLSDIRECTORY`, a hosted runner's
 # `/opt/hostedtoolcache` path.
-_NAMES_TOOL_CACHE = re.compile(r"tool_?cache|toolsdirectory", re.IGNORECASE)
+_NAMES_TOOL_CACHE = re.compile(r"tool[-_]?cache|toolsdirectory", re.IGNORECASE)
 
 
 # GitHub's actions that never read the tool cache (their inputs are still
@@ -695,11 +695,18 @@ def job_uses_tool_cache(spec: Mapping[str, Any]) -> bool:
     steps after `actions/checkout`, the usual test job without a setup
     action) is given an empty directory instead of `job_tool_cache`'s
     layout: some 30 creates per host interpreter, 10-150 ms a job where
-    creating an inode is slow, for jobs that never look."""
+    creating an inode is slow, for jobs that never look. A script a step
+    runs is not read: where one reads `RUNNER_TOOL_CACHE` itself
+    (`@actions/tool-cache` from a `node` script), PRELOOP_TOOL_CACHE_LAYOUT
+    =always lays out every job's."""
+    from preloop import config
+
+    if config.get("PRELOOP_TOOL_CACHE_LAYOUT") == "always":
+        return True
     steps = spec.get("steps") or []
     for step in steps:
         uses = step.get("uses") if isinstance(step, Mapping) else None
-        if uses and str(uses).split("@", 1)[0].lower() not in _NO_TOOL_CACHE_ACTIONS:
+        if uses and str(uses).strip().split("@", 1)[0].lower() not in _NO_TOOL_CACHE_ACTIONS:
             return True
     text = json.dumps([steps, spec.get("env"), spec.get("defaults")], default=str)
     return _NAMES_TOOL_CACHE.search(text) is not None

@@ -136,7 +136,8 @@ class Masker:
             return False
         if len(text) > _LONG_TEXT or len(self._values) <= self.find_limit:
             # A substring search per value beats the regex alternation on
-            # long text (a step printing megabytes on one line).
+            # long text (a step printing megabytes on one line), and with
+            # few values needs no alternation compiled at all.
             return any(v in text for v in self._values)
         return self._compiled().search(text) is not None
 

@@ -455,6 +455,59 @@ def test_a_need_ending_in_a_batch_queues_its_plain_dependents_and_claims_them(
     assert store.get_run(run_id).conclusion == "success"
 
 
+@pytest.mark.parametrize("result", ["success", "failure"])
+def test_a_need_ending_in_a_batch_admits_ifs_that_hold_on_clean_ancestry(
+    store: Store, result: str
+) -> None:
+    """Dependents under `always()`, `success()`, `!cancelled()` and
+    `!failure()` are queued like plain ones when their need succeeded, and
+    gated as before when it failed: `always()` and `!cancelled()` run, the
+    others are skipped (beside them, an `if:` that must be evaluated)."""
+    b = PlanBuilder()
+    b.job("setup")
+    for name, expr in [("al", "always()"), ("su", "success()"), ("nc", "!cancelled()"),
+                       ("nf", "!failure()"), ("other", "1 == 1")]:  # fmt: skip
+        b.job(name, needs=["setup"], if_expr=expr)
+    run_id = store.submit_run(b.plan())
+    (setup,) = store.claim_jobs("r", [], limit=1)
+    _, claimed = store.complete_and_claim([(setup, result, None)], "r", [], limit=10)
+    # An `if:` without a status function is `success() && ...`.
+    ran = {"al", "nc"} | ({"su", "nf", "other"} if result == "success" else set())
+    assert {lease.job_id for lease in claimed} == ran
+    while claimed:
+        _, claimed = store.complete_and_claim(
+            [(lease, "success", None) for lease in claimed], "r", []
+        )
+    jobs = {j.id: j.conclusion for j in store.list_jobs(run_id)}
+    assert jobs == {"setup": result, **{n: "success" if n in ran else "skipped"
+                    for n in ("al", "su", "nc", "nf", "other")}}  # fmt: skip
+
+
+@pytest.mark.parametrize("expr", ["always()", "success()", "!cancelled()", "!failure()"])
+def test_a_batch_admits_an_if_that_holds_on_clean_ancestry_itself(store: Store, expr: str) -> None:
+    """The merge job of a matrix under such an `if:`: the legs' batch that
+    ends the matrix queues and claims it in the same call, on PostgreSQL
+    without the cascade's fallback."""
+    b = PlanBuilder()
+    b.matrix("leg", 4)
+    b.job("merge", needs=["leg"], if_expr=expr)
+    run_id = store.submit_run(b.plan())
+    legs = store.claim_jobs("r", [], limit=4)
+    before = store.counters.snapshot()
+    _, claimed = store.complete_and_claim(
+        [(lease, "success", None) for lease in legs], "r", [], limit=4
+    )
+    after = store.counters.snapshot()
+    assert [lease.job_id for lease in claimed] == ["merge"]
+    if store.dialect == "pg":
+        fallback = "complete_and_claim.fallback"
+        assert after.operations.get(fallback) == before.operations.get(fallback)
+        assert after.settle_lock_holds == before.settle_lock_holds + 1
+    _, none = store.complete_and_claim([(claimed[0], "success", None)], "r", [])
+    assert none == []
+    assert store.get_run(run_id).conclusion == "success"
+
+
 def test_two_needs_ending_in_one_batch_queue_the_job_that_needs_both(store: Store) -> None:
     b = PlanBuilder()
     b.job("a")

@@ -574,3 +574,34 @@ def test_cli_uses_the_repository_for_github_context(repo: Path) -> None:
     res = run_cli(repo / ".github", "--json")  # from a subdirectory
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)[0]["concurrency"]["group"] == "ci-main"
+
+
+def test_ifs_that_hold_on_clean_ancestry_are_stored_in_one_spelling(repo: Path) -> None:
+    """`always()`, `success()`, `!cancelled()` and `!failure()`, however
+    spelt, reach the scheduler as `TRUE_WHEN_CLEAN` (which it admits in bulk
+    when the ancestry is clean); any other `if:` is stored as written."""
+    p = plan_of(
+        repo,
+        """
+        on: push
+        jobs:
+          a: {runs-on: x, steps: [{run: b}]}
+          b: {needs: a, if: "${{ Always( ) }}", runs-on: x, steps: [{run: b}]}
+          c: {needs: a, if: "! cancelled()", runs-on: x, steps: [{run: b}]}
+          d: {needs: a, if: "SUCCESS()", runs-on: x, steps: [{run: b}]}
+          e: {needs: a, if: "!failure()", runs-on: x, steps: [{run: b}]}
+          f: {needs: a, if: "always() && github.ref == 'refs/heads/x y'", runs-on: x,
+              steps: [{run: b}]}
+          g: {needs: a, if: "failure()", runs-on: x, steps: [{run: b}]}
+        """,
+    )
+    ifs = {j.id: j.if_expr for j in p.jobs}
+    assert ifs == {
+        "a": None,
+        "b": "always()",
+        "c": "!cancelled()",
+        "d": "success()",
+        "e": "!failure()",
+        "f": "always() && github.ref == 'refs/heads/x y'",
+        "g": "failure()",
+    }

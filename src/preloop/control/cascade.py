@@ -35,8 +35,8 @@ from preloop.control.rows import (
     _start_unit,
     _unit_result,
 )
-from preloop.control.schema import QUEUE_MAX
-from preloop.workflow.plan import Cohort, ConcurrencySpec, PlannedJob
+from preloop.control.schema import QUEUE_MAX, if_true_when_clean
+from preloop.workflow.plan import TRUE_WHEN_CLEAN, Cohort, ConcurrencySpec, PlannedJob
 from preloop.workflow.planner import PlanError, expand_deferred
 
 if TYPE_CHECKING:
@@ -315,7 +315,8 @@ class _Cascade:
         # and only the others (and a leg per parked cohort) come back.
         simple = not fail and not bad and not self.run(run_id)["cancel_requested"]
         status = (
-            ", status = CASE WHEN remaining_needs = 1 AND kind = 'job' AND if_expr IS NULL "
+            ", status = CASE WHEN remaining_needs = 1 AND kind = 'job' AND "
+            f"{if_true_when_clean('if_expr')} "
             "AND anc_fail = 0 AND anc_bad = 0 AND conc_group IS NULL "
             "AND conc_group_expr IS NULL THEN CASE WHEN capped <> 0 THEN 'parked' "
             "ELSE 'queued' END ELSE status END"
@@ -364,7 +365,7 @@ class _Cascade:
         for job in jobs:
             simple = (
                 job["kind"] == "job"
-                and job["if_expr"] is None
+                and (job["if_expr"] is None or job["if_expr"] in TRUE_WHEN_CLEAN)
                 and not job["anc_fail"]
                 and not job["anc_bad"]
                 and not cancelled

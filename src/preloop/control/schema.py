@@ -19,9 +19,19 @@ Counters kept in rows (so no path reads the whole run):
 
 from __future__ import annotations
 
-__all__ = ["MIGRATIONS", "QUEUE_MAX", "SCHEMA_VERSION", "render"]
+from preloop.workflow.plan import TRUE_WHEN_CLEAN
+
+__all__ = ["MIGRATIONS", "QUEUE_MAX", "SCHEMA_VERSION", "if_true_when_clean", "render"]
 
 QUEUE_MAX = 100  # GitHub's `queue: max` pending limit
+
+
+def if_true_when_clean(column: str) -> str:
+    """SQL: the `if:` in `column` is none, or one of `TRUE_WHEN_CLEAN`
+    (admitted like a job without one when its ancestry is clean)."""
+    listed = ", ".join(f"'{expr}'" for expr in TRUE_WHEN_CLEAN)
+    return f"({column} IS NULL OR {column} IN ({listed}))"
+
 
 # A migration is a list of statements; a dict holds one per dialect (None: nothing).
 Statement = str | dict[str, str | None]
@@ -1513,6 +1523,22 @@ _V19_END_UNITS: list[Statement] = [
     },
 ]
 
+
+# Migration 20, PostgreSQL only: a batch that ends a need admits the
+# dependents whose `if:` holds whenever their ancestry is clean (`always()`,
+# `success()`, `!cancelled()`, `!failure()`, as the planner spells them) the
+# way it admits those without one; the cascade's `ready` does the same. A
+# merge or report job under `if: always()` no longer sends the unit's end to
+# the Python cascade, which held the run row for several ms.
+def _complete_claim_v20() -> str:
+    text = _complete_claim_v19()
+    old = "j.if_expr IS NULL"  # the check before the lock and the write
+    assert text.count(old) == 2, old
+    return text.replace(old, if_true_when_clean("j.if_expr"))
+
+
+_V20_IF_TRUE_WHEN_CLEAN: list[Statement] = [{"pg": _complete_claim_v20(), "lite": None}]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -1538,6 +1564,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V17_LOCK_BUSY,
     _V18_CLAIM_TEXT,
     _V19_END_UNITS,
+    _V20_IF_TRUE_WHEN_CLEAN,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

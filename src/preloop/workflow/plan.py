@@ -84,16 +84,34 @@ from typing import Any, Literal
 
 __all__ = [
     "PLAN_FORMAT_VERSION",
+    "TRUE_WHEN_CLEAN",
     "Cohort",
     "ConcurrencySpec",
     "JobKind",
     "Plan",
     "PlannedJob",
+    "canonical_if",
 ]
 
 PLAN_FORMAT_VERSION = 1
 
 JobKind = Literal["job", "caller", "deferred"]
+
+#: `if:` expressions that hold whenever every ancestor succeeded and the run
+#: is not being cancelled, whatever the contexts: there the scheduler admits
+#: a job that has one in bulk, like a job without `if:` (the cascade's
+#: `ready`, the PostgreSQL batch's unit end), instead of evaluating it job by
+#: job. The planner stores them in this spelling (`canonical_if`).
+TRUE_WHEN_CLEAN = ("success()", "always()", "!cancelled()", "!failure()")
+
+
+def canonical_if(expr: str | None) -> str | None:
+    """`expr`, or its `TRUE_WHEN_CLEAN` spelling when it is one of those
+    (function names are case-insensitive, spaces do not count)."""
+    if expr is None:
+        return None
+    squeezed = "".join(expr.split()).lower()
+    return squeezed if squeezed in TRUE_WHEN_CLEAN else expr
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ from preloop.workflow.model import (
     thaw,
     to_data,
 )
-from preloop.workflow.plan import Cohort, ConcurrencySpec, Plan, PlannedJob
+from preloop.workflow.plan import Cohort, ConcurrencySpec, Plan, PlannedJob, canonical_if
 from preloop.workflow.templates import evaluate_data, mapping_items, overlay, template_contexts
 
 __all__ = [
@@ -362,7 +362,7 @@ class _Planner:
             base_id=base,
             name=name,
             needs=needs,
-            if_expr=job.if_,
+            if_expr=canonical_if(job.if_),
             cohort=base if combo is not None else None,
             matrix=combo,
             strategy=strat,
@@ -616,7 +616,7 @@ class _Planner:
                 name=name,
                 kind="deferred",
                 needs=tuple(scope.prefix + n for n in job.needs),
-                if_expr=job.if_,
+                if_expr=canonical_if(job.if_),
                 caller=scope.caller,
                 deferred_matrix=deferred,
                 timeout_minutes=job_timeout(job.timeout_minutes),

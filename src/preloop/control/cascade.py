@@ -762,10 +762,10 @@ class _Cascade:
     def _do_admit_grouped(self, run_id: int, jobs: list[Row]) -> None:
         """Gates and admits `jobs` (seq order; each would run on `success()`
         with clean ancestors, has no `if:` or one in `TRUE_WHEN_CLEAN`, and
-        goes through the one named
-        concurrency group they share, without cancel-in-progress) as
-        `_do_gate` and `_do_admit` would one by one, in a few statements
-        whatever their number: cohort slots in seq order, the first leg with
+        goes through the one named concurrency group they share, without
+        cancel-in-progress) as `_do_gate` and `_do_admit` would one by one,
+        in a few statements whatever their number: cohort slots in seq
+        order, the first leg with
         a slot tries the group, the rest become its waiters in seq order.
         When that is not all that would happen (the group is free with
         waiters, or the waiters would go over the group's queue limit, so

@@ -41,8 +41,6 @@ MASK = "***"
 # three-character base64 fragment would mask unrelated text everywhere.
 _MIN_ENCODED = 4
 _LONG_TEXT = 4096
-# Up to this many values (forms included) a text is searched value by value.
-_FIND_LIMIT = 48
 
 
 def _base64_forms(value: str) -> list[str]:
@@ -92,7 +90,7 @@ class Masker:
 
     #: Up to this many values (forms included) a text is searched value by
     #: value; beyond, with one compiled alternation (see `_occurrences`).
-    find_limit = _FIND_LIMIT
+    find_limit = 48
 
     def __init__(self) -> None:
         self._values: set[str] = set()
@@ -179,11 +177,7 @@ class Masker:
             pos = start + 1
 
     def mask(self, text: str) -> str:
-        if not self._values or not text:
-            return text
-        if (len(text) > _LONG_TEXT or len(self._values) <= self.find_limit) and not any(
-            v in text for v in self._values
-        ):
+        if not text or not self.contains_secret(text):
             return text  # the usual line: no generator, no merge
         # Overlapping or adjacent occurrences merged into spans: "abcd" and
         # "cdef" hide all of "abcdef".
@@ -193,8 +187,6 @@ class Masker:
                 spans[-1] = (spans[-1][0], max(spans[-1][1], end))
             else:
                 spans.append((start, end))
-        if not spans:
-            return text
         out: list[str] = []
         last = 0
         for start, end in spans:

@@ -687,6 +687,11 @@ _NO_TOOL_CACHE_ACTIONS = frozenset(
 )
 
 
+def _action_name(uses: str) -> str:
+    """`owner/repo[/path]` of a `uses:` value, lowercased, without its ref."""
+    return uses.split("@", 1)[0].strip().lower()
+
+
 def job_uses_tool_cache(spec: Mapping[str, Any]) -> bool:
     """Whether the job of step spec `spec` may read its tool cache: it runs
     an action other than checkout, artifacts and cache (setup actions look
@@ -706,7 +711,7 @@ def job_uses_tool_cache(spec: Mapping[str, Any]) -> bool:
     steps = spec.get("steps") or []
     for step in steps:
         uses = step.get("uses") if isinstance(step, Mapping) else None
-        if uses and str(uses).strip().split("@", 1)[0].lower() not in _NO_TOOL_CACHE_ACTIONS:
+        if uses and _action_name(str(uses)) not in _NO_TOOL_CACHE_ACTIONS:
             return True
     text = json.dumps([steps, spec.get("env"), spec.get("defaults")], default=str)
     return _NAMES_TOOL_CACHE.search(text) is not None
@@ -875,7 +880,7 @@ def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str |
     do). None when the action is not one the tool cache serves, when no plain
     version was asked for, or when the version is there (the step failed for
     another reason)."""
-    action = uses.split("@", 1)[0].strip().lower()
+    action = _action_name(uses)
     if action not in SETUP_ACTIONS:
         return None
     tool, input_name = SETUP_ACTIONS[action]

@@ -11,7 +11,7 @@ worker processes and as many jobs in flight per process.
 Run: `PRELOOP_TEST_PG_URL=postgresql://... pytest bench/control_load.py
 --benchmark-only -s` (without the URL only lite runs; the peers need the
 `bench` extra). Each measurement is one round (a load run is not repeatable on
-the same rows); PostgreSQL runs are timed to the end condition every queue
+the same rows); every run, lite or PostgreSQL, is timed to the end condition every queue
 shares (no queued or running rows, polled every 2 ms). The figures are in the
 benchmark's `extra_info` and printed as a table at the end (issue 17 targets):
 
@@ -31,6 +31,7 @@ benchmark's `extra_info` and printed as a table at the end (issue 17 targets):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -75,14 +76,28 @@ def _start(argvs: list[list[str]]) -> list[subprocess.Popen[str]]:
     return procs
 
 
+def _connect(url: str) -> Any:
+    """A connection for the end condition: autocommit on PostgreSQL; on lite a
+    read-only one, whose WAL snapshot never blocks the engines' writes."""
+    if url.startswith("sqlite:///"):
+        import sqlite3
+
+        path = url.removeprefix("sqlite:///")
+        return contextlib.closing(
+            sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+        )
+    import psycopg
+
+    return psycopg.connect(url, autocommit=True)
+
+
 def _race(procs: list[subprocess.Popen[str]], url: str, end_sql: str) -> tuple[float, list[str]]:
     """Lets `procs` go together and times them to the end condition every
     queue shares: `end_sql` (no queued or running rows) answers true, polled
     every 2 ms on its own connection. Returns the wall time and each
-    process's last output line."""
-    import psycopg
-
-    with psycopg.connect(url, autocommit=True) as conn:
+    process's last output line. The processes' exit (closing the store,
+    interpreter teardown) is not a completion and is not timed."""
+    with _connect(url) as conn:
         t0 = time.perf_counter()
         for p in procs:
             assert p.stdin is not None
@@ -109,22 +124,9 @@ def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
         run_id = store.submit_run(plan)
     engine = [sys.executable, "-m", "preloop.testing.load", url, str(run_id), str(CAPACITY)]
     engines = _start([[*engine, str(THREADS_PER_ENGINE)] for _ in range(ENGINES)])
-    if url.startswith("postgres"):
-        wall, outs = _race(
-            engines, url, f"SELECT status = 'completed' FROM runs WHERE id = {int(run_id)}"
-        )
-    else:  # lite: the engines stop when the run has ended
-        t0 = time.perf_counter()
-        for e in engines:
-            assert e.stdin is not None
-            e.stdin.write("go\n")
-            e.stdin.flush()
-        outs = []
-        for e in engines:
-            out, _ = e.communicate(timeout=1800)
-            assert e.returncode == 0
-            outs.append(out.strip().splitlines()[-1])
-        wall = time.perf_counter() - t0
+    wall, outs = _race(
+        engines, url, f"SELECT status = 'completed' FROM runs WHERE id = {int(run_id)}"
+    )
     reports = [json.loads(o) for o in outs]
     with open_store(url) as store:
         run = store.get_run(run_id)

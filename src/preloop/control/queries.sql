@@ -8,6 +8,10 @@
 -- store: Store._pg_call (run_row and ended: NULL unless in cascade mode)
 SELECT settled, claimed, wait_us, hold_us, run_row, ended FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?, ?, ?)
 
+-- pg_cascade_select_grouped_job --
+-- store: Store._pg_cascade (a run whose jobs meet in a group settles a batch job by job)
+SELECT 1 AS grouped FROM jobs WHERE run_id = ? AND (conc_group IS NOT NULL OR conc_group_expr IS NOT NULL) LIMIT 1
+
 -- settle_pg_select_preloop_settle --
 -- store: Store._settle_pg
 SELECT run_row, job_row, unit_row, admitted, wait_us, refused_used FROM preloop_settle(?, ?, ?, ?, ?, ?, ?, ?)

@@ -1539,6 +1539,17 @@ def _complete_claim_v20() -> str:
 
 _V20_IF_TRUE_WHEN_CLEAN: list[Statement] = [{"pg": _complete_claim_v20(), "lite": None}]
 
+# Migration 21, PostgreSQL only: whether a run has a job with a concurrency
+# group, without reading the run's other jobs. A batch of such a run is
+# settled job by job (`Store._pg_cascade`); the index holds grouped jobs only.
+_V21_GROUPED_JOBS: list[Statement] = [
+    {
+        "pg": "CREATE INDEX IF NOT EXISTS jobs_grouped ON jobs (run_id) "
+        "WHERE conc_group IS NOT NULL OR conc_group_expr IS NOT NULL",
+        "lite": None,
+    }
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -1565,6 +1576,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V18_CLAIM_TEXT,
     _V19_END_UNITS,
     _V20_IF_TRUE_WHEN_CLEAN,
+    _V21_GROUPED_JOBS,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -556,9 +556,16 @@ class Store:
         taking the run row first, and leaves the units and the run that ended
         to the cascade here, instead of a `preloop_settle` call per job. None
         (and nothing written) when the batch needs those calls (a failure, the
-        outputs limit, a parked leg that is not plain)."""
+        outputs limit, a parked leg that is not plain), or when a job of the
+        run has a concurrency group: this call frees every group and slot of
+        the batch before any unit ends, so a group held by the batch's second
+        job would be free to the first job's dependents; one job after the
+        other, as `complete_job` and lite settle a batch, they queue behind it."""
         import psycopg
 
+        run_id = results[0][0].run_id
+        if tx.one(Q["pg_cascade_select_grouped_job"], (run_id,)) is not None:
+            return None
         tx.execute("SAVEPOINT preloop_cascade")
         try:
             done, _, row = self._pg_call(tx, results, None, lock_first=True, cascade=True)
@@ -567,7 +574,6 @@ class Store:
                 raise
             tx.execute("ROLLBACK TO SAVEPOINT preloop_cascade")
             return None
-        run_id = results[0][0].run_id
         c = _Cascade.after_settle(tx, self, row["run_row"])
         # The worklist pops from its end: units end in base-id order.
         ended = sorted(row["ended"] or [], key=lambda u: str(u["base_id"]), reverse=True)

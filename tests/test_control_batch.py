@@ -655,3 +655,110 @@ def test_a_batch_that_ends_the_run_concludes_it(store: Store) -> None:
     assert claimed == []
     run = store.get_run(run_id)
     assert (run.status, run.conclusion, run.remaining_jobs) == ("completed", "success", 0)
+
+
+@pytest.mark.parametrize("earlier", ["success", "failure"])
+def test_the_batch_with_the_runs_last_jobs_concludes_it_in_one_call(
+    store: Store, earlier: str
+) -> None:
+    """The run's last jobs, ending clean: the run concludes as the cascade
+    would conclude it (a job that failed before makes it a failure); on
+    PostgreSQL in the batch's one statement (migration 22), not in a
+    transaction of the cascade's, and it wakes whoever waits for runs."""
+    b = PlanBuilder()
+    b.job("first")
+    b.job("second")
+    b.job("last", needs=["second"])
+    run_id = store.submit_run(b.plan())
+    held = store.claim_jobs("r", [], limit=2)
+    _, claimed = store.complete_and_claim(
+        [(held[0], earlier, None), (held[1], "success", None)], "r", [], limit=1
+    )
+    assert [lease.job_id for lease in claimed] == ["last"]
+    before = store.counters.snapshot()
+    done, none = store.complete_and_claim([(claimed[0], "success", None)], "r", [])
+    after = store.counters.snapshot()
+    assert [c.conclusion for c in done] == ["success"] and none == []
+    run = store.get_run(run_id)
+    assert (run.status, run.conclusion, run.remaining_jobs) == ("completed", earlier, 0)
+    row = store._db.transaction(
+        "query", lambda tx: tx.one("SELECT completed_at FROM runs WHERE id = ?", (run_id,))
+    )
+    assert row is not None and row["completed_at"] is not None
+    if store.dialect == "pg":
+        fallback = "complete_and_claim.fallback"
+        assert after.operations.get(fallback, 0) == before.operations.get(fallback, 0)
+        assert after.settle_lock_holds == before.settle_lock_holds + 1
+
+
+def test_a_unit_that_ends_only_under_the_run_row_is_admitted_by_the_batch(pg_url: str) -> None:
+    """PostgreSQL: two runners end a matrix together. The second batch reads
+    the unit before the first commits (so it does not see it ending), then
+    waits for the run row the first holds; once it has it, the unit has ended:
+    the batch admits its dependent itself (migration 22), and claims it, in
+    its one statement."""
+    import psycopg
+
+    from preloop.control.queries import Q
+
+    with open_store(pg_url) as store:
+        b = PlanBuilder()
+        b.matrix("leg", 4)
+        b.job("merge", needs=["leg"], if_expr="always()")
+        run_id = store.submit_run(b.plan())
+        mine = store.claim_jobs("mine", [], limit=2)
+        theirs = store.claim_jobs("theirs", [], limit=2)
+        out: dict[str, Any] = {}
+        with psycopg.connect(pg_url) as other:
+            # The other runner's batch, left uncommitted: it holds the run row.
+            other.execute(
+                Q["pg_call_select_preloop_complete_claim"].replace("?", "%s"),
+                (
+                    run_id,
+                    [lease.job_id for lease in theirs],
+                    ["success"] * 2,
+                    ["{}"] * 2,
+                    [lease.token for lease in theirs],
+                    0.0,
+                    "",
+                    [],
+                    0,
+                    0.0,
+                    None,
+                    None,
+                    False,
+                    False,
+                ),
+            )
+            (pid,) = other.execute("SELECT pg_backend_pid()").fetchone() or (0,)
+
+            def batch() -> None:
+                out["result"] = store.complete_and_claim(
+                    [(lease, "success", None) for lease in mine], "mine", [], limit=2
+                )
+
+            before = store.counters.snapshot()
+            t = threading.Thread(target=batch)
+            t.start()
+            wait_until_blocked_by(other, pid, t)
+            other.commit()
+            t.join(timeout=60)
+        done, claimed = out["result"]
+        after = store.counters.snapshot()
+        assert [c.conclusion for c in done] == ["success", "success"]
+        assert [lease.job_id for lease in claimed] == ["merge"]
+        fallback = "complete_and_claim.fallback"
+        assert after.operations.get(fallback, 0) == before.operations.get(fallback, 0)
+        # The run row came within COMPLETE_LOCK_WAIT (the case this test is
+        # for) or the batch ran again taking it first; either way, no cascade.
+        leg = store._db.transaction(
+            "query",
+            lambda tx: tx.one(
+                "SELECT result FROM units WHERE run_id = ? AND base_id = 'leg'", (run_id,)
+            ),
+        )
+        assert leg is not None and leg["result"] == "success"
+        _, none = store.complete_and_claim([(claimed[0], "success", None)], "mine", [])
+        assert none == []
+        run = store.get_run(run_id)
+        assert (run.status, run.conclusion) == ("completed", "success")

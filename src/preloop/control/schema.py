@@ -1550,6 +1550,139 @@ _V21_GROUPED_JOBS: list[Statement] = [
     }
 ]
 
+# Migration 22, PostgreSQL only: a batch ends what migration 19 left to the
+# Python cascade when it finds it only under the run row.
+# - A unit that ends only there (another batch of the run committed its other
+#   jobs while this one wrote its own: the usual end of a matrix two runners
+#   share) is admitted there by migration 19's rule when it ended clean.
+# - A batch whose jobs are the run's last concludes the run (as the cascade's
+#   `end_run`), unless a workflow-level concurrency group waits on the run.
+# Either was a transaction of its own through the cascade, holding the run row
+# for several ms.
+_CLEAN_UNIT = (
+    "u.caller IS NULL AND u.n_failure = 0 AND u.n_cancelled = 0 AND u.n_success > 0 "
+    "AND u.anc_fail = 0 AND u.anc_bad = 0"
+)
+
+
+def _complete_claim_v22() -> str:
+    text = _complete_claim_v20()
+    start = text.index("                WITH x AS MATERIALIZED (")
+    end_mark = "INTO n_queued, n_unclean FROM w;\n"
+    admit = text[start : text.index(end_mark, start) + len(end_mark)]
+    plain_start = text.index("                SELECT 1 FROM deps d JOIN jobs j")
+    plain = text[plain_start : text.index(")) THEN\n", plain_start) + 1]
+    assert admit.count("ANY (v_ending)") == 1 and plain.count("ANY (v_ending)") == 1
+    edits = [
+        (
+            "    v_ending TEXT[]; n_unclean INT;",
+            "    v_late TEXT[]; v_more TEXT; v_ending TEXT[]; n_unclean INT;",
+        ),
+        (
+            "        IF left_jobs <= 0 AND NOT p_cascade THEN\n",
+            "        IF left_jobs <= 0 AND NOT p_cascade AND EXISTS (\n"
+            "                SELECT 1 FROM runs WHERE id = p_run\n"
+            "                   AND conc_group IS NOT NULL) THEN\n",
+        ),
+        (
+            """        SELECT count(*) FILTER (WHERE (u.remaining <= 0) IS DISTINCT FROM (
+                   u.base_id = ANY (coalesce(v_ending, '{{}}')) AND u.caller IS NULL
+                   AND u.n_failure = 0 AND u.n_cancelled = 0 AND u.n_success > 0
+                   AND u.anc_fail = 0 AND u.anc_bad = 0))
+                 , json_agg(u) FILTER (WHERE u.remaining <= 0)
+          INTO n_ended, v_ended FROM u;
+        IF (n_ended > 0 AND NOT p_cascade)
+           OR (v_ending IS NOT NULL AND run_cancel <> 0) THEN
+""",
+            f"""        -- And those that ended only now (v_late), which must have ended clean.
+        SELECT count(*) FILTER (WHERE CASE
+                   WHEN u.base_id = ANY (coalesce(v_ending, '{{{{}}}}'))
+                       THEN NOT (u.remaining <= 0 AND {_CLEAN_UNIT})
+                   WHEN u.remaining <= 0 THEN NOT ({_CLEAN_UNIT})
+                   ELSE false END)
+                 , json_agg(u) FILTER (WHERE u.remaining <= 0)
+                 , array_agg(u.base_id) FILTER (WHERE u.remaining <= 0
+                       AND NOT u.base_id = ANY (coalesce(v_ending, '{{{{}}}}')))
+          INTO n_ended, v_ended, v_late FROM u;
+        IF (n_ended > 0 AND NOT p_cascade)
+           OR ((v_ending IS NOT NULL OR (v_late IS NOT NULL AND NOT p_cascade))
+               AND run_cancel <> 0) THEN
+""",
+        ),
+        (
+            """        IF v_ending IS NOT NULL THEN
+            UPDATE units SET result = 'success'
+                WHERE run_id = p_run AND base_id = ANY (v_ending);
+        END IF;
+""",
+            """        IF v_ending IS NOT NULL THEN
+            UPDATE units SET result = 'success'
+                WHERE run_id = p_run AND base_id = ANY (v_ending);
+        END IF;
+        IF v_late IS NOT NULL AND NOT p_cascade THEN
+            IF EXISTS (
+"""
+            + plain.replace("ANY (v_ending)", "ANY (v_late)")
+            + """ THEN
+                RAISE EXCEPTION 'preloop: slow path: a unit ends' USING ERRCODE = 'PLSLO';
+            END IF;
+            loop_was := current_setting('enable_nestloop');
+            PERFORM set_config('enable_nestloop', 'off', true);
+            PERFORM set_config('preloop.queued_notified', 'on', true);
+"""
+            + "".join(
+                line[4:]
+                for line in admit.replace("ANY (v_ending)", "ANY (v_late)").splitlines(True)
+            )
+            + """            PERFORM set_config('preloop.queued_notified', '', true);
+            PERFORM set_config('enable_nestloop', loop_was, true);
+            IF n_unclean > 0 THEN
+                RAISE EXCEPTION 'preloop: slow path: a unit ends' USING ERRCODE = 'PLSLO';
+            END IF;
+            IF n_queued > 0 THEN
+                PERFORM pg_notify('preloop_jobs', '');
+            END IF;
+            UPDATE units SET result = 'success'
+                WHERE run_id = p_run AND base_id = ANY (v_late);
+            -- The claim ran before the run row was had: what is left of the
+            -- runner's capacity takes the jobs just queued, as the cascade's
+            -- claim after it would have.
+            got := coalesce(json_array_length(v_claimed::JSON), 0);
+            IF n_queued > 0 AND p_limit > got AND NOT claim_later THEN
+                v_more := preloop_claim(p_runner, p_labels, p_limit - got, p_now, p_expires,
+                                        p_only_run);
+                v_claimed := CASE WHEN v_claimed IS NULL THEN v_more
+                                  WHEN v_more IS NULL THEN v_claimed
+                                  ELSE left(v_claimed, -1) || ',' || substr(v_more, 2) END;
+            END IF;
+        END IF;
+""",
+        ),
+        (
+            """    IF p_limit > 0 AND claim_later THEN""",
+            """    IF n > 0 AND left_jobs <= 0 AND NOT p_cascade THEN
+        UPDATE runs SET status = 'completed',
+                conclusion = CASE WHEN failed_jobs > 0 THEN 'failure'
+                                  WHEN cancel_requested <> 0 OR cancelled_jobs > 0
+                                      THEN 'cancelled'
+                                  ELSE 'success' END,
+                completed_at = p_now
+            WHERE id = p_run AND status <> 'completed';
+    END IF;
+    IF p_limit > 0 AND claim_later THEN""",
+        ),
+    ]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text.replace(
+        "LANGUAGE plpgsql AS $fn$",
+        "LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $fn$",
+    )
+
+
+_V22_ENDS_IN_BATCH: list[Statement] = [{"pg": _complete_claim_v22(), "lite": None}]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -1577,6 +1710,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V19_END_UNITS,
     _V20_IF_TRUE_WHEN_CLEAN,
     _V21_GROUPED_JOBS,
+    _V22_ENDS_IN_BATCH,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from preloop.control import Lease, Store, open_store
-from preloop.testing.plans import PlanBuilder
+from preloop.testing.plans import PlanBuilder, with_runs_on
 
 
 def _cohort_in_flight(store: Store, run_id: int, cohort: str) -> int:
@@ -657,14 +657,14 @@ def test_a_batch_that_ends_the_run_concludes_it(store: Store) -> None:
     assert (run.status, run.conclusion, run.remaining_jobs) == ("completed", "success", 0)
 
 
-@pytest.mark.parametrize("earlier", ["success", "failure"])
+@pytest.mark.parametrize("earlier", ["success", "failure", "cancelled"])
 def test_the_batch_with_the_runs_last_jobs_concludes_it_in_one_call(
     store: Store, earlier: str
 ) -> None:
     """The run's last jobs, ending clean: the run concludes as the cascade
-    would conclude it (a job that failed before makes it a failure); on
-    PostgreSQL in the batch's one statement (migration 22), not in a
-    transaction of the cascade's, and it wakes whoever waits for runs."""
+    would conclude it (a job that failed before makes it a failure, one
+    cancelled a cancelled run); on PostgreSQL in the batch's one statement
+    (migration 22), not in a transaction of the cascade's."""
     b = PlanBuilder()
     b.job("first")
     b.job("second")
@@ -691,66 +691,75 @@ def test_the_batch_with_the_runs_last_jobs_concludes_it_in_one_call(
         assert after.settle_lock_holds == before.settle_lock_holds + 1
 
 
-def test_a_unit_that_ends_only_under_the_run_row_is_admitted_by_the_batch(pg_url: str) -> None:
-    """PostgreSQL: two runners end a matrix together. The second batch reads
-    the unit before the first commits (so it does not see it ending), then
-    waits for the run row the first holds; once it has it, the unit has ended:
-    the batch admits its dependent itself (migration 22), and claims it, in
-    its one statement."""
+def _end_a_matrix_with_another_runner(pg_url: str, store: Store) -> tuple[int, bool, Any]:
+    """Two runners end a four-leg matrix (`merge` needs it) together: the
+    other runner's batch is left uncommitted (it holds the run row) while this
+    one starts; once this one waits for the run row, the other commits. This
+    runner's first claim takes a job of another run whose matrix holds
+    `Infinity`. Returns the run, whether this batch found the unit ending
+    under the run row (else it ran again run row first: the other commit came
+    after COMPLETE_LOCK_WAIT) and the batch's answer."""
     import psycopg
 
     from preloop.control.queries import Q
 
-    with open_store(pg_url) as store:
-        b = PlanBuilder()
-        b.matrix("leg", 4)
-        b.job("merge", needs=["leg"], if_expr="always()")
-        run_id = store.submit_run(b.plan())
-        mine = store.claim_jobs("mine", [], limit=2)
-        theirs = store.claim_jobs("theirs", [], limit=2)
-        out: dict[str, Any] = {}
-        with psycopg.connect(pg_url) as other:
-            # The other runner's batch, left uncommitted: it holds the run row.
-            other.execute(
-                Q["pg_call_select_preloop_complete_claim"].replace("?", "%s"),
-                (
-                    run_id,
-                    [lease.job_id for lease in theirs],
-                    ["success"] * 2,
-                    ["{}"] * 2,
-                    [lease.token for lease in theirs],
-                    0.0,
-                    "",
-                    [],
-                    0,
-                    0.0,
-                    None,
-                    None,
-                    False,
-                    False,
-                ),
+    odd = PlanBuilder()
+    odd.matrix("odd", 1, values=[{"n": float("inf")}])
+    store.submit_run(with_runs_on(odd.plan(), ("special",)))
+    b = PlanBuilder()
+    b.matrix("leg", 4)
+    b.job("merge", needs=["leg"], if_expr="always()")
+    run_id = store.submit_run(b.plan())
+    mine = store.claim_jobs("mine", [], limit=2, run_id=run_id)
+    theirs = store.claim_jobs("theirs", [], limit=2, run_id=run_id)
+    out: dict[str, Any] = {}
+    with psycopg.connect(pg_url) as other:
+        other.execute(
+            Q["pg_call_select_preloop_complete_claim"].replace("?", "%s"),
+            (run_id, [lease.job_id for lease in theirs], ["success"] * 2, ["{}"] * 2,
+             [lease.token for lease in theirs], 0.0, "", [], 0, 0.0, None, None,
+             False, False),
+        )  # fmt: skip
+        (pid,) = other.execute("SELECT pg_backend_pid()").fetchone() or (0,)
+
+        def batch() -> None:
+            out["result"] = store.complete_and_claim(
+                [(lease, "success", None) for lease in mine], "mine", ["special"], limit=2
             )
-            (pid,) = other.execute("SELECT pg_backend_pid()").fetchone() or (0,)
 
-            def batch() -> None:
-                out["result"] = store.complete_and_claim(
-                    [(lease, "success", None) for lease in mine], "mine", [], limit=2
-                )
+        before = store.counters.snapshot()
+        t = threading.Thread(target=batch)
+        t.start()
+        wait_until_blocked_by(other, pid, t)
+        other.commit()
+        t.join(timeout=60)
+    after = store.counters.snapshot()
+    fallback = "complete_and_claim.fallback"
+    assert after.operations.get(fallback, 0) == before.operations.get(fallback, 0)
+    first = "complete_and_claim.lock_first"
+    late = after.operations.get(first, 0) == before.operations.get(first, 0)
+    return run_id, late, out["result"]
 
-            before = store.counters.snapshot()
-            t = threading.Thread(target=batch)
-            t.start()
-            wait_until_blocked_by(other, pid, t)
-            other.commit()
-            t.join(timeout=60)
-        done, claimed = out["result"]
-        after = store.counters.snapshot()
-        assert [c.conclusion for c in done] == ["success", "success"]
-        assert [lease.job_id for lease in claimed] == ["merge"]
-        fallback = "complete_and_claim.fallback"
-        assert after.operations.get(fallback, 0) == before.operations.get(fallback, 0)
-        # The run row came within COMPLETE_LOCK_WAIT (the case this test is
-        # for) or the batch ran again taking it first; either way, no cascade.
+
+def test_a_unit_that_ends_only_under_the_run_row_is_admitted_by_the_batch(pg_url: str) -> None:
+    """PostgreSQL: a batch that finds the matrix ending only once it has the
+    run row admits the dependent itself (migration 22) and, with what is left
+    of its runner's capacity, claims it, in its one statement: the leases in
+    claim order, a matrix value PostgreSQL's JSON type refuses included."""
+    with open_store(pg_url) as store:
+        for _ in range(5):  # the other runner's commit must come within 50 ms
+            run_id, late, (done, claimed) = _end_a_matrix_with_another_runner(pg_url, store)
+            assert [c.conclusion for c in done] == ["success", "success"]
+            if late:
+                break
+            for lease in claimed:  # the run row came too late: again, with new runs
+                store.complete_and_claim([(lease, "success", None)], "mine", ["special"])
+        assert late, "the other runner never committed within COMPLETE_LOCK_WAIT"
+        assert [(lease.job_id, lease.matrix) for lease in claimed] == [
+            ("odd#0", {"n": float("inf")}),
+            ("merge", None),
+        ]
+        assert claimed[0].run_id < claimed[1].run_id == run_id
         leg = store._db.transaction(
             "query",
             lambda tx: tx.one(
@@ -758,7 +767,32 @@ def test_a_unit_that_ends_only_under_the_run_row_is_admitted_by_the_batch(pg_url
             ),
         )
         assert leg is not None and leg["result"] == "success"
-        _, none = store.complete_and_claim([(claimed[0], "success", None)], "mine", [])
+        _, none = store.complete_and_claim([(claimed[1], "success", None)], "mine", [])
         assert none == []
         run = store.get_run(run_id)
         assert (run.status, run.conclusion) == ("completed", "success")
+
+
+def test_the_batch_ending_a_run_that_holds_a_workflow_group_starts_the_waiting_run(
+    store: Store,
+) -> None:
+    """A run holding a workflow-level concurrency group ends with a batch: the
+    group goes to the run waiting on it, whose job the same batch claims (on
+    PostgreSQL the cascade's work, not the function's)."""
+    from preloop.workflow.plan import ConcurrencySpec
+
+    def run() -> int:
+        b = PlanBuilder(concurrency=ConcurrencySpec("deploy", queue_max=True))
+        b.job("only")
+        return store.submit_run(b.plan())
+
+    first, second = run(), run()
+    assert store.get_run(second).status != "running"
+    held = store.claim_jobs("r", [], limit=2)
+    assert [(lease.run_id, lease.job_id) for lease in held] == [(first, "only")]
+    _, claimed = store.complete_and_claim([(held[0], "success", None)], "r", [], limit=2)
+    assert (store.get_run(first).status, store.get_run(first).conclusion) == (
+        "completed",
+        "success",
+    )
+    assert [(lease.run_id, lease.job_id) for lease in claimed] == [(second, "only")]

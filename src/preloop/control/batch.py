@@ -219,10 +219,14 @@ def _lite_fast_body(
 
 
 def _leases_pg(doc: str | None, claim: _Claim, now: float) -> list[Lease]:
-    """The leases of a PostgreSQL claim's answer (schema migration 19)."""
+    """The leases of a PostgreSQL claim's answer (schema migration 19), in
+    claim order (run, seq): a batch that queued jobs under the run row claims
+    them after its first claim and appends them (migration 22)."""
     if doc is None:
         return []
     expires = now + claim.lease_seconds
+    claimed = json.loads(doc)
+    claimed.sort(key=lambda c: (int(c[0][0]), int(c[0][2])))
     return [
         Lease(
             run_id=int(run_id),
@@ -237,9 +241,7 @@ def _leases_pg(doc: str | None, claim: _Claim, now: float) -> list[Lease]:
             strategy=strategy,
             timeout_minutes=float(timeout),
         )
-        for (run_id, job_id, _seq, name, attempt, timeout, token), spec, matrix, strategy in (
-            json.loads(doc)
-        )
+        for (run_id, job_id, _seq, name, attempt, timeout, token), spec, matrix, strategy in claimed
     ]
 
 

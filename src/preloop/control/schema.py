@@ -1573,7 +1573,28 @@ def _complete_claim_v22() -> str:
     plain_start = text.index("                SELECT 1 FROM deps d JOIN jobs j")
     plain = text[plain_start : text.index(")) THEN\n", plain_start) + 1]
     assert admit.count("ANY (v_ending)") == 1 and plain.count("ANY (v_ending)") == 1
+    check_start = text.index("        IF n_unclean > 0 OR (v_ending IS NOT NULL AND EXISTS (\n")
+    check_end = text.index("        END IF;\n", check_start) + len("        END IF;\n")
     edits = [
+        # A plan is made once per connection (below), with the planner
+        # settings of the call that first runs the statement: the checks
+        # that want hash joins run only where they are switched on.
+        (
+            text[check_start:check_end],
+            """        IF n_unclean > 0 THEN
+            RAISE EXCEPTION 'preloop: slow path: a unit ends' USING ERRCODE = 'PLSLO';
+        END IF;
+        IF v_ending IS NOT NULL THEN
+            IF EXISTS (SELECT 1 FROM runs WHERE id = p_run AND cancel_requested <> 0)
+               OR EXISTS (
+"""
+            + "".join("    " + line for line in plain.splitlines(True))
+            + """ THEN
+                RAISE EXCEPTION 'preloop: slow path: a unit ends' USING ERRCODE = 'PLSLO';
+            END IF;
+        END IF;
+""",
+        ),
         (
             "    v_ending TEXT[]; n_unclean INT;",
             "    v_late TEXT[]; v_more TEXT; v_ending TEXT[]; n_unclean INT;",
@@ -1620,14 +1641,14 @@ def _complete_claim_v22() -> str:
                 WHERE run_id = p_run AND base_id = ANY (v_ending);
         END IF;
         IF v_late IS NOT NULL AND NOT p_cascade THEN
+            loop_was := current_setting('enable_nestloop');
+            PERFORM set_config('enable_nestloop', 'off', true);
             IF EXISTS (
 """
             + plain.replace("ANY (v_ending)", "ANY (v_late)")
             + """ THEN
                 RAISE EXCEPTION 'preloop: slow path: a unit ends' USING ERRCODE = 'PLSLO';
             END IF;
-            loop_was := current_setting('enable_nestloop');
-            PERFORM set_config('enable_nestloop', 'off', true);
             PERFORM set_config('preloop.queued_notified', 'on', true);
 """
             + "".join(
@@ -1645,9 +1666,10 @@ def _complete_claim_v22() -> str:
             UPDATE units SET result = 'success'
                 WHERE run_id = p_run AND base_id = ANY (v_late);
             -- The claim ran before the run row was had: what is left of the
-            -- runner's capacity takes the jobs just queued, as the cascade's
-            -- claim after it would have.
-            got := coalesce(json_array_length(v_claimed::JSON), 0);
+            -- runner's capacity takes the jobs just queued (the leases are
+            -- put in claim order by the store). A runner the first claim
+            -- filled leaves them to the next claim.
+            got := coalesce(nullif(current_setting('preloop.claimed', true), '')::INT, 0);
             IF n_queued > 0 AND p_limit > got AND NOT claim_later THEN
                 v_more := preloop_claim(p_runner, p_labels, p_limit - got, p_now, p_expires,
                                         p_only_run);
@@ -1681,7 +1703,28 @@ def _complete_claim_v22() -> str:
     )
 
 
-_V22_ENDS_IN_BATCH: list[Statement] = [{"pg": _complete_claim_v22(), "lite": None}]
+def _claim_v22() -> str:
+    """`preloop_claim`, also leaving how many jobs it claimed in the
+    transaction-local setting `preloop.claimed` (its answer is text that
+    PostgreSQL's JSON type may refuse: `Infinity` in a matrix)."""
+    text = _claim_v19()
+    old = "    v_claimed TEXT; sort_was TEXT;\n"
+    assert text.count(old) == 1, old
+    text = text.replace(old, "    v_claimed TEXT; sort_was TEXT; v_n INT;\n")
+    old = "',' ORDER BY w.run_id, w.seq) || ']'\n          INTO v_claimed FROM w;\n"
+    new = (
+        "',' ORDER BY w.run_id, w.seq) || ']', count(*)\n"
+        "          INTO v_claimed, v_n FROM w;\n"
+        "        PERFORM set_config('preloop.claimed', v_n::TEXT, true);\n"
+    )
+    assert text.count(old) == 2, old
+    return text.replace(old, new)
+
+
+_V22_ENDS_IN_BATCH: list[Statement] = [
+    {"pg": _claim_v22(), "lite": None},
+    {"pg": _complete_claim_v22(), "lite": None},
+]
 
 MIGRATIONS: list[list[Statement]] = [
     _V1,

@@ -93,6 +93,39 @@ def test_batch_claim_never_exceeds_max_parallel(store: Store) -> None:
     assert store.counters.snapshot().graph_loads == 0
 
 
+def test_a_need_ending_in_a_batch_parks_a_capped_matrix_and_fills_its_slots(
+    store: Store,
+) -> None:
+    """The batch that ends the need of a max-parallel matrix parks its legs
+    and queues as many as the cap allows, in seq order, each holding a slot
+    (on PostgreSQL in the batch's one statement, migration 22); every freed
+    slot then admits the next leg."""
+    b = PlanBuilder()
+    b.job("setup")
+    b.matrix("leg", 10, needs=["setup"], max_parallel=3)
+    b.job("merge", needs=["leg"])
+    run_id = store.submit_run(b.plan())
+    setup = store.claim_jobs("r", [], limit=1)
+    before = store.counters.snapshot()
+    _, held = store.complete_and_claim([(setup[0], "success", None)], "r", [], limit=8)
+    after = store.counters.snapshot()
+    assert [lease.job_id for lease in held] == ["leg#0", "leg#1", "leg#2"]
+    statuses = {j.id: j.status for j in store.list_jobs(run_id)}
+    assert [statuses[f"leg#{i}"] for i in range(3, 10)] == ["parked"] * 7
+    assert _cohort_in_flight(store, run_id, "leg") == 3
+    if store.dialect == "pg":
+        fallback = "complete_and_claim.fallback"
+        assert after.operations.get(fallback, 0) == before.operations.get(fallback, 0)
+    dispatched = [lease.job_id for lease in held]
+    while held:
+        _, more = store.complete_and_claim([(held[0], "success", None)], "r", [], limit=1)
+        held = held[1:] + more
+        dispatched += [lease.job_id for lease in more]
+        assert _cohort_in_flight(store, run_id, "leg") <= 3
+    assert dispatched == [*(f"leg#{i}" for i in range(10)), "merge"]
+    assert store.get_run(run_id).conclusion == "success"
+
+
 def test_complete_and_claim_runs_the_cascade_like_complete_job(store: Store) -> None:
     """Failures, fail-fast, outputs of several legs in one batch and an
     always() job go through the same rules as one completion at a time."""

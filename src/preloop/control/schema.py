@@ -19,6 +19,8 @@ Counters kept in rows (so no path reads the whole run):
 
 from __future__ import annotations
 
+import re
+
 from preloop.workflow.plan import TRUE_WHEN_CLEAN
 
 __all__ = ["MIGRATIONS", "QUEUE_MAX", "SCHEMA_VERSION", "if_true_when_clean", "render"]
@@ -1697,10 +1699,78 @@ def _complete_claim_v22() -> str:
     for old, new in edits:
         assert text.count(old) == 1, old
         text = text.replace(old, new)
+    text = _with_capped_admission(text)
     return text.replace(
         "LANGUAGE plpgsql AS $fn$",
         "LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $fn$",
     )
+
+
+_FILL_COHORTS = """FOR c IN SELECT co.id AS cohort, co.max_parallel - co.active AS free
+           FROM cohorts co WHERE co.run_id = p_run AND co.id = ANY (v_cohorts)
+LOOP
+    IF c.free > 0 THEN
+        -- By address, as the slots' hand-over does: no join (hash joins are on).
+        SELECT array_agg(l.tid) INTO tids FROM (
+            SELECT p.ctid AS tid FROM jobs p
+             WHERE p.run_id = p_run AND p.cohort = c.cohort AND p.status = 'parked'
+             ORDER BY p.seq LIMIT c.free) l;
+        got := coalesce(cardinality(tids), 0);
+        IF got > 0 THEN
+            UPDATE jobs SET status = 'queued', holds_slot = 1 WHERE ctid = ANY (tids);
+            UPDATE cohorts SET active = active + got WHERE run_id = p_run AND id = c.cohort;
+            n_queued := n_queued + got;
+        END IF;
+    END IF;
+END LOOP;
+"""
+
+# The admission's write, at whatever indentation it has.
+_ADMISSION_WRITE = re.compile(
+    r"(?P<i> *)AND j\.conc_group_expr IS NULL AND j\.capped = 0\n"
+    r"(?P<t> *)THEN 'queued' ELSE j\.status END\n"
+    r"(?P<rest>(?:.*\n)*?)"
+    r"(?P<r> *)RETURNING j\.status, j\.remaining_needs\n"
+    r"(?P<close>(?:.*\n)*?)"
+    r"(?P<s> *)SELECT count\(\*\) FILTER \(WHERE w\.status = 'queued'\),\n"
+    r" *count\(\*\) FILTER \(WHERE w\.status <> 'queued' AND w\.remaining_needs <= 0\)\n"
+    r" *INTO n_queued, n_unclean FROM w;\n"
+)
+
+
+def _with_capped_admission(text: str) -> str:
+    """Both admissions (before the run row, and under it for a late unit)
+    also take the legs of a max-parallel matrix, as the cascade's `end_unit`
+    and `fill_cohort` do: parked, then the cohort's free slots (seq order)
+    queued holding a slot. The cohort is the need's own and fresh: no other
+    transaction has seen its legs."""
+    old = "    v_late TEXT[];"
+    assert text.count(old) == 1, old
+    text = text.replace(old, "    v_cohorts TEXT[]; v_late TEXT[];")
+    old = "AND j.conc_group_expr IS NULL AND j.capped = 0)) THEN"  # the checks
+    assert text.count(old) == 2, old
+    text = text.replace(old, "AND j.conc_group_expr IS NULL)) THEN")
+
+    def capped(m: re.Match[str]) -> str:
+        s = m["s"]
+        return (
+            f"{m['i']}AND j.conc_group_expr IS NULL\n"
+            f"{m['t']}THEN CASE WHEN j.capped <> 0 THEN 'parked' ELSE 'queued' END\n"
+            f"{m['t']}ELSE j.status END\n"
+            f"{m['rest']}"
+            f"{m['r']}RETURNING j.status, j.remaining_needs, j.cohort\n"
+            f"{m['close']}"
+            f"{s}SELECT count(*) FILTER (WHERE w.status = 'queued'),\n"
+            f"{s}       count(*) FILTER (WHERE w.status NOT IN ('queued', 'parked')\n"
+            f"{s}                        AND w.remaining_needs <= 0),\n"
+            f"{s}       array_agg(DISTINCT w.cohort) FILTER (WHERE w.status = 'parked')\n"
+            f"{s}  INTO n_queued, n_unclean, v_cohorts FROM w;\n"
+            + "".join(s + line for line in _FILL_COHORTS.splitlines(True))
+        )
+
+    text, n = _ADMISSION_WRITE.subn(capped, text)
+    assert n == 2, n
+    return text
 
 
 def _claim_v22() -> str:

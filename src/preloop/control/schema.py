@@ -1552,15 +1552,21 @@ _V21_GROUPED_JOBS: list[Statement] = [
     }
 ]
 
-# Migration 22, PostgreSQL only: a batch ends what migration 19 left to the
-# Python cascade when it finds it only under the run row.
-# - A unit that ends only there (another batch of the run committed its other
-#   jobs while this one wrote its own: the usual end of a matrix two runners
-#   share) is admitted there by migration 19's rule when it ended clean.
+# Migration 22, PostgreSQL only: the batch does more of what migration 19 left
+# to the Python cascade, each of which was a transaction of its own holding the
+# run row for several ms.
+# - A unit that ends only under the run row (another batch of the run committed
+#   its other jobs while this one wrote its own: the usual end of a matrix two
+#   runners share) is admitted there by migration 19's rule when it ended
+#   clean, and the runner's capacity left after its first claim claims what
+#   that queued (`preloop_claim` says how many it took in `preloop.claimed`).
 # - A batch whose jobs are the run's last concludes the run (as the cascade's
 #   `end_run`), unless a workflow-level concurrency group waits on the run.
-# Either was a transaction of its own through the cascade, holding the run row
-# for several ms.
+# - Both admissions take the legs of a max-parallel matrix too (parked, then
+#   the cap's worth queued), as the cascade's `end_unit` and `fill_cohort` do.
+# - The function plans its statements once per connection
+#   (`plan_cache_mode = force_generic_plan`) instead of on each of its first
+#   five calls: a fresh runner's batches held the run row while planning.
 _CLEAN_UNIT = (
     "u.caller IS NULL AND u.n_failure = 0 AND u.n_cancelled = 0 AND u.n_success > 0 "
     "AND u.anc_fail = 0 AND u.anc_bad = 0"

@@ -1605,7 +1605,7 @@ def _complete_claim_v22() -> str:
         ),
         (
             "    v_ending TEXT[]; n_unclean INT;",
-            "    v_late TEXT[]; v_more TEXT; v_ending TEXT[]; n_unclean INT;",
+            "    v_late TEXT[]; v_more TEXT; n_claimed INT; v_ending TEXT[]; n_unclean INT;",
         ),
         (
             "        IF left_jobs <= 0 AND NOT p_cascade THEN\n",
@@ -1622,6 +1622,9 @@ def _complete_claim_v22() -> str:
           INTO n_ended, v_ended FROM u;
         IF (n_ended > 0 AND NOT p_cascade)
            OR (v_ending IS NOT NULL AND run_cancel <> 0) THEN
+            RAISE EXCEPTION 'preloop: slow path: a unit ends'
+                USING ERRCODE = 'PLSLO';
+            RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
 """,
             f"""        -- And those that ended only now (v_late), which must have ended clean.
         SELECT count(*) FILTER (WHERE CASE
@@ -1636,6 +1639,8 @@ def _complete_claim_v22() -> str:
         IF (n_ended > 0 AND NOT p_cascade)
            OR ((v_ending IS NOT NULL OR (v_late IS NOT NULL AND NOT p_cascade))
                AND run_cancel <> 0) THEN
+            RAISE EXCEPTION 'preloop: slow path: a unit ends'
+                USING ERRCODE = 'PLSLO';
 """,
         ),
         (
@@ -1677,9 +1682,9 @@ def _complete_claim_v22() -> str:
             -- runner's capacity takes the jobs just queued (the leases are
             -- put in claim order by the store). A runner the first claim
             -- filled leaves them to the next claim.
-            got := coalesce(nullif(current_setting('preloop.claimed', true), '')::INT, 0);
-            IF n_queued > 0 AND p_limit > got AND NOT claim_later THEN
-                v_more := preloop_claim(p_runner, p_labels, p_limit - got, p_now, p_expires,
+            n_claimed := coalesce(nullif(current_setting('preloop.claimed', true), '')::INT, 0);
+            IF n_queued > 0 AND p_limit > n_claimed AND NOT claim_later THEN
+                v_more := preloop_claim(p_runner, p_labels, p_limit - n_claimed, p_now, p_expires,
                                         p_only_run);
                 v_claimed := CASE WHEN v_claimed IS NULL THEN v_more
                                   WHEN v_more IS NULL THEN v_claimed

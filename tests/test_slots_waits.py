@@ -527,3 +527,73 @@ def test_choosing_where_to_wait_never_drops_a_slot_the_handle_holds(tmp_path: Pa
     for slot in [*mine, *got]:
         assert slot is not None
         slot.release()
+
+
+def test_wait_reports_wake_their_thread_only_for_an_earlier_report() -> None:
+    """Contended acquisitions come hundreds a second: each must not wake the
+    reporting thread, yet a wait due before the thread's next wake-up is reported
+    on time."""
+    from preloop.fingerprint.wait_reports import WaitReports
+
+    notified = 0
+
+    class Counting(threading.Condition):
+        def notify(self, n: int = 1) -> None:
+            nonlocal notified
+            notified += 1
+            super().notify(n)
+
+    reports = WaitReports()
+    reports._cond = Counting()
+    for _ in range(1000):
+        reports.unwatch(reports.watch(3600.0, 3600.0, lambda waited: "never due"))
+    assert notified == 1  # the first, which started the thread
+    reported = threading.Event()
+
+    def describe(waited: float) -> str:
+        reported.set()
+        return f"waited {waited:.1f} s"
+
+    key = reports.watch(0.05, 3600.0, describe)
+    try:
+        assert reported.wait(30)
+    finally:
+        reports.unwatch(key)
+    assert notified == 2
+
+
+def test_a_waiter_placed_behind_a_racing_one_moves_to_a_shorter_queue(tmp_path: Path) -> None:
+    """Waiters choosing at once see the same shortest queue; the one that ends up
+    behind the other moves to a queue with fewer waiters ahead instead of waiting
+    a whole extra hold. The race is made by holding slot 0's first place without
+    its mark, as a waiter does for a moment between taking a place and marking it."""
+    directory = prepare_host_coordination(tmp_path / "c", slots=2)
+    holders = {name: Holder(directory, [name]) for name in ("slot-0", "slot-1")}
+    racer = Holder(directory, ["slot-0.queue-0"])
+    parked: list[str] = []
+    parked_once = threading.Event()
+
+    def on_park(path: str) -> None:
+        parked.append(path)
+        parked_once.set()
+
+    _native.set_test_hooks(full_scan=on_park)
+    got: list[Slot] = []
+    # pid 2 prefers slot 0 (2 % 2): both queues are empty by their marks.
+    waiter = threading.Thread(
+        target=lambda: got.append(HostSlots(directory, slots=2, pid=2).acquire())
+    )
+    try:
+        waiter.start()
+        assert parked_once.wait(30)
+        assert parked == [str(directory / "slot-1")]
+        holders.pop("slot-1").stop()
+        waiter.join(30)
+        assert not waiter.is_alive()
+        assert [slot.index for slot in got] == [1]
+        got[0].release()
+    finally:
+        racer.stop()
+        for holder in holders.values():
+            holder.stop()
+        waiter.join(30)

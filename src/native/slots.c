@@ -631,6 +631,63 @@ static int scan(pl_slots *h, pl_slots_error *e) {
     return -1;
 }
 
+/* True when nobody holds slot `s`. A slot this handle holds is not free:
+ * probing it through the handle's own descriptor would drop it. */
+static int slot_free(pl_slots *h, int s) {
+    if (h->held[s] || flock(h->slotfd[s], LOCK_EX | LOCK_NB) != 0)
+        return 0;
+    (void)flock(h->slotfd[s], LOCK_UN);
+    return 1;
+}
+
+/* Waiters who will hold slot `s` before a newcomer joining the end of its
+ * queue: the queue's length, less its first waiter when the slot is free (that
+ * one is about to hold it). */
+static int waiters_ahead(pl_slots *h, int s) {
+    int tail = queue_tail(h->slotfd[s]);
+    if (tail > 0 && slot_free(h, s))
+        tail--;
+    return tail;
+}
+
+/* The slot to queue on at full cap: the one with the fewest waiters ahead,
+ * ties to the first from `pid % N` on, so waiters spread over the slots.
+ * `skip` (or -1) is left out; *ahead is set. -1 when no slot is left. */
+static int shortest_queue(pl_slots *h, long pid, int skip, int *ahead) {
+    int slot = -1, best = QUEUE_DEPTH + 2;
+    for (int k = 0; k < h->nslots && best > 0; k++) {
+        int s = (int)((pid + k) % h->nslots);
+        if (s == skip)
+            continue;
+        int n = waiters_ahead(h, s);
+        if (n < best) {
+            best = n;
+            slot = s;
+        }
+    }
+    *ahead = best;
+    return slot;
+}
+
+/* Opens a descriptor of the waiter's own on `slot` (its lock conflicts with
+ * this process's other holders of the slot, which the cached descriptor's would
+ * not) and joins the slot's queue: the descriptor, with *qfd and *level set as
+ * join_queue sets them, or -1 with *e. */
+static int open_and_join(pl_slots *h, int slot, int *qfd, int *level, pl_slots_error *e) {
+    char name[32];
+    snprintf(name, sizeof name, "slot-%d", slot);
+    int fd = open_lock_file(h->dirfd, h->dir, name, e);
+    if (fd < 0)
+        return -1;
+    *qfd = join_queue(h, slot, fd, level, e);
+    if (*qfd == -2) {
+        *qfd = -1;
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
 int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot *out,
                   pl_slots_error *error) {
     memset(error, 0, sizeof *error);
@@ -672,32 +729,27 @@ int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot 
      * of waiters, so waiters spread over the slots. */
     if (pid <= 0)
         pid = (long)getpid();
-    int slot = (int)(pid % h->nslots), best = QUEUE_DEPTH + 2;
-    for (int k = 0; k < h->nslots && best > 0; k++) {
-        int s = (int)((pid + k) % h->nslots);
-        int tail = queue_tail(h->slotfd[s]);
-        /* Free with waiters: its first waiter is about to hold it, and the queue
-         * behind the slot is one shorter than its marks say. (A slot this handle
-         * holds is not free; testing it through its own descriptor would drop it.) */
-        if (tail > 0 && !h->held[s] && flock(h->slotfd[s], LOCK_EX | LOCK_NB) == 0) {
-            (void)flock(h->slotfd[s], LOCK_UN);
-            tail--;
-        }
-        if (tail < best) {
-            best = tail;
-            slot = s;
-        }
-    }
+    int best;
+    int slot = shortest_queue(h, pid, -1, &best);
     snprintf(name, sizeof name, "slot-%d", slot);
-    /* A descriptor of its own: its lock conflicts with this process's other
-     * holders of the same slot, which the cached descriptor's would not. */
-    int fd = open_lock_file(h->dirfd, h->dir, name, error);
     int qfd = -1, level = 0;
-    if (fd >= 0) {
-        qfd = join_queue(h, slot, fd, &level, error);
-        if (qfd == -2) {
+    int fd = open_and_join(h, slot, &qfd, &level, error);
+    if (fd >= 0 && qfd >= 0 && level > 0) {
+        /* Waiters choosing at once (admission is not waited for) see the same
+         * shortest queue and join it one behind the other while another queue is
+         * shorter. One that ended up with more waiters ahead than another queue
+         * has moves there, once: it has not waited yet, and the place it leaves is
+         * taken up by whoever queued behind it. */
+        int ahead = level - slot_free(h, slot), other_ahead;
+        int other = ahead > 0 ? shortest_queue(h, pid, slot, &other_ahead) : -1;
+        if (other >= 0 && other_ahead < ahead) {
+            (void)mark(fd, F_UNLCK, 0, 0);
+            close(qfd);
             close(fd);
-            fd = -1;
+            qfd = -1;
+            slot = other;
+            snprintf(name, sizeof name, "slot-%d", slot);
+            fd = open_and_join(h, slot, &qfd, &level, error);
         }
     }
     if (fd >= 0) {

@@ -7,7 +7,8 @@
  *
  * At full cap the waiter blocks on slot `pid % N` (or the next slot with the
  * shortest queue of waiters), so waiters spread over the slots. Admission, taken
- * only when free and never waited for, orders that choice.
+ * only when free and never waited for, orders that choice; a waiter that raced
+ * another to the same queue and ended up behind it moves, once, to a shorter one.
  */
 #ifndef PRELOOP_SLOTS_H
 #define PRELOOP_SLOTS_H

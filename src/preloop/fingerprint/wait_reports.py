@@ -30,7 +30,12 @@ class _Wait:
 
 class WaitReports:
     """Waits being watched; `watch` starts the reporting thread on first use (again
-    in a forked child, which has no threads)."""
+    in a forked child, which has no threads).
+
+    `watch` wakes the thread only when the new wait is due before the thread's next
+    wake-up: contended acquisitions come hundreds a second, and waking a thread (and
+    handing it the GIL) for each cost a third of their CPU time, which stretched
+    the slot holds and waits of every process on a busy host."""
 
     def __init__(self) -> None:
         self._reset()
@@ -42,12 +47,18 @@ class WaitReports:
         self._waits: dict[int, _Wait] = {}
         self._keys = itertools.count()
         self._thread: threading.Thread | None = None
+        # When the thread looks next (monotonic); None while it sleeps until notified.
+        self._wake_at: float | None = None
+        # The report time of the last wait watched since the thread last looked.
+        self._linger: float | None = None
 
     def watch(self, after: float, every: float, describe: Callable[[float], str]) -> int:
         """Logs `describe(seconds waited)` once `after` seconds pass, then every
         `every` seconds, until `unwatch(key)`."""
-        now = time.monotonic()
         with self._cond:
+            # Read under the lock, as the thread reads it, so a wait watched after
+            # the thread's look is never due before the wake-up that look planned.
+            now = time.monotonic()
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="preloop-slot-wait-reports", daemon=True
@@ -55,7 +66,10 @@ class WaitReports:
                 self._thread.start()
             key = next(self._keys)
             self._waits[key] = _Wait(now, now + after, every, describe)
-            self._cond.notify()
+            self._linger = after
+            if self._wake_at is None or now + after < self._wake_at:
+                self._wake_at = now + after
+                self._cond.notify()
         return key
 
     def unwatch(self, key: int) -> None:
@@ -74,6 +88,13 @@ class WaitReports:
                     wait.next_report = now + wait.every
                 if not due:
                     upcoming = min((w.next_report for w in self._waits.values()), default=None)
+                    if upcoming is None and self._linger is not None:
+                        # None left, but waits came since the last look and more
+                        # likely follow: sleeping until notified would have each of
+                        # them wake this thread.
+                        upcoming = now + self._linger
+                    self._linger = None
+                    self._wake_at = upcoming
                     cond.wait(None if upcoming is None else upcoming - now)
                     continue
             for wait in due:  # outside the lock: describing reads the kernel's lock table

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -829,3 +830,52 @@ def test_the_batch_ending_a_run_that_holds_a_workflow_group_starts_the_waiting_r
         "success",
     )
     assert [(lease.run_id, lease.job_id) for lease in claimed] == [(second, "only")]
+
+
+def test_freed_slots_go_to_the_next_legs_in_the_claims_order_and_labels(store: Store) -> None:
+    """A batch freeing a capped matrix's slots hands them to its next legs and
+    claims in the same call (on PostgreSQL straight from parked, one write a
+    leg, migration 23): an older run's queued job still comes first, a leg on
+    labels the runner lacks stays queued holding its slot, and the limit holds."""
+    older = PlanBuilder()
+    older.job("old", runs_on=("linux",))
+    old_run = store.submit_run(older.plan("old"))
+    b = PlanBuilder()
+    b.matrix("leg", 6, max_parallel=2)
+    plan = b.plan()
+    plan = replace(
+        plan,
+        jobs=tuple(
+            replace(j, runs_on=("mac",) if j.id == "leg#2" else ("linux",)) for j in plan.jobs
+        ),
+    )
+    run_id = store.submit_run(plan)
+    held = store.claim_jobs("r", ["linux"], limit=2, run_id=run_id)
+    assert [lease.job_id for lease in held] == ["leg#0", "leg#1"]
+    before = store.counters.snapshot().operations.get("complete_and_claim.fallback", 0)
+    _, claimed = store.complete_and_claim(
+        [(lease, "success", None) for lease in held], "r", ["linux"], limit=2
+    )
+    if store.dialect == "pg":  # the batch's own statement, not the cascade
+        assert store.counters.snapshot().operations.get("complete_and_claim.fallback", 0) == before
+    assert [(lease.run_id, lease.job_id) for lease in claimed] == [
+        (old_run, "old"),
+        (run_id, "leg#3"),
+    ]
+    statuses = {j.id: j.status for j in store.list_jobs(run_id)}
+    assert statuses["leg#2"] == "queued" and statuses["leg#3"] == "running"
+    assert [statuses[f"leg#{i}"] for i in (4, 5)] == ["parked", "parked"]
+    assert _cohort_in_flight(store, run_id, "leg") == 2
+    mac = store.claim_jobs("m", ["mac"], limit=5)
+    assert [lease.job_id for lease in mac] == ["leg#2"]
+    held = [lease for lease in claimed if lease.run_id == run_id] + mac
+    store.complete_and_claim([(lease, "success", None) for lease in claimed[:1]], "r", [], limit=0)
+    dispatched = [lease.job_id for lease in held]
+    while held:
+        _, more = store.complete_and_claim([(held[0], "success", None)], "r", ["linux"], limit=1)
+        held = held[1:] + more
+        dispatched += [lease.job_id for lease in more]
+        assert _cohort_in_flight(store, run_id, "leg") <= 2
+    assert sorted(dispatched) == [f"leg#{i}" for i in range(2, 6)]
+    assert store.get_run(run_id).conclusion == "success"
+    assert store.get_run(old_run).conclusion == "success"

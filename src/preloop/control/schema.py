@@ -1807,6 +1807,130 @@ _V22_ENDS_IN_BATCH: list[Statement] = [
     {"pg": _complete_claim_v22(), "lite": None},
 ]
 
+
+_LABELS_MATCH = """NOT EXISTS (
+                SELECT 1 FROM json_array_elements_text(j.runs_on::JSON) AS l(v)
+                WHERE l.v <> ALL (p_labels))"""
+
+
+def _claim_handed_v23() -> str:
+    """`preloop_claim_handed`: `preloop_claim` over the queued jobs and the
+    parked legs `p_handed` (a max-parallel matrix's, just handed a freed slot
+    under the run row) together, in the claim's order; a leg it takes goes
+    from parked to running holding its slot. The same jobs as queueing the
+    legs and then claiming, with one write a leg instead of two."""
+    text = _claim_v22()
+    edits = [
+        (
+            "CREATE OR REPLACE FUNCTION preloop_claim(",
+            "CREATE OR REPLACE FUNCTION preloop_claim_handed(",
+        ),
+        (
+            "    p_expires DOUBLE PRECISION, p_only_run BIGINT)\n",
+            "    p_expires DOUBLE PRECISION, p_only_run BIGINT, p_handed TID[])\n",
+        ),
+        # The sort of the two sets (at most p_limit rows each) is costed as
+        # disabled (enable_sort is off for the queue's index order), which would
+        # have the plan compiled by JIT: 250 ms a call.
+        (
+            "RETURNS TEXT LANGUAGE plpgsql AS $fn$",
+            "RETURNS TEXT LANGUAGE plpgsql SET jit = off AS $fn$",
+        ),
+    ]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    edits = [
+        (
+            "            SELECT j.ctid AS tid FROM jobs j\n            WHERE j.status = 'queued'",
+            "            SELECT j.ctid AS tid, j.run_id, j.seq FROM jobs j\n"
+            "            WHERE j.status = 'queued'",
+        ),
+        (
+            "LIMIT p_limit FOR UPDATE SKIP LOCKED\n        ), w AS (\n",
+            "LIMIT p_limit FOR UPDATE SKIP LOCKED\n"
+            "        ), h AS (\n"
+            "            SELECT j.ctid AS tid, j.run_id, j.seq FROM jobs j\n"
+            # By address alone, so that it is a TID scan: a parked-status test
+            # would let the planner walk the partial index of every parked leg.
+            "            WHERE j.ctid = ANY (p_handed)\n"
+            f"              AND (p_only_run IS NULL OR j.run_id = p_only_run) AND {_LABELS_MATCH}\n"
+            "        ), p AS (\n"
+            "            SELECT u.tid FROM (SELECT * FROM q UNION ALL SELECT * FROM h) u\n"
+            "            ORDER BY u.run_id, u.seq LIMIT p_limit\n"
+            "        ), w AS (\n",
+        ),
+        (
+            "UPDATE jobs j SET status = 'running', runner = p_runner,",
+            "UPDATE jobs j SET status = 'running', runner = p_runner,\n"
+            "                holds_slot = CASE WHEN j.status = 'parked' THEN 1\n"
+            "                                  ELSE j.holds_slot END,",
+        ),
+        ("FROM q WHERE j.ctid = q.tid", "FROM p WHERE j.ctid = p.tid"),
+    ]
+    for old, new in edits:
+        assert text.count(old) == 2, old
+        text = text.replace(old, new)
+    return text
+
+
+def _complete_claim_v23() -> str:
+    """Migration 22's batch, whose freed slots' legs are claimed by
+    `preloop_claim_handed` straight from parked when no group was released
+    (a released group may queue a job the claim must see after it): the run
+    row is held for one write of each such leg, not two; the legs left over
+    are queued with one notice, not one a leg."""
+    text = _complete_claim_v22()
+    edits = [
+        (
+            "    v_cohorts TEXT[]; v_late TEXT[];",
+            "    v_handed TID[] := '{{}}'; v_cohorts TEXT[]; v_late TEXT[];",
+        ),
+        (
+            """            IF cardinality(tids) > 0 THEN
+                UPDATE jobs SET status = 'queued', holds_slot = 1
+                    WHERE ctid = ANY (tids);
+            END IF;
+            IF got < c.freed THEN
+                UPDATE cohorts SET active = active - (c.freed - got)
+                    WHERE run_id = p_run AND id = c.cohort;
+            END IF;
+        END LOOP;
+""",
+            """            v_handed := v_handed || tids;
+            IF got < c.freed THEN
+                UPDATE cohorts SET active = active - (c.freed - got)
+                    WHERE run_id = p_run AND id = c.cohort;
+            END IF;
+        END LOOP;
+        IF cardinality(v_handed) > 0 THEN
+            IF p_limit > 0 AND v_groups IS NULL THEN
+                v_claimed := preloop_claim_handed(p_runner, p_labels, p_limit, p_now,
+                                                  p_expires, p_only_run, v_handed);
+                claim_later := false;
+            END IF;
+            PERFORM set_config('preloop.queued_notified', 'on', true);
+            UPDATE jobs SET status = 'queued', holds_slot = 1
+                WHERE ctid = ANY (v_handed) AND status = 'parked';
+            IF FOUND THEN
+                PERFORM pg_notify('preloop_jobs', '');
+            END IF;
+            PERFORM set_config('preloop.queued_notified', '', true);
+        END IF;
+""",
+        ),
+    ]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
+
+
+_V23_CLAIM_HANDED: list[Statement] = [
+    {"pg": _claim_handed_v23(), "lite": None},
+    {"pg": _complete_claim_v23(), "lite": None},
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -1835,6 +1959,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V20_IF_TRUE_WHEN_CLEAN,
     _V21_GROUPED_JOBS,
     _V22_ENDS_IN_BATCH,
+    _V23_CLAIM_HANDED,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

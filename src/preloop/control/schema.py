@@ -713,6 +713,16 @@ _SETTLE_V9 = _settle_fn(
 )
 
 
+def _edited(text: str, edits: list[tuple[str, str]], times: int = 1) -> str:
+    """`text` with each edit's `old` replaced by its `new`. Each `old` must occur
+    exactly `times` times, so an edit whose anchor moved fails at import rather
+    than producing different SQL."""
+    for old, new in edits:
+        assert text.count(old) == times, old
+        text = text.replace(old, new)
+    return text
+
+
 def _settle_v12() -> str:
     edits = [
         (
@@ -748,9 +758,7 @@ def _settle_v12() -> str:
         ),
     ]
     text = _SETTLE_V9
-    for old, new in edits:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
+    text = _edited(text, edits)
     return text
 
 
@@ -819,9 +827,7 @@ def _complete_claim_v13() -> str:
         ),
     ]
     text = _COMPLETE_CLAIM_V12
-    for old, new in edits:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
+    text = _edited(text, edits)
     return text
 
 
@@ -1130,9 +1136,7 @@ def _complete_claim_v16() -> str:
         ),
     ]
     text = _COMPLETE_CLAIM_V14
-    for old, new in edits:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
+    text = _edited(text, edits)
     return text.replace("@LOCK_WAIT@", COMPLETE_LOCK_WAIT)
 
 
@@ -1382,9 +1386,7 @@ def _complete_claim_v19() -> str:
         )
     )
     text = _complete_claim_v17()
-    for old, new in edits:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
+    text = _edited(text, edits)
     old = "WHERE id = p_run RETURNING remaining_jobs INTO left_jobs;\n"
     new = (
         "WHERE id = p_run RETURNING remaining_jobs, cancel_requested\n"
@@ -1468,9 +1470,7 @@ def _promote_group_v19() -> str:
         ),
     ]
     text = _PROMOTE_GROUP_FN
-    for old, new in edits:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
+    text = _edited(text, edits)
     return text
 
 
@@ -1491,9 +1491,7 @@ def _through_group_v19() -> str:
             "        WHERE ctid = p_tid AND run_id = p_run AND id = p_job;\n",
         ),
     ]
-    for old, new in edits:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
+    text = _edited(text, edits)
     return text
 
 
@@ -1707,9 +1705,7 @@ def _complete_claim_v22() -> str:
     IF p_limit > 0 AND claim_later THEN""",
         ),
     ]
-    for old, new in edits:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
+    text = _edited(text, edits)
     text = _with_capped_admission(text)
     return text.replace(
         "LANGUAGE plpgsql AS $fn$",
@@ -1837,9 +1833,7 @@ def _claim_handed_v23() -> str:
             "RETURNS TEXT LANGUAGE plpgsql SET jit = off AS $fn$",
         ),
     ]
-    for old, new in edits:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
+    text = _edited(text, edits)
     edits = [
         (
             "            SELECT j.ctid AS tid FROM jobs j\n            WHERE j.status = 'queued'",
@@ -1868,9 +1862,7 @@ def _claim_handed_v23() -> str:
         ),
         ("FROM q WHERE j.ctid = q.tid", "FROM p WHERE j.ctid = p.tid"),
     ]
-    for old, new in edits:
-        assert text.count(old) == 2, old
-        text = text.replace(old, new)
+    text = _edited(text, edits, times=2)
     return text
 
 
@@ -1920,9 +1912,7 @@ def _complete_claim_v23() -> str:
 """,
         ),
     ]
-    for old, new in edits:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
+    text = _edited(text, edits)
     return text
 
 

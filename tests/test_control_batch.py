@@ -879,3 +879,31 @@ def test_freed_slots_go_to_the_next_legs_in_the_claims_order_and_labels(store: S
     assert sorted(dispatched) == [f"leg#{i}" for i in range(2, 6)]
     assert store.get_run(run_id).conclusion == "success"
     assert store.get_run(old_run).conclusion == "success"
+
+
+def test_a_queued_job_the_handed_leg_claim_passes_over_is_announced(pg_url: str) -> None:
+    """PostgreSQL: the claim that takes a freed slot's leg straight from parked
+    locks the queue's next jobs as well; one a leg ahead of it in the claim's
+    order displaced stays queued, and runners that skipped it while it was
+    locked hear of it when the batch commits instead of waiting for a poll."""
+    import psycopg
+
+    with open_store(pg_url) as store:
+        b = PlanBuilder()
+        b.matrix("leg", 2, max_parallel=1)
+        run_id = store.submit_run(b.plan("matrix"))
+        other = PlanBuilder()
+        other.job("x")
+        other_run = store.submit_run(other.plan("other"))
+        held = store.claim_jobs("r", [], limit=1)
+        assert [(lease.run_id, lease.job_id) for lease in held] == [(run_id, "leg#0")]
+        with psycopg.connect(pg_url, autocommit=True) as listener:
+            listener.execute("LISTEN preloop_jobs")  # after every earlier notice was sent
+            before = store.counters.snapshot().operations.get("complete_and_claim.fallback", 0)
+            _, claimed = store.complete_and_claim([(held[0], "success", None)], "r", [], limit=1)
+            assert [(lease.run_id, lease.job_id) for lease in claimed] == [(run_id, "leg#1")]
+            fallback = store.counters.snapshot().operations.get("complete_and_claim.fallback", 0)
+            assert fallback == before  # the batch's own statement, not the cascade
+            assert len(list(listener.notifies(timeout=30, stop_after=1))) == 1
+        assert [lease.job_id for lease in store.claim_jobs("r", [], limit=5)] == ["x"]
+        assert store.get_run(other_run).status == "running"

@@ -1814,7 +1814,10 @@ def _claim_handed_v23() -> str:
     parked legs `p_handed` (a max-parallel matrix's, just handed a freed slot
     under the run row) together, in the claim's order; a leg it takes goes
     from parked to running holding its slot. The same jobs as queueing the
-    legs and then claiming, with one write a leg instead of two."""
+    legs and then claiming, with one write a leg instead of two. Queued jobs
+    it locked but left for a handed leg ahead of them in that order are
+    announced (`preloop_jobs`): a runner that skipped them while they were
+    locked would otherwise wait for a notice nobody sends."""
     text = _claim_v22()
     edits = [
         (
@@ -1831,6 +1834,10 @@ def _claim_handed_v23() -> str:
         (
             "RETURNS TEXT LANGUAGE plpgsql AS $fn$",
             "RETURNS TEXT LANGUAGE plpgsql SET jit = off AS $fn$",
+        ),
+        (
+            "    v_claimed TEXT; sort_was TEXT; v_n INT;\n",
+            "    v_claimed TEXT; sort_was TEXT; v_n INT; v_handed INT; v_locked INT;\n",
         ),
     ]
     text = _edited(text, edits)
@@ -1850,7 +1857,9 @@ def _claim_handed_v23() -> str:
             "            WHERE j.ctid = ANY (p_handed)\n"
             f"              AND (p_only_run IS NULL OR j.run_id = p_only_run) AND {_LABELS_MATCH}\n"
             "        ), p AS (\n"
-            "            SELECT u.tid FROM (SELECT * FROM q UNION ALL SELECT * FROM h) u\n"
+            "            SELECT u.tid, u.handed FROM (\n"
+            "                SELECT q.*, false AS handed FROM q\n"
+            "                UNION ALL SELECT h.*, true FROM h) u\n"
             "            ORDER BY u.run_id, u.seq LIMIT p_limit\n"
             "        ), w AS (\n",
         ),
@@ -1861,6 +1870,22 @@ def _claim_handed_v23() -> str:
             "                                  ELSE j.holds_slot END,",
         ),
         ("FROM q WHERE j.ctid = q.tid", "FROM p WHERE j.ctid = p.tid"),
+        (
+            "                j.strategy, j.timeout_minutes, j.lease_token\n",
+            "                j.strategy, j.timeout_minutes, j.lease_token, p.handed\n",
+        ),
+        (
+            "',' ORDER BY w.run_id, w.seq) || ']', count(*)\n"
+            "          INTO v_claimed, v_n FROM w;\n"
+            "        PERFORM set_config('preloop.claimed', v_n::TEXT, true);\n",
+            "',' ORDER BY w.run_id, w.seq) || ']', count(*),\n"
+            "               count(*) FILTER (WHERE w.handed), (SELECT count(*) FROM q)\n"
+            "          INTO v_claimed, v_n, v_handed, v_locked FROM w;\n"
+            "        PERFORM set_config('preloop.claimed', v_n::TEXT, true);\n"
+            "        IF v_locked > v_n - v_handed THEN\n"
+            "            PERFORM pg_notify('preloop_jobs', '');\n"
+            "        END IF;\n",
+        ),
     ]
     text = _edited(text, edits, times=2)
     return text
@@ -1902,8 +1927,10 @@ def _complete_claim_v23() -> str:
                 claim_later := false;
             END IF;
             PERFORM set_config('preloop.queued_notified', 'on', true);
+            -- By address alone (a TID scan), as in the claim: a leg the claim
+            -- took was rewritten, and this statement no longer sees the old row.
             UPDATE jobs SET status = 'queued', holds_slot = 1
-                WHERE ctid = ANY (v_handed) AND status = 'parked';
+                WHERE ctid = ANY (v_handed);
             IF FOUND THEN
                 PERFORM pg_notify('preloop_jobs', '');
             END IF;

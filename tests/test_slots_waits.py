@@ -597,3 +597,33 @@ def test_a_waiter_placed_behind_a_racing_one_moves_to_a_shorter_queue(tmp_path: 
         for holder in holders.values():
             holder.stop()
         waiter.join(30)
+
+
+def test_a_wait_report_that_fails_does_not_end_the_later_ones(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Describing a wait reads the kernel's lock table and may fail; the
+    reporting thread logs that and goes on reporting the other waits."""
+    from preloop.fingerprint.wait_reports import WaitReports
+
+    reports = WaitReports()
+    reported = threading.Event()
+
+    def broken(waited: float) -> str:
+        raise OSError("the lock table is unreadable")
+
+    def describe(waited: float) -> str:
+        reported.set()
+        return "still waiting"
+
+    with caplog.at_level(logging.WARNING, logger="preloop.fingerprint"):
+        first = reports.watch(0.01, 3600.0, broken)
+        try:
+            second = reports.watch(0.05, 3600.0, describe)
+            try:
+                assert reported.wait(30)
+            finally:
+                reports.unwatch(second)
+        finally:
+            reports.unwatch(first)
+    assert any("could not describe" in r.getMessage() for r in caplog.records)

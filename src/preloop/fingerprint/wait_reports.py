@@ -98,4 +98,7 @@ class WaitReports:
                     cond.wait(None if upcoming is None else upcoming - now)
                     continue
             for wait in due:  # outside the lock: describing reads the kernel's lock table
-                _log.warning("%s", wait.describe(now - wait.start))
+                try:
+                    _log.warning("%s", wait.describe(now - wait.start))
+                except Exception:  # one failed report must not end every later one
+                    _log.exception("preloop: could not describe a slot wait")

@@ -489,6 +489,68 @@ def test_what_setup_python_downloads_in_a_job_reaches_the_next_job(tmp_path: Pat
     assert not (shared / "Python" / VERSION).exists() and (venv / "pyvenv.cfg").exists()
 
 
+#: A process adopting a job's downloads that dies (exit 3) at `argv[2]`:
+#: `_relocate_scripts` (after the move) or `rename` (before it).
+CUT_SHORT = """
+import os, sys
+from pathlib import Path
+import preloop.services.toolcache as toolcache
+
+def die(*args, **kwargs):
+    os._exit(3)
+
+if sys.argv[2] == "rename":
+    toolcache.os.rename = die
+else:
+    setattr(toolcache, sys.argv[2], die)
+toolcache.adopt_job_tools(Path(sys.argv[1]))
+"""
+
+
+def _download(job: Path, tool: str, version: str) -> Path:
+    """What @actions/tool-cache's cacheDir leaves: `<arch>/` with a script
+    naming it where it is, then `<arch>.complete`."""
+    entry = job / tool / version / "x64"
+    (entry / "bin").mkdir(parents=True)
+    (entry / "bin" / "tool").write_text(f"#!{entry}/bin/interpreter\nprint()\n")
+    (entry.parent / "x64.complete").write_text("")
+    return entry
+
+
+def test_an_adoption_cut_short_is_finished_or_undone_later(tmp_path: Path) -> None:
+    """A runner killed while it moves a job's download into the shared tool
+    cache leaves a note beside the entry: the next refresh finishes an entry
+    already moved (its scripts relocated, its marker written), and one killed
+    before the move leaves the download in its job for the next adoption."""
+    env = {"PATH": "", "HOME": str(tmp_path), "PYENV_ROOT": str(tmp_path / "none")}
+    env["UV_PYTHON_INSTALL_DIR"] = str(tmp_path / "none")
+    shared = tmp_path / "toolcache"
+    refresh_tool_cache(shared, env)
+    first = job_tool_cache(shared, tmp_path / "jobs" / "1" / "tool")
+    _download(first, "PyPy", "7.3.90")
+    killed = subprocess.run(
+        [sys.executable, "-c", CUT_SHORT, str(first), "_relocate_scripts"], check=False
+    )
+    assert killed.returncode == 3
+    moved = shared / "PyPy" / "7.3.90" / "x64"
+    assert moved.is_dir() and not (moved.parent / "x64.complete").exists()
+    assert [e.version for e in list_tool_cache(shared) if e.tool == "PyPy"] == []
+    refresh_tool_cache(shared, env)
+    assert (moved.parent / "x64.complete").exists()
+    assert (moved / "bin" / "tool").read_text().startswith(f"#!{moved}/bin/interpreter\n")
+    assert [e.version for e in list_tool_cache(shared) if e.tool == "PyPy"] == ["7.3.90"]
+    assert not list(shared.glob("*/*/*.preloop-adopting*"))
+
+    second = job_tool_cache(shared, tmp_path / "jobs" / "2" / "tool")
+    left = _download(second, "GraalPy", "24.1.0")
+    killed = subprocess.run([sys.executable, "-c", CUT_SHORT, str(second), "rename"], check=False)
+    assert killed.returncode == 3
+    assert left.is_dir() and list(shared.glob("*/*/*.preloop-adopting"))
+    assert adopt_job_tools(second) == ["GraalPy/24.1.0/x64"]
+    assert not list(shared.glob("*/*/*.preloop-adopting*"))
+    assert [e.version for e in list_tool_cache(shared) if e.tool == "GraalPy"] == ["24.1.0"]
+
+
 def _dist_with_script(site: Path, name: str) -> None:
     """A distribution installed in `site` whose console script `name` prints
     the prefix of the python running it."""

@@ -337,6 +337,7 @@ def refresh_tool_cache(root: Path, env: Mapping[str, str] | None = None) -> list
     root = Path(root)
     arch = tool_arch()
     with _locked(root):
+        _finish_adoptions(root)
         manifest_path = root / MANIFEST
         manifest = _read_manifest(root)
         prober = _Prober(dict(manifest.get("probes") or {}))
@@ -794,6 +795,34 @@ def _relocate_scripts(entry: Path, olds: Iterable[str], new: str) -> None:
         os.replace(tmp, script)
 
 
+#: Beside an entry `adopt_job_tools` is moving in: `<arch>` + this suffix,
+#: holding the job paths its scripts may name. Written before the move and
+#: removed after the marker, so that an adoption a crash cut short is finished
+#: (or its entry removed) by the next refresh or adoption, not left as an entry
+#: without a marker, which nothing uses and no later adoption replaces.
+_ADOPTING = ".preloop-adopting"
+
+
+def _finish_adoptions(root: Path) -> None:
+    """Under `root`'s exclusive lock: completes each adoption a crash cut
+    short (its scripts relocated again, which is idempotent, then its marker)
+    and drops the note of one cut short before its move."""
+    for note in root.glob(f"*/*/*{_ADOPTING}"):
+        arch = note.name[: -len(_ADOPTING)]
+        dest, marker = note.with_name(arch), note.with_name(f"{arch}.complete")
+        try:
+            if dest.is_dir() and not dest.is_symlink() and not marker.exists():
+                olds = json.loads(note.read_text())
+                _relocate_scripts(dest, [str(o) for o in olds], str(dest))
+                marker.touch()
+        except (OSError, ValueError, TypeError) as exc:
+            _log.warning("tool cache: removing %s, whose adoption was cut short: %s", dest, exc)
+            _remove(dest)
+        note.unlink(missing_ok=True)
+    for tmp in root.glob(f"*/*/.*{_ADOPTING}.tmp"):  # a note cut short while written
+        tmp.unlink(missing_ok=True)
+
+
 def adopt_job_tools(job: Path) -> list[str]:
     """Moves into the shared tool cache what setup actions installed in the
     job's tool cache `job` itself (see `_job_installs`; a download into a
@@ -805,9 +834,10 @@ def adopt_job_tools(job: Path) -> list[str]:
     Under the shared cache's lock, so that no refresh nor job layout sees
     half an entry: the `<arch>` directory is renamed there (no copy: both
     are under the state directory; on another filesystem it stays in the
-    job), its scripts' shebangs rewritten, and its marker written last: a
-    crash leaves at worst an entry without one, which nothing uses. Called
-    again, it finds nothing left to move. Never raises for a failure (a
+    job), its scripts' shebangs rewritten, and its marker written last. A
+    note beside it (`<arch>.preloop-adopting`) lasts from before the move to
+    after the marker: a crash in between leaves it for the next refresh or
+    adoption to finish. Called again, it finds nothing left to move. Never raises for a failure (a
     warning is logged): the job's result does not depend on it. For a job
     that ended, before its directory is removed."""
     job = Path(job)
@@ -820,6 +850,7 @@ def adopt_job_tools(job: Path) -> list[str]:
         if not found:
             return adopted  # the usual job: no lock to wait for
         with _locked(shared):
+            _finish_adoptions(shared)
             host = set(_read_manifest(shared).get("entries") or {})
             for tool, version, arch in found:
                 rel = f"{tool}/{version}/{arch}"
@@ -829,15 +860,21 @@ def adopt_job_tools(job: Path) -> list[str]:
                     continue
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 olds = {str(src), os.path.realpath(src)}
+                note = dest.with_name(f"{arch}{_ADOPTING}")
+                tmp = note.with_name(f".{note.name}.tmp")
+                tmp.write_text(json.dumps(sorted(olds)))
+                os.replace(tmp, note)
                 try:
                     os.rename(src, dest)
                 except OSError as exc:
+                    note.unlink(missing_ok=True)
                     if exc.errno != errno.EXDEV:
                         raise
                     _log.warning("tool cache: %s is on another filesystem than %s", job, shared)
                     break
                 _relocate_scripts(dest, olds, str(dest))
                 marker.touch()
+                note.unlink()
                 adopted.append(rel)
     except OSError as exc:
         _log.warning("tool cache: what the job installed in %s stays there: %s", job, exc)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from preloop import _native
 
-__all__ = ["TreeSize", "remove_tree", "tree_bytes"]
+__all__ = ["TreeSize", "remove_tree", "tree_bytes", "write_text_atomic"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +24,17 @@ class TreeSize:
     files: int
     dirs: int
     symlinks: int
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Writes `text` to `path` through a temporary file beside it renamed into
+    place: a reader, or a crash, sees the old file or the whole new one."""
+    path = os.fspath(path)
+    head, name = os.path.split(path)
+    tmp = os.path.join(head, f".{name}.{os.urandom(4).hex()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def tree_bytes(path: str | os.PathLike[str], *, one_file_system: bool = True) -> TreeSize:

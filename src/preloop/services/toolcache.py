@@ -55,6 +55,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from preloop.fs import write_text_atomic
+
 __all__ = [
     "ToolEntry",
     "adopt_job_tools",
@@ -367,9 +369,9 @@ def refresh_tool_cache(root: Path, env: Mapping[str, str] | None = None) -> list
             _remove(root / rel)
             with contextlib.suppress(OSError):
                 (root / rel).parent.rmdir()
-        tmp = root / f".{MANIFEST}.tmp"
-        tmp.write_text(json.dumps({"entries": new, "probes": prober.new}, indent=1))
-        os.replace(tmp, manifest_path)
+        write_text_atomic(
+            manifest_path, json.dumps({"entries": new, "probes": prober.new}, indent=1)
+        )
     return list_tool_cache(root)
 
 
@@ -795,32 +797,47 @@ def _relocate_scripts(entry: Path, olds: Iterable[str], new: str) -> None:
         os.replace(tmp, script)
 
 
-#: Beside an entry `adopt_job_tools` is moving in: `<arch>` + this suffix,
-#: holding the job paths its scripts may name. Written before the move and
-#: removed after the marker, so that an adoption a crash cut short is finished
-#: (or its entry removed) by the next refresh or adoption, not left as an entry
-#: without a marker, which nothing uses and no later adoption replaces.
+#: Where `adopt_job_tools` notes each entry it is moving in (the entry and
+#: the job paths its scripts may name): written before the move, removed after
+#: the marker, so that an adoption a crash cut short is finished (or its entry
+#: removed) by the next refresh or adoption rather than left without a marker,
+#: which nothing uses and no later adoption replaces. One directory, so the
+#: refresh before every job looks at it with one `listdir`.
 _ADOPTING = ".preloop-adopting"
+
+
+def _adoption_note(root: Path, rel: str) -> Path:
+    return root / _ADOPTING / rel.replace("/", "%")
 
 
 def _finish_adoptions(root: Path) -> None:
     """Under `root`'s exclusive lock: completes each adoption a crash cut
     short (its scripts relocated again, which is idempotent, then its marker)
     and drops the note of one cut short before its move."""
-    for note in root.glob(f"*/*/*{_ADOPTING}"):
-        arch = note.name[: -len(_ADOPTING)]
-        dest, marker = note.with_name(arch), note.with_name(f"{arch}.complete")
-        try:
-            if dest.is_dir() and not dest.is_symlink() and not marker.exists():
-                olds = json.loads(note.read_text())
-                _relocate_scripts(dest, [str(o) for o in olds], str(dest))
-                marker.touch()
-        except (OSError, ValueError, TypeError) as exc:
-            _log.warning("tool cache: removing %s, whose adoption was cut short: %s", dest, exc)
-            _remove(dest)
+    notes = root / _ADOPTING
+    try:
+        names = os.listdir(notes)
+    except FileNotFoundError:
+        return
+    for name in names:
+        note = notes / name
+        if not name.startswith("."):  # not a note cut short while written
+            try:
+                noted = json.loads(note.read_text())
+                dest = root / noted["entry"]
+                marker = dest.with_name(f"{dest.name}.complete")
+                if dest.is_dir() and not dest.is_symlink() and not marker.exists():
+                    try:
+                        _relocate_scripts(dest, [str(o) for o in noted["olds"]], str(dest))
+                        marker.touch()
+                    except OSError as exc:
+                        _log.warning(
+                            "tool cache: removing %s, cut short while adopted: %s", dest, exc
+                        )
+                        _remove(dest)
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                _log.warning("tool cache: dropping the unreadable adoption note %s: %s", note, exc)
         note.unlink(missing_ok=True)
-    for tmp in root.glob(f"*/*/.*{_ADOPTING}.tmp"):  # a note cut short while written
-        tmp.unlink(missing_ok=True)
 
 
 def adopt_job_tools(job: Path) -> list[str]:
@@ -835,9 +852,9 @@ def adopt_job_tools(job: Path) -> list[str]:
     half an entry: the `<arch>` directory is renamed there (no copy: both
     are under the state directory; on another filesystem it stays in the
     job), its scripts' shebangs rewritten, and its marker written last. A
-    note beside it (`<arch>.preloop-adopting`) lasts from before the move to
-    after the marker: a crash in between leaves it for the next refresh or
-    adoption to finish. Called again, it finds nothing left to move. Never raises for a failure (a
+    note (in `.preloop-adopting/`) lasts from before the move to after the
+    marker: a crash in between leaves it for the next refresh or adoption to
+    finish. Called again, it finds nothing left to move. Never raises for a failure (a
     warning is logged): the job's result does not depend on it. For a job
     that ended, before its directory is removed."""
     job = Path(job)
@@ -860,10 +877,9 @@ def adopt_job_tools(job: Path) -> list[str]:
                     continue
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 olds = {str(src), os.path.realpath(src)}
-                note = dest.with_name(f"{arch}{_ADOPTING}")
-                tmp = note.with_name(f".{note.name}.tmp")
-                tmp.write_text(json.dumps(sorted(olds)))
-                os.replace(tmp, note)
+                note = _adoption_note(shared, rel)
+                note.parent.mkdir(exist_ok=True)
+                write_text_atomic(note, json.dumps({"entry": rel, "olds": sorted(olds)}))
                 try:
                     os.rename(src, dest)
                 except OSError as exc:

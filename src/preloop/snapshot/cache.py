@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from preloop.fs import write_text_atomic
 from preloop.process import CommandFailed
 from preloop.snapshot import layout
 from preloop.snapshot.gitcmd import git, git_env, redact
@@ -68,12 +69,6 @@ def _read_last_head(path: Path) -> str | None:
         return path.read_text().strip() or None
     except FileNotFoundError:
         return None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    tmp.write_text(text)
-    os.rename(tmp, path)
 
 
 def _cache_repo_env(repository: Path) -> dict[str, str]:
@@ -154,7 +149,7 @@ async def ensure_object_cache(
             last_head = _read_last_head(last_head_path)
         if cloned:
             if want and record_head:
-                await _inline(work, "last-head", _write_atomic, last_head_path, want[0] + "\n")
+                await _inline(work, "last-head", write_text_atomic, last_head_path, want[0] + "\n")
         elif want and not (record_head and want[0] == last_head and len(want) == 1):
             missing = await _missing(repository, want)
             if missing:
@@ -164,7 +159,7 @@ async def ensure_object_cache(
                     env=_cache_repo_env(repository),
                 )
             if record_head:
-                await _inline(work, "last-head", _write_atomic, last_head_path, want[0] + "\n")
+                await _inline(work, "last-head", write_text_atomic, last_head_path, want[0] + "\n")
         pin = CachePin.create(state_dir, key, run_id)
     finally:
         lock.release()
@@ -247,7 +242,7 @@ async def ensure_remote_cache(
         await _inline(
             work,
             "last-head",
-            _write_atomic,
+            write_text_atomic,
             layout.cache_last_head_path(state_dir, key),
             commit + "\n",
         )

@@ -758,8 +758,7 @@ def _settle_v12() -> str:
         ),
     ]
     text = _SETTLE_V9
-    text = _edited(text, edits)
-    return text
+    return _edited(text, edits)
 
 
 _COMPLETE_CLAIM_V12 = _COMPLETE_CLAIM_FN.replace(
@@ -827,8 +826,7 @@ def _complete_claim_v13() -> str:
         ),
     ]
     text = _COMPLETE_CLAIM_V12
-    text = _edited(text, edits)
-    return text
+    return _edited(text, edits)
 
 
 _V13_HOLD_MEASURED: list[Statement] = [
@@ -1090,12 +1088,10 @@ def _claim_v15() -> str:
         "                j.matrix::JSON AS matrix,\n"
     )
     text = _CLAIM_FN
-    assert text.count(old) == 2, old
-    text = text.replace(old, new)
+    text = _edited(text, [(old, new)], times=2)
     old = "                j.strategy, j.timeout_minutes, j.lease_token\n"
     new = "                j.strategy::JSON AS strategy, j.timeout_minutes, j.lease_token\n"
-    assert text.count(old) == 2, old
-    return text.replace(old, new)
+    return _edited(text, [(old, new)], times=2)
 
 
 _V15_CLAIM_JSON: list[Statement] = [{"pg": _claim_v15(), "lite": None}]
@@ -1170,8 +1166,7 @@ def _complete_claim_v17() -> str:
         "        END IF;\n"
     )
     text = _complete_claim_v16()
-    assert text.count(old) == 1, old
-    return text.replace(old, new)
+    return _edited(text, [(old, new)])
 
 
 _V17_LOCK_BUSY: list[Statement] = [{"pg": _complete_claim_v17(), "lite": None}]
@@ -1392,8 +1387,7 @@ def _complete_claim_v19() -> str:
         "WHERE id = p_run RETURNING remaining_jobs, cancel_requested\n"
         "                INTO left_jobs, run_cancel;\n"
     )
-    assert text.count(old) == 2, old
-    return text.replace(old, new)
+    return _edited(text, [(old, new)], times=2)
 
 
 # Migration 19 also has the claim write the rows it locked by their address
@@ -1407,34 +1401,36 @@ def _complete_claim_v19() -> str:
 # document per batch instead of one more per field per job.
 def _claim_v19() -> str:
     text = _CLAIM_FN
-    for old, new in [
-        ("RETURNS JSON LANGUAGE plpgsql AS $fn$\n", "RETURNS TEXT LANGUAGE plpgsql AS $fn$\n"),
-        ("    v_claimed JSON; sort_was TEXT;\n", "    v_claimed TEXT; sort_was TEXT;\n"),
-    ]:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    for old, new in [
-        (
-            "        SELECT json_agg(w ORDER BY w.run_id, w.seq) INTO v_claimed FROM w;\n",
-            "        SELECT '[' || string_agg('[' || json_build_array(w.run_id, w.id, w.seq,\n"
-            "                   w.name, w.attempt, w.timeout_minutes, w.lease_token)::TEXT\n"
-            "                   || ',' || w.spec || ',' || coalesce(w.matrix, 'null')\n"
-            "                   || ',' || coalesce(w.strategy, 'null') || ']',\n"
-            "                   ',' ORDER BY w.run_id, w.seq) || ']'\n"
-            "          INTO v_claimed FROM w;\n",
-        ),
-        (
-            "            SELECT j.run_id, j.id FROM jobs j\n",
-            "            SELECT j.ctid AS tid FROM jobs j\n",
-        ),
-        (
-            "            FROM q WHERE j.run_id = q.run_id AND j.id = q.id\n",
-            "            FROM q WHERE j.ctid = q.tid\n",
-        ),
-    ]:
-        assert text.count(old) == 2, old
-        text = text.replace(old, new)
-    return text
+    text = _edited(
+        text,
+        [
+            ("RETURNS JSON LANGUAGE plpgsql AS $fn$\n", "RETURNS TEXT LANGUAGE plpgsql AS $fn$\n"),
+            ("    v_claimed JSON; sort_was TEXT;\n", "    v_claimed TEXT; sort_was TEXT;\n"),
+        ],
+    )
+    return _edited(
+        text,
+        [
+            (
+                "        SELECT json_agg(w ORDER BY w.run_id, w.seq) INTO v_claimed FROM w;\n",
+                "        SELECT '[' || string_agg('[' || json_build_array(w.run_id, w.id, w.seq,\n"
+                "                   w.name, w.attempt, w.timeout_minutes, w.lease_token)::TEXT\n"
+                "                   || ',' || w.spec || ',' || coalesce(w.matrix, 'null')\n"
+                "                   || ',' || coalesce(w.strategy, 'null') || ']',\n"
+                "                   ',' ORDER BY w.run_id, w.seq) || ']'\n"
+                "          INTO v_claimed FROM w;\n",
+            ),
+            (
+                "            SELECT j.run_id, j.id FROM jobs j\n",
+                "            SELECT j.ctid AS tid FROM jobs j\n",
+            ),
+            (
+                "            FROM q WHERE j.run_id = q.run_id AND j.id = q.id\n",
+                "            FROM q WHERE j.ctid = q.tid\n",
+            ),
+        ],
+        times=2,
+    )
 
 
 # Migration 19, last: the group functions take the job rows they write by
@@ -1470,8 +1466,7 @@ def _promote_group_v19() -> str:
         ),
     ]
     text = _PROMOTE_GROUP_FN
-    text = _edited(text, edits)
-    return text
+    return _edited(text, edits)
 
 
 def _through_group_v19() -> str:
@@ -1491,8 +1486,7 @@ def _through_group_v19() -> str:
             "        WHERE ctid = p_tid AND run_id = p_run AND id = p_job;\n",
         ),
     ]
-    text = _edited(text, edits)
-    return text
+    return _edited(text, edits)
 
 
 _V19_END_UNITS: list[Statement] = [
@@ -1533,8 +1527,7 @@ _V19_END_UNITS: list[Statement] = [
 def _complete_claim_v20() -> str:
     text = _complete_claim_v19()
     old = "j.if_expr IS NULL"  # the check before the lock and the write
-    assert text.count(old) == 2, old
-    return text.replace(old, if_true_when_clean("j.if_expr"))
+    return _edited(text, [(old, if_true_when_clean("j.if_expr"))], times=2)
 
 
 _V20_IF_TRUE_WHEN_CLEAN: list[Statement] = [{"pg": _complete_claim_v20(), "lite": None}]
@@ -1752,11 +1745,9 @@ def _with_capped_admission(text: str) -> str:
     queued holding a slot. The cohort is the need's own and fresh: no other
     transaction has seen its legs."""
     old = "    v_late TEXT[];"
-    assert text.count(old) == 1, old
-    text = text.replace(old, "    v_cohorts TEXT[]; v_late TEXT[];")
+    text = _edited(text, [(old, "    v_cohorts TEXT[]; v_late TEXT[];")])
     old = "AND j.conc_group_expr IS NULL AND j.capped = 0)) THEN"  # the checks
-    assert text.count(old) == 2, old
-    text = text.replace(old, "AND j.conc_group_expr IS NULL)) THEN")
+    text = _edited(text, [(old, "AND j.conc_group_expr IS NULL)) THEN")], times=2)
 
     def capped(m: re.Match[str]) -> str:
         s = m["s"]
@@ -1786,16 +1777,14 @@ def _claim_v22() -> str:
     PostgreSQL's JSON type may refuse: `Infinity` in a matrix)."""
     text = _claim_v19()
     old = "    v_claimed TEXT; sort_was TEXT;\n"
-    assert text.count(old) == 1, old
-    text = text.replace(old, "    v_claimed TEXT; sort_was TEXT; v_n INT;\n")
+    text = _edited(text, [(old, "    v_claimed TEXT; sort_was TEXT; v_n INT;\n")])
     old = "',' ORDER BY w.run_id, w.seq) || ']'\n          INTO v_claimed FROM w;\n"
     new = (
         "',' ORDER BY w.run_id, w.seq) || ']', count(*)\n"
         "          INTO v_claimed, v_n FROM w;\n"
         "        PERFORM set_config('preloop.claimed', v_n::TEXT, true);\n"
     )
-    assert text.count(old) == 2, old
-    return text.replace(old, new)
+    return _edited(text, [(old, new)], times=2)
 
 
 _V22_ENDS_IN_BATCH: list[Statement] = [
@@ -1887,8 +1876,7 @@ def _claim_handed_v23() -> str:
             "        END IF;\n",
         ),
     ]
-    text = _edited(text, edits, times=2)
-    return text
+    return _edited(text, edits, times=2)
 
 
 def _complete_claim_v23() -> str:
@@ -1939,8 +1927,7 @@ def _complete_claim_v23() -> str:
 """,
         ),
     ]
-    text = _edited(text, edits)
-    return text
+    return _edited(text, edits)
 
 
 _V23_CLAIM_HANDED: list[Statement] = [

@@ -652,7 +652,8 @@ static int waiters_ahead(pl_slots *h, int s) {
 
 /* The slot to queue on at full cap: the one with the fewest waiters ahead,
  * ties to the first from `pid % N` on, so waiters spread over the slots.
- * `skip` (or -1) is left out; *ahead is set. -1 when no slot is left. */
+ * `skip` (or -1) is left out; *ahead (when not NULL) is set to its waiters
+ * ahead. -1 when no slot is left. */
 static int shortest_queue(pl_slots *h, long pid, int skip, int *ahead) {
     int slot = -1, best = QUEUE_DEPTH + 2;
     for (int k = 0; k < h->nslots && best > 0; k++) {
@@ -665,7 +666,8 @@ static int shortest_queue(pl_slots *h, long pid, int skip, int *ahead) {
             slot = s;
         }
     }
-    *ahead = best;
+    if (ahead)
+        *ahead = best;
     return slot;
 }
 
@@ -729,8 +731,7 @@ int pl_slots_take(pl_slots *h, int blocking, long timeout_ms, long pid, pl_slot 
      * of waiters, so waiters spread over the slots. */
     if (pid <= 0)
         pid = (long)getpid();
-    int best;
-    int slot = shortest_queue(h, pid, -1, &best);
+    int slot = shortest_queue(h, pid, -1, NULL);
     snprintf(name, sizeof name, "slot-%d", slot);
     int qfd = -1, level = 0;
     int fd = open_and_join(h, slot, &qfd, &level, error);

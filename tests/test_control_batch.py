@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from preloop.control import Lease, Store, open_store
+from preloop.control.counters import CountersSnapshot
 from preloop.testing.plans import PlanBuilder, with_runs_on
 
 
@@ -28,6 +29,11 @@ def _cohort_in_flight(store: Store, run_id: int, cohort: str) -> int:
         ),
     )
     return int(rows[0]["n"])
+
+
+def _fallbacks(snapshot: CountersSnapshot) -> int:
+    """Batches that left the one-statement path for the Python cascade."""
+    return snapshot.operations.get("complete_and_claim.fallback", 0)
 
 
 def wait_until_blocked_by(holder: Any, pid: int, thread: threading.Thread) -> None:
@@ -115,8 +121,7 @@ def test_a_need_ending_in_a_batch_parks_a_capped_matrix_and_fills_its_slots(
     assert [statuses[f"leg#{i}"] for i in range(3, 10)] == ["parked"] * 7
     assert _cohort_in_flight(store, run_id, "leg") == 3
     if store.dialect == "pg":
-        fallback = "complete_and_claim.fallback"
-        assert after.operations.get(fallback, 0) == before.operations.get(fallback, 0)
+        assert _fallbacks(after) == _fallbacks(before)
     dispatched = [lease.job_id for lease in held]
     while held:
         _, more = store.complete_and_claim([(held[0], "success", None)], "r", [], limit=1)
@@ -349,8 +354,7 @@ def test_the_settle_lock_is_counted_once_per_batch_that_takes_it(pg_url: str) ->
         )
         after = store.counters.snapshot()
         assert all(c.changed for c in done) and len(more) == 8
-        fallback = "complete_and_claim.fallback"
-        assert after.operations.get(fallback) == before.operations.get(fallback)  # one statement
+        assert _fallbacks(after) == _fallbacks(before)  # one statement
         assert after.settle_lock_holds == before.settle_lock_holds + 1
         assert after.settle_lock_hold_ns >= before.settle_lock_hold_ns
         # The claims come in (run, seq) order off the index, however many are queued.
@@ -476,8 +480,7 @@ def test_a_need_ending_in_a_batch_queues_its_plain_dependents_and_claims_them(
     needs = store.job_context(run_id, "leg#0")["needs"]
     assert needs == {"setup": {"result": "success", "outputs": {"k": "v"}}}
     if store.dialect == "pg":
-        fallback = "complete_and_claim.fallback"
-        assert after.operations.get(fallback) == before.operations.get(fallback)
+        assert _fallbacks(after) == _fallbacks(before)
         assert after.settle_lock_holds == before.settle_lock_holds + 1
     # `both` waits for `slow`; then everything runs to the end.
     held = [slow, *legs]
@@ -534,8 +537,7 @@ def test_a_batch_admits_an_if_that_holds_on_clean_ancestry_itself(store: Store, 
     after = store.counters.snapshot()
     assert [lease.job_id for lease in claimed] == ["merge"]
     if store.dialect == "pg":
-        fallback = "complete_and_claim.fallback"
-        assert after.operations.get(fallback) == before.operations.get(fallback)
+        assert _fallbacks(after) == _fallbacks(before)
         assert after.settle_lock_holds == before.settle_lock_holds + 1
     _, none = store.complete_and_claim([(claimed[0], "success", None)], "r", [])
     assert none == []
@@ -622,7 +624,7 @@ def test_a_run_cancelled_while_a_batch_admits_a_need_undoes_the_admission(pg_url
         assert {j.status for j in jobs.values()} == {"completed"}, jobs
         assert {j.conclusion for j in jobs.values()} <= {"cancelled", "skipped"}
         snap = store.counters.snapshot()
-        assert snap.operations.get("complete_and_claim.fallback") == 1
+        assert _fallbacks(snap) == 1
         assert snap.deadlock_retries == 0
         assert store.get_run(run_id).status == "completed"
 
@@ -720,8 +722,7 @@ def test_the_batch_with_the_runs_last_jobs_concludes_it_in_one_call(
     )
     assert row is not None and row["completed_at"] is not None
     if store.dialect == "pg":
-        fallback = "complete_and_claim.fallback"
-        assert after.operations.get(fallback, 0) == before.operations.get(fallback, 0)
+        assert _fallbacks(after) == _fallbacks(before)
         assert after.settle_lock_holds == before.settle_lock_holds + 1
 
 
@@ -768,8 +769,7 @@ def _end_a_matrix_with_another_runner(pg_url: str, store: Store) -> tuple[int, b
         other.commit()
         t.join(timeout=60)
     after = store.counters.snapshot()
-    fallback = "complete_and_claim.fallback"
-    assert after.operations.get(fallback, 0) == before.operations.get(fallback, 0)
+    assert _fallbacks(after) == _fallbacks(before)
     first = "complete_and_claim.lock_first"
     late = after.operations.get(first, 0) == before.operations.get(first, 0)
     return run_id, late, out["result"]
@@ -852,12 +852,12 @@ def test_freed_slots_go_to_the_next_legs_in_the_claims_order_and_labels(store: S
     run_id = store.submit_run(plan)
     held = store.claim_jobs("r", ["linux"], limit=2, run_id=run_id)
     assert [lease.job_id for lease in held] == ["leg#0", "leg#1"]
-    before = store.counters.snapshot().operations.get("complete_and_claim.fallback", 0)
+    before = store.counters.snapshot()
     _, claimed = store.complete_and_claim(
         [(lease, "success", None) for lease in held], "r", ["linux"], limit=2
     )
     if store.dialect == "pg":  # the batch's own statement, not the cascade
-        assert store.counters.snapshot().operations.get("complete_and_claim.fallback", 0) == before
+        assert _fallbacks(store.counters.snapshot()) == _fallbacks(before)
     assert [(lease.run_id, lease.job_id) for lease in claimed] == [
         (old_run, "old"),
         (run_id, "leg#3"),
@@ -899,11 +899,11 @@ def test_a_queued_job_the_handed_leg_claim_passes_over_is_announced(pg_url: str)
         assert [(lease.run_id, lease.job_id) for lease in held] == [(run_id, "leg#0")]
         with psycopg.connect(pg_url, autocommit=True) as listener:
             listener.execute("LISTEN preloop_jobs")  # after every earlier notice was sent
-            before = store.counters.snapshot().operations.get("complete_and_claim.fallback", 0)
+            before = store.counters.snapshot()
             _, claimed = store.complete_and_claim([(held[0], "success", None)], "r", [], limit=1)
             assert [(lease.run_id, lease.job_id) for lease in claimed] == [(run_id, "leg#1")]
-            fallback = store.counters.snapshot().operations.get("complete_and_claim.fallback", 0)
-            assert fallback == before  # the batch's own statement, not the cascade
+            # the batch's own statement, not the cascade
+            assert _fallbacks(store.counters.snapshot()) == _fallbacks(before)
             assert len(list(listener.notifies(timeout=30, stop_after=1))) == 1
         assert [lease.job_id for lease in store.claim_jobs("r", [], limit=5)] == ["x"]
         assert store.get_run(other_run).status == "running"

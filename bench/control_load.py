@@ -26,7 +26,8 @@ benchmark's `extra_info` and printed as a table at the end (issue 17 targets):
   >= 10,000 lite),
 - per-completion cost at 20,000 legs within 1.2x of 2,000 legs,
 - statements per completion (the group profile: <= 4),
-- ours / PgQueuer and ours / procrastinate (>= 2.5x each).
+- ours / PgQueuer and ours / procrastinate (>= 2.5x each),
+- the vCPU time the host stole while the run was timed (`bench/hoststats.py`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Any
 
 import pytest
 
+from hoststats import steal_between, steal_ms
 from preloop.control import open_store
 from preloop.testing.pg import scratch_schema
 from preloop.testing.plans import profile_plan, with_runs_on
@@ -124,9 +126,11 @@ def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
         run_id = store.submit_run(plan)
     engine = [sys.executable, "-m", "preloop.testing.load", url, str(run_id), str(CAPACITY)]
     engines = _start([[*engine, str(THREADS_PER_ENGINE)] for _ in range(ENGINES)])
+    steal_before = steal_ms()
     wall, outs = _race(
         engines, url, f"SELECT status = 'completed' FROM runs WHERE id = {int(run_id)}"
     )
+    steal = steal_between(steal_before, steal_ms())
     reports = [json.loads(o) for o in outs]
     with open_store(url) as store:
         run = store.get_run(run_id)
@@ -174,6 +178,9 @@ def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
         # their job rows were written, rerun run-row-first (migration 14).
         "lock_first_retries": sum(r["lock_first_retries"] for r in reports),
         "deadlock_retries": sum(r["deadlock_retries"] for r in reports),
+        # vCPU time the host took while the run was timed: a lock holder it
+        # descheduled holds the lock through the stall.
+        "host_steal_ms": None if steal is None else round(steal, 1),
     }
 
 
@@ -303,6 +310,7 @@ def teardown_module() -> None:
         "settle_lock_hold_per_completion_ms",
         "mean_lock_run_wait_ms",
         "statements_per_completion",
+        "host_steal_ms",
     ]
     print("\n" + " | ".join(cols))
     for r in RESULTS:

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from hoststats import steal_between, steal_ms
 from preloop.fingerprint import HostSlots, fingerprint
 from preloop.fs import tree_bytes
 from preloop.testing.trees import MIXED_TREE, TINY_TREE, TreeSpec, cached_tree
@@ -243,19 +244,6 @@ def _behind(spans: list[tuple[float, float, float, int]]) -> tuple[float, int]:
     return worst_ratio, most_grants
 
 
-def _steal_ms() -> float | None:
-    """CPU time the hypervisor took from this machine's vCPUs so far (the
-    `steal` column of /proc/stat, in USER_HZ ticks), None where unknown: a
-    vCPU descheduled by its host stalls every process on it, and a slot
-    waiter woken at that moment waits for the host, not for the queue."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = f.readline().split()
-        return int(fields[8]) * 1000 / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def test_contended_waiters_do_not_starve(benchmark: Any, coordination: Path) -> None:
     import json
     import statistics
@@ -295,10 +283,9 @@ def test_contended_waiters_do_not_starve(benchmark: Any, coordination: Path) -> 
 
     benchmark.group = "8 processes x 1,000 acquisitions"
     benchmark.extra_info["impl"] = "preloop"
-    steal_before = _steal_ms()
+    steal_before = steal_ms()
     benchmark.pedantic(run, setup=start, rounds=1, iterations=1)
-    steal_after = _steal_ms()
-    steal = None if steal_before is None or steal_after is None else steal_after - steal_before
+    steal = steal_between(steal_before, steal_ms())
     waits = [got - asked for asked, got, _, _ in spans]
     median_hold = statistics.median(released - got for _, got, released, _ in spans)
     max_wait = max(waits)

@@ -93,13 +93,17 @@ def _connect(url: str) -> Any:
     return psycopg.connect(url, autocommit=True)
 
 
-def _race(procs: list[subprocess.Popen[str]], url: str, end_sql: str) -> tuple[float, list[str]]:
+def _race(
+    procs: list[subprocess.Popen[str]], url: str, end_sql: str
+) -> tuple[float, list[str], float | None]:
     """Lets `procs` go together and times them to the end condition every
     queue shares: `end_sql` (no queued or running rows) answers true, polled
-    every 2 ms on its own connection. Returns the wall time and each
-    process's last output line. The processes' exit (closing the store,
-    interpreter teardown) is not a completion and is not timed."""
+    every 2 ms on its own connection. Returns the wall time, each process's
+    last output line and the vCPU time the host stole meanwhile (ms). The
+    processes' exit (closing the store, interpreter teardown) is not a
+    completion and is not timed."""
     with _connect(url) as conn:
+        steal_before = steal_ms()
         t0 = time.perf_counter()
         for p in procs:
             assert p.stdin is not None
@@ -109,6 +113,7 @@ def _race(procs: list[subprocess.Popen[str]], url: str, end_sql: str) -> tuple[f
             row = conn.execute(end_sql).fetchone()
             if row is not None and row[0]:
                 wall = time.perf_counter() - t0
+                steal = steal_between(steal_before, steal_ms())
                 break
             time.sleep(0.002)
     outs = []
@@ -116,7 +121,7 @@ def _race(procs: list[subprocess.Popen[str]], url: str, end_sql: str) -> tuple[f
         out, _ = p.communicate(timeout=1800)
         assert p.returncode == 0
         outs.append(out.strip().splitlines()[-1])
-    return wall, outs
+    return wall, outs, steal
 
 
 def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
@@ -126,11 +131,9 @@ def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
         run_id = store.submit_run(plan)
     engine = [sys.executable, "-m", "preloop.testing.load", url, str(run_id), str(CAPACITY)]
     engines = _start([[*engine, str(THREADS_PER_ENGINE)] for _ in range(ENGINES)])
-    steal_before = steal_ms()
-    wall, outs = _race(
+    wall, outs, steal = _race(
         engines, url, f"SELECT status = 'completed' FROM runs WHERE id = {int(run_id)}"
     )
-    steal = steal_between(steal_before, steal_ms())
     reports = [json.loads(o) for o in outs]
     with open_store(url) as store:
         run = store.get_run(run_id)
@@ -251,7 +254,7 @@ def run_peer(kind: str, legs: int) -> dict[str, Any]:
                 for _ in range(ENGINES)
             ]
         )
-        wall, _ = _race(workers, scoped, PEERS[kind])
+        wall, _, steal = _race(workers, scoped, PEERS[kind])
     return {
         "store": kind,
         "profile": "plain",
@@ -260,6 +263,7 @@ def run_peer(kind: str, legs: int) -> dict[str, Any]:
         "wall_s": round(wall, 3),
         "completions_per_s": round(jobs / wall, 1),
         "per_completion_ms": round(wall / jobs * 1000, 4),
+        "host_steal_ms": None if steal is None else round(steal, 1),
     }
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -282,8 +283,6 @@ def test_against_job_queues(benchmark: Any, legs: int) -> None:
     to back on the same PostgreSQL, each timed to "no queued or running
     rows"; the ratios are ours / theirs in completions per second, the
     median over `PEER_ROUNDS` alternating rounds."""
-    import statistics
-
     url = os.environ.get("PRELOOP_TEST_PG_URL")
     if not url:
         pytest.skip("PRELOOP_TEST_PG_URL is not set")

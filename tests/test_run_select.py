@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from tests.run_support import Harness, git, make_repo
 
 from preloop.engine import Engine, NothingTriggered, RunRequest, RunsOutcome
 from preloop.errors import UsageError
+from preloop.workflow import WorkflowError
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
 
@@ -418,3 +420,68 @@ def test_cli_list_shows_jobs_legs_and_events(tmp_path: Path) -> None:
     } == {1}
     text = cli(repo, tmp_path / "state", "list")
     assert "build (windows-latest)" in text.stdout and "(not run here)" in text.stdout
+
+
+BAD = "on: push\njobs:\n" + job("b", "echo ${{ foo( }}")
+
+
+def test_an_invalid_workflow_is_reported_and_the_others_still_run(
+    tmp_path: Path, store_url: str
+) -> None:
+    """As GitHub starts a push's valid workflows and fails the invalid one:
+    every problem is reported, the others run, the whole is a failure. Asked
+    for by name (-f), or with nothing valid triggered, it is the error."""
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            WF + "ci.yml": "name: CI\non: push\njobs:\n" + job("test"),
+            WF + "bad.yml": BAD,
+            WF + "pr.yml": "on: pull_request\njobs:\n" + job("pr"),
+        },
+    )
+    out, h = run_all(repo, store_url, tmp_path / "state")
+    assert by_workflow(out) == {"ci.yml": {"test": "success"}}
+    assert [w.path for w in out.invalid] == [WF + "bad.yml"]
+    (problem,) = out.invalid[0].problems
+    assert re.fullmatch(r"\.github/workflows/bad\.yml:6:\d+: invalid expression `foo\(`.*", problem)
+    assert not out.ok and out.conclusion == "failure"
+    assert out.to_dict()["invalid_workflows"] == [{"path": WF + "bad.yml", "problems": [problem]}]
+    assert "b" not in h.started
+
+    with pytest.raises(WorkflowError, match=r"bad\.yml:6:\d+: invalid expression"):
+        run_all(repo, store_url, tmp_path / "state", workflow=repo / WF / "bad.yml")
+    # Nothing valid triggered (pr.yml is not, on a push): the invalid one is the answer.
+    (repo / WF / "ci.yml").unlink()
+    with pytest.raises(WorkflowError, match=r"bad\.yml:6:\d+: invalid expression"):
+        run_all(repo, store_url, tmp_path / "state")
+    # A --job only the invalid workflow has: the error says where it may be.
+    (repo / WF / "ci.yml").write_text("name: CI\non: push\njobs:\n" + job("test"))
+    with pytest.raises(UsageError, match=r"no job 'b' .*; invalid: \.github/workflows/bad\.yml"):
+        run_all(repo, store_url, tmp_path / "state", jobs=("b",))
+
+
+def test_cli_reports_an_invalid_workflow_beside_the_valid_ones(tmp_path: Path) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        {WF + "ci.yml": "name: CI\non: push\njobs:\n" + job("test"), WF + "bad.yml": BAD},
+    )
+    state = tmp_path / "state"
+    error = r"preloop: error: \.github/workflows/bad\.yml:6:\d+: invalid expression `foo\(`.*"
+
+    run = cli(repo, state, "run")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert re.fullmatch(error + "\n", run.stderr)
+    lines = run.stdout.splitlines()
+    assert "[test] ok" in lines
+    assert f"not run: {WF}bad.yml: invalid (1 problem)" in lines
+    assert lines[-1].startswith("failure in ") and "· 1 invalid workflow ·" in lines[-1]
+    doc = json.loads(cli(repo, state, "run", "--json").stdout)
+    assert doc["conclusion"] == "failure" and doc["runs"][0]["name"] == "CI"
+    assert [w["path"] for w in doc["invalid_workflows"]] == [WF + "bad.yml"]
+
+    for args in (["plan"], ["plan", "--json"], ["list"], ["list", "--json"]):
+        out = cli(repo, state, *args)
+        assert out.returncode == 1 and re.fullmatch(error + "\n", out.stderr), (args, out)
+        assert "ci.yml" in out.stdout and "bad.yml" not in out.stdout, args
+    only = cli(repo, state, "plan", "-f", WF + "bad.yml")
+    assert only.returncode == 1 and only.stdout == "" and re.fullmatch(error + "\n", only.stderr)

@@ -4,8 +4,11 @@
 
 1. checks the event name, reads the event's ref and changed paths from git
    (`preloop.workflow.changes`), loads and validates every workflow (`-f`:
-   that one; a bad workflow raises `WorkflowError` with `file:line:col` and
-   nothing is captured or submitted), keeps those the event triggers after
+   that one, and a bad one raises `WorkflowError` with `file:line:col`, nothing
+   captured or submitted; without `-f` the valid workflows go on and the
+   invalid ones are reported as `InvalidWorkflow`, a failure of the whole, as
+   GitHub fails an invalid workflow beside the push's others; with nothing
+   valid to run the errors are raised), keeps those the event triggers after
    their filters (`preloop.workflow.triggers`; the others are reported as
    `SkippedWorkflow`, none at all is `NothingTriggered`), checks `--input`s,
    builds the payload, and plans each one, narrowed by `--job` / `--matrix`
@@ -105,11 +108,11 @@ from preloop.workflow.selection import (
     select_legs,
 )
 from preloop.workflow.triggers import check_event_name, evaluate_trigger
-from preloop.workflow.yamltree import Diagnostic
 
 __all__ = [
     "Engine",
     "EngineEvents",
+    "InvalidWorkflow",
     "JobRecord",
     "NothingTriggered",
     "RunOutcome",
@@ -168,6 +171,18 @@ class SkippedWorkflow:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class InvalidWorkflow:
+    """A workflow file that failed validation while others were run (GitHub
+    too starts the valid workflows of a push and fails the invalid one)."""
+
+    path: str  # relative to the repository
+    problems: tuple[str, ...]  # `path:line:col: message`, as `WorkflowError` lists them
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "problems": list(self.problems)}
+
+
 @dataclass(slots=True)
 class Selection:
     """What `preloop run` will run: one plan per triggered workflow."""
@@ -179,6 +194,7 @@ class Selection:
     event: LocalEvent
     github: dict[str, Any]
     payload: dict[str, Any]
+    invalid: list[InvalidWorkflow] = field(default_factory=list)  # not run
 
 
 @dataclass(slots=True)
@@ -277,15 +293,22 @@ class RunsOutcome:
     runs: list[RunOutcome]
     skipped: list[SkippedWorkflow]
     interrupted: bool
+    invalid: list[InvalidWorkflow] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return bool(self.runs) and all(r.ok for r in self.runs) and not self.interrupted
+        return (
+            bool(self.runs)
+            and all(r.ok for r in self.runs)
+            and not self.invalid
+            and not self.interrupted
+        )
 
     @property
     def conclusion(self) -> str:
         order = ("failure", "cancelled", "success")
-        found = {r.conclusion for r in self.runs}
+        # An invalid workflow is a failed run on GitHub.
+        found = {r.conclusion for r in self.runs} | ({"failure"} if self.invalid else set())
         return next((c for c in order if c in found), "success")
 
     def to_dict(self) -> dict[str, Any]:
@@ -294,7 +317,14 @@ class RunsOutcome:
             "interrupted": self.interrupted,
             "runs": [r.to_dict() for r in self.runs],
             "skipped_workflows": [{"path": s.path, "reason": s.reason} for s in self.skipped],
+            "invalid_workflows": [w.to_dict() for w in self.invalid],
         }
+
+
+def _every_problem(errors: list[tuple[Path, WorkflowError]]) -> WorkflowError:
+    """One error listing every invalid workflow's problems, the first file's first."""
+    problems = [d for _, exc in errors for d in exc.diagnostics]
+    return WorkflowError(problems, str(problems[0].path))
 
 
 async def _repo_root(workspace: Path) -> Path:
@@ -429,7 +459,7 @@ class Engine:
                 raise UsageError(
                     f"{root}: no workflow files in .github/workflows; pass one with -f"
                 )
-        problems: list[Diagnostic] = []
+        errors: list[tuple[Path, WorkflowError]] = []
         chosen: list[tuple[Any, str]] = []
         skipped: list[SkippedWorkflow] = []
         loaded: list[tuple[Path, Any]] = []
@@ -441,11 +471,18 @@ class Engine:
                         (path, remote.load(functools.partial(load_workflow, path, root=root)))
                     )
                 except WorkflowError as exc:
-                    problems.extend(exc.diagnostics)
+                    errors.append((path, exc))
         finally:
             remote.close()  # the workflows are read: their files may be pruned
-        if problems:
-            raise WorkflowError(problems, str(problems[0].path))
+        # The file asked for, or nothing valid: the errors are the answer. Else
+        # the valid workflows run and the invalid ones are reported, as GitHub
+        # starts a push's other workflows and fails the invalid one.
+        if errors and (req.workflow is not None or not loaded):
+            raise _every_problem(errors)
+        invalid = [
+            InvalidWorkflow(_relative(path, root), tuple(str(d) for d in exc.diagnostics))
+            for path, exc in errors
+        ]
         action = payload.get("action") if payload is not None else default_action(event)
         local = event_facts(
             root,
@@ -467,6 +504,8 @@ class Engine:
                 skipped.append(SkippedWorkflow(rel, trig.reason))
         ref = local.facts.ref or "no ref"
         if not chosen:
+            if errors:  # nothing valid would run: the invalid ones are the news
+                raise _every_problem(errors)
             detail = "; ".join(f"{s.path}: {s.reason}" for s in skipped)
             raise NothingTriggered(f"'{event}' on {ref} triggers no workflow: {detail}")
         # Inputs first: the default payload's `inputs` are the checked ones
@@ -524,7 +563,7 @@ class Engine:
                     f"; not triggered: {s.path}: {s.reason}"
                     for s in skipped
                     if s.reason != _NO_SELECTED_JOB
-                )
+                ) + "".join(f"; invalid: {w.path}" for w in invalid)
                 raise UsageError(
                     f"no job {missing[0] if missing else names[0]!r} in the triggered "
                     f"workflows (jobs: {', '.join(sorted(all_jobs))}){untriggered}"
@@ -536,7 +575,7 @@ class Engine:
             lost = sorted(set(req.matrix) - keys)
             if lost:
                 raise UsageError(f"--matrix {lost[0]}: no matrix job to run has that key")
-        return Selection(root, plans, reasons, skipped, local, github, payload)
+        return Selection(root, plans, reasons, skipped, local, github, payload, invalid)
 
     async def run(self) -> RunOutcome:
         """Runs what the event triggers; returns the first run's outcome (see
@@ -658,7 +697,7 @@ class Engine:
                         name=planned.name,
                     )
                 )
-            return RunsOutcome(outcomes, selection.skipped, self._interrupted)
+            return RunsOutcome(outcomes, selection.skipped, self._interrupted, selection.invalid)
         finally:
             with anyio.CancelScope(shield=True):
                 self.store = None  # the live view's poll stops reading it

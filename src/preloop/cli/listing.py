@@ -43,7 +43,9 @@ def _planning_event(events: list[str], wanted: str | None) -> str | None:
 def list_command(file: Path | None, event: str | None, as_json: bool) -> None:
     """Lists jobs and matrix legs with their stage, runs-on labels and the
     events of their workflow. Nothing runs; `--job` and `--matrix` of
-    `preloop run` take the job ids and matrix values shown here."""
+    `preloop run` take the job ids and matrix values shown here. Invalid
+    workflows are reported (every problem, on stderr) after the others' rows,
+    with exit status 1."""
     if event is not None:
         check_event_name(event, EVENTS)
     root = _find_root(Path.cwd() if file is None else file.resolve().parent)
@@ -78,11 +80,18 @@ def list_command(file: Path | None, event: str | None, as_json: bool) -> None:
                 rows.append(
                     _row(wf.path, wf.name, events, stage, j.base_id, j.name, j.runs_on, j.matrix)
                 )
-    if problems:
-        raise WorkflowError(problems, str(problems[0].path))
+    invalid = WorkflowError(problems, str(problems[0].path)) if problems else None
+    if invalid is not None and not rows:
+        raise invalid
     if as_json:
         emit_json(rows)
-        return
+    else:
+        _print_rows(rows)
+    if invalid is not None:  # the valid workflows are listed; the status says not all are
+        raise invalid
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
     table = Table("stage", "job id", "job name", "runs-on", "workflow", "file", "events", box=None)
     for r in rows:
         runs_on = ", ".join(r["runs_on"])

@@ -100,7 +100,8 @@ def plan_command(
     """Shows what a run would execute: which workflows the event triggers and
     why (or why not: branch, tag and path filters), their jobs, matrix legs,
     and the stages they run in. Nothing is executed. Invalid workflows are
-    reported as `path:line:col: message`, every problem at once."""
+    reported as `path:line:col: message`, every problem at once, after the
+    valid workflows' plans (exit status 1)."""
     check_event_name(event, EVENTS)
     given = parse_pairs("--input", inputs)
     # The file's own directory, not its target: a symlink (or a symlink loop,
@@ -148,8 +149,9 @@ def plan_command(
         mine = given if len(paths) == 1 else {k: v for k, v in given.items() if k in declared}
         typed = check_inputs(wf, event, mine) if event in wf.on else dict(given)
         plans.append((plan(wf, event, inputs=typed, github=github), trig.reason))
-    if problems:
-        raise WorkflowError(problems, str(problems[0].path))
+    invalid = WorkflowError(problems, str(problems[0].path)) if problems else None
+    if invalid is not None and not plans:
+        raise invalid
     if not plans:
         detail = "; ".join(f"{p}: {r}" for p, r in skipped)
         raise UsageError(f"no workflow in .github/workflows is triggered by '{event}': {detail}")
@@ -167,6 +169,8 @@ def plan_command(
                 for p, why in plans
             ]
         )
+        if invalid is not None:
+            raise invalid
         return
     for p, why in plans:
         groups = stages(p)
@@ -199,6 +203,8 @@ def plan_command(
         changed = local.facts.changed_paths
         seen = "changed paths unknown" if changed is None else plural(len(changed), "changed path")
         click.echo(f"(ref {local.facts.ref or 'unknown'}; {seen}: {local.note})")
+    if invalid is not None:  # the valid workflows are shown; the status says not all are
+        raise invalid
 
 
 def _find_root(start: Path) -> Path:

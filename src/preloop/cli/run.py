@@ -22,7 +22,15 @@ from preloop.actions.reference import Overrides, parse_overrides
 from preloop.cli.app import cli, emit_json, make_console, plural
 from preloop.cli.secret_args import parse_secrets, sandbox_options, secret_options
 from preloop.control import JobInfo, Lease
-from preloop.engine import Engine, EngineEvents, RunOutcome, RunRequest, RunsOutcome, Selection
+from preloop.engine import (
+    Engine,
+    EngineEvents,
+    InvalidWorkflow,
+    RunOutcome,
+    RunRequest,
+    RunsOutcome,
+    Selection,
+)
 from preloop.errors import UsageError
 from preloop.runner import JobResult
 from preloop.workflow import Plan
@@ -100,23 +108,30 @@ def print_summary(console: Console, outcome: RunOutcome, elapsed: float | None =
 
 def print_runs_summary(console: Console, outcomes: RunsOutcome, elapsed: float) -> None:
     """Every run's table, the workflows not triggered, and one verdict."""
-    if len(outcomes.runs) == 1 and not outcomes.skipped:
+    if len(outcomes.runs) == 1 and not outcomes.skipped and not outcomes.invalid:
         print_summary(console, outcomes.runs[0], elapsed)
         return
     for outcome in outcomes.runs:
         print_summary(console, outcome)
     for skipped in outcomes.skipped:
         console.print(f"not run: {skipped.path}: {skipped.reason}", markup=False, highlight=False)
+    for invalid in outcomes.invalid:
+        console.print(_not_run_invalid(invalid), markup=False, highlight=False)
     verdict = "interrupted" if outcomes.interrupted else outcomes.conclusion
     each = ", ".join(f"run {r.run_id} {r.conclusion}" for r in outcomes.runs)
     logs = " / ".join(f"preloop logs {r.run_id}" for r in outcomes.runs)
+    bad = f" · {plural(len(outcomes.invalid), 'invalid workflow')}" if outcomes.invalid else ""
     console.print(
         Text.assemble(
             (f"{verdict}", _STYLE.get(verdict, "yellow")),
             f" in {_duration(elapsed)} · {plural(len(outcomes.runs), 'workflow run')}"
-            f" ({each}) · logs: {logs}",
+            f" ({each}){bad} · logs: {logs}",
         )
     )
+
+
+def _not_run_invalid(invalid: InvalidWorkflow) -> str:
+    return f"not run: {invalid.path}: invalid ({plural(len(invalid.problems), 'problem')})"
 
 
 class _Progress:
@@ -133,12 +148,19 @@ class _Progress:
         self.silent_after = float(config.get("PRELOOP_SILENT_STEP_NOTICE"))
 
     def selected(self, selection: Selection) -> None:
+        # Every problem of an invalid workflow, at once and on stderr (--json
+        # too): the other workflows run meanwhile, the exit status is 1.
+        for invalid in selection.invalid:
+            for problem in invalid.problems:
+                click.echo(f"preloop: error: {problem}", err=True)
         if self.quiet:
             return
         for skipped in selection.skipped:
             self.console.print(
                 f"not run: {skipped.path}: {skipped.reason}", markup=False, highlight=False
             )
+        for invalid in selection.invalid:
+            self.console.print(_not_run_invalid(invalid), markup=False, highlight=False)
 
     def submitted(self, run_id: int, plan: Plan) -> None:
         count = 0
@@ -448,10 +470,13 @@ def run_command(
     """Run the workflows the event triggers on a snapshot of the work tree.
 
     Like GitHub, every workflow the event triggers (after its branch, tag and
-    path filters) is one run; all run in this one invocation. The snapshot
-    holds staged, unstaged and untracked (not ignored) files; the repository
-    itself is not changed. Exit status: 0 every run succeeded, 1 a run failed,
-    130 interrupted (Ctrl-C cancels the runs and kills every step's process group).
+    path filters) is one run; all run in this one invocation. An invalid
+    workflow is reported (every problem, on stderr) and not run, and the others
+    still run, as on GitHub; with -f, or when nothing valid is triggered, it is
+    an error and nothing runs. The snapshot holds staged, unstaged and
+    untracked (not ignored) files; the repository itself is not changed. Exit
+    status: 0 every run succeeded, 1 a run failed or a workflow is invalid, 130
+    interrupted (Ctrl-C cancels the runs and kills every step's process group).
     """
     platform_map = parse_pairs("--platform", platforms)
     for label, where in platform_map.items():

@@ -71,7 +71,7 @@ def test_pre_push_hook_blocks_allows_skips_and_chains(tmp_path: Path) -> None:
     # A failing run blocks the push; nothing reaches the remote.
     res = sh(repo, state, *git, "push", "-q", "origin", "main")
     assert res.returncode != 0, (res.stdout, res.stderr)
-    assert "push blocked: a workflow run failed" in res.stderr
+    assert "push blocked: a workflow run failed or a workflow is invalid" in res.stderr
     assert "✗ failure" in res.stdout
     assert remote_head(remote) == ""
     assert chained_log.read_text() == "chained origin\n"
@@ -134,7 +134,7 @@ def test_pre_push_runs_the_pushed_commits_not_the_work_tree(tmp_path: Path) -> N
 
     res = sh(repo, state, *git, "push", "-q", "origin", "feat")
     assert res.returncode != 0, (res.stdout, res.stderr)
-    assert "push blocked: a workflow run failed" in res.stderr
+    assert "push blocked: a workflow run failed or a workflow is invalid" in res.stderr
     assert "to refs/heads/feat on origin" in res.stdout
     assert "✗ failure" in res.stdout
     assert sh(remote, state, "git", "rev-parse", "-q", "--verify", "refs/heads/feat").stdout == ""

@@ -526,10 +526,11 @@ def test_cli_file_and_errors(repo: Path) -> None:
     assert res.stderr.splitlines() == [
         "preloop: error: .github/workflows/bad.yml:4:5: the job has no `runs-on` "
         "(which runner labels it needs)",
-        ".github/workflows/bad.yml:5:13: a step needs `run` (a command) or `uses` (an action)",
-        ".github/workflows/bad.yml:3:3: the workflow must contain at least one job with no "
-        "dependencies",
-        ".github/workflows/bad.yml:4:12: job 'a' needs unknown job 'nope'",
+        "preloop: error: .github/workflows/bad.yml:5:13: a step needs `run` (a command) or "
+        "`uses` (an action)",
+        "preloop: error: .github/workflows/bad.yml:3:3: the workflow must contain at least one "
+        "job with no dependencies",
+        "preloop: error: .github/workflows/bad.yml:4:12: job 'a' needs unknown job 'nope'",
     ]
     res = run_cli(repo, "-f", "missing.yml")
     assert res.returncode == 1 and "missing.yml:1:1: cannot read workflow" in res.stderr

@@ -458,6 +458,8 @@ def test_an_invalid_workflow_is_reported_and_the_others_still_run(
     (repo / WF / "ci.yml").write_text("name: CI\non: push\njobs:\n" + job("test"))
     with pytest.raises(UsageError, match=r"no job 'b' .*; invalid: \.github/workflows/bad\.yml"):
         run_all(repo, store_url, tmp_path / "state", jobs=("b",))
+    with pytest.raises(UsageError, match=r"--matrix os: .*; invalid: \.github/workflows/bad\.yml"):
+        run_all(repo, store_url, tmp_path / "state", matrix={"os": "linux"})
 
 
 def test_cli_reports_an_invalid_workflow_beside_the_valid_ones(tmp_path: Path) -> None:
@@ -485,3 +487,29 @@ def test_cli_reports_an_invalid_workflow_beside_the_valid_ones(tmp_path: Path) -
         assert "ci.yml" in out.stdout and "bad.yml" not in out.stdout, args
     only = cli(repo, state, "plan", "-f", WF + "bad.yml")
     assert only.returncode == 1 and only.stdout == "" and re.fullmatch(error + "\n", only.stderr)
+
+
+def test_cli_marks_every_problem_and_shows_a_called_workflows_once(tmp_path: Path) -> None:
+    """Each problem is its own `preloop: error:` line, for run and plan alike;
+    a called workflow's problem, met through its caller, is shown once."""
+    two = BAD + "  c:\n    runs-on: x\n    needs: nowhere\n    steps:\n      - run: echo\n"
+    callee = "on: workflow_call\njobs:\n" + job("inner", "echo ${{ bar( }}")
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            WF + "ci.yml": "name: CI\non: push\njobs:\n" + job("test"),
+            WF + "two.yml": two,
+            WF + "callee.yml": callee,
+            WF
+            + "caller.yml": "on: push\njobs:\n  call:\n    uses: ./.github/workflows/callee.yml\n",
+        },
+    )
+    state = tmp_path / "state"
+    for args in (["run"], ["plan"]):
+        out = cli(repo, state, *args)
+        assert out.returncode == 1, (args, out)
+        errors = out.stderr.splitlines()
+        assert all(line.startswith("preloop: error: ") for line in errors), (args, errors)
+        assert sum("two.yml" in line for line in errors) == 2, (args, errors)
+        assert sum("callee.yml:6:" in line for line in errors) == 1, (args, errors)
+        assert len(errors) == 3, (args, errors)

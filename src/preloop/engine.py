@@ -512,10 +512,15 @@ class Engine:
         # (defaults applied), as strings, as GitHub's `github.event.inputs`.
         declared: set[str] = set()
         checked: list[dict[str, Any]] = []
+        several = len(chosen) > 1 or bool(invalid)
+        # A job, input or matrix key asked for may be in an invalid workflow.
+        unread = "".join(f"; invalid: {w.path}" for w in invalid)
         for wf, _reason in chosen:
             own = _declared_inputs(wf, event)
             declared |= own
-            mine = {k: v for k, v in req.inputs.items() if k in own or len(chosen) == 1}
+            # One workflow checks every input; several (an invalid one among
+            # them, whose inputs are unknown) each take the inputs they declare.
+            mine = {k: v for k, v in req.inputs.items() if k in own or not several}
             checked.append(check_inputs(wf, event, mine))
         github = _github_context(root, event, local)
         if payload is None:
@@ -552,18 +557,21 @@ class Engine:
                 planned = narrowed
             plans.append(select_legs(planned, req.matrix))
             reasons.append(reason)
-        undeclared = sorted(set(req.inputs) - declared) if len(chosen) > 1 else []
+        undeclared = sorted(set(req.inputs) - declared) if several else []
         if undeclared:
-            raise UsageError(f"--input {undeclared[0]}: no triggered workflow declares it")
+            raise UsageError(f"--input {undeclared[0]}: no triggered workflow declares it{unread}")
         if names:
             missing = [n for n in names if n not in {j.base_id for p in plans for j in p.jobs}]
             if missing or not plans:
                 # The job may well be in a workflow this event did not trigger: say why not.
-                untriggered = "".join(
-                    f"; not triggered: {s.path}: {s.reason}"
-                    for s in skipped
-                    if s.reason != _NO_SELECTED_JOB
-                ) + "".join(f"; invalid: {w.path}" for w in invalid)
+                untriggered = (
+                    "".join(
+                        f"; not triggered: {s.path}: {s.reason}"
+                        for s in skipped
+                        if s.reason != _NO_SELECTED_JOB
+                    )
+                    + unread
+                )
                 raise UsageError(
                     f"no job {missing[0] if missing else names[0]!r} in the triggered "
                     f"workflows (jobs: {', '.join(sorted(all_jobs))}){untriggered}"
@@ -574,12 +582,12 @@ class Engine:
             keys = {k for p in plans for j in p.jobs for k in (j.matrix or {})}
             lost = sorted(set(req.matrix) - keys)
             if lost:
-                raise UsageError(f"--matrix {lost[0]}: no matrix job to run has that key")
+                raise UsageError(f"--matrix {lost[0]}: no matrix job to run has that key{unread}")
         return Selection(root, plans, reasons, skipped, local, github, payload, invalid)
 
     async def run(self) -> RunOutcome:
         """Runs what the event triggers; returns the first run's outcome (see
-        `run_all` for every run)."""
+        `run_all` for every run, and for the invalid workflows not run)."""
         return (await self.run_all()).runs[0]
 
     async def run_all(self) -> RunsOutcome:

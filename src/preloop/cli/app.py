@@ -107,8 +107,10 @@ def emit_json(document: Any) -> None:
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    """Ends the command with one line on stderr and `code`."""
-    click.echo(f"preloop: error: {message}", err=True)
+    """Ends the command with `message` on stderr, each of its lines (an invalid
+    workflow's problems are one a line) marked as an error, and `code`."""
+    for line in message.splitlines() or [""]:
+        click.echo(f"preloop: error: {line}", err=True)
     sys.exit(code)
 
 

@@ -144,7 +144,8 @@ def pre_push_command(remote: str | None, url: str | None) -> None:
             status = code
     if status:
         click.echo(
-            "preloop: push blocked: a workflow run failed (PRELOOP_SKIP=1 git push to skip once)",
+            "preloop: push blocked: a workflow run failed or a workflow is invalid "
+            "(PRELOOP_SKIP=1 git push to skip once)",
             err=True,
         )
     sys.exit(status)

@@ -150,9 +150,10 @@ class _Progress:
     def selected(self, selection: Selection) -> None:
         # Every problem of an invalid workflow, at once and on stderr (--json
         # too): the other workflows run meanwhile, the exit status is 1.
-        for invalid in selection.invalid:
-            for problem in invalid.problems:
-                click.echo(f"preloop: error: {problem}", err=True)
+        # A called workflow's problem, met through two callers, is shown once.
+        problems = dict.fromkeys(p for w in selection.invalid for p in w.problems)
+        for problem in problems:
+            click.echo(f"preloop: error: {problem}", err=True)
         if self.quiet:
             return
         for skipped in selection.skipped:

@@ -143,10 +143,14 @@ _LITERAL = re.compile(
 
 class WorkflowError(PreloopError):
     """A workflow (or a workflow it calls) is invalid. `diagnostics` lists every
-    problem; the message is one `path:line:col: message` line per problem."""
+    problem once (a called workflow's, met through two callers, too); the
+    message is one `path:line:col: message` line per problem."""
 
     def __init__(self, diagnostics: list[Diagnostic], primary: str | None = None) -> None:
-        self.diagnostics = sorted(diagnostics, key=_order(diagnostics, primary))
+        # Deduplicated in their order: the sort is stable, and problems at one
+        # place keep the order they were found in.
+        unique = list(dict.fromkeys(diagnostics))
+        self.diagnostics = sorted(unique, key=_order(unique, primary))
         super().__init__("\n".join(str(d) for d in self.diagnostics))
 
 

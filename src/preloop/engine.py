@@ -323,8 +323,7 @@ class RunsOutcome:
 
 def _every_problem(errors: list[tuple[Path, WorkflowError]]) -> WorkflowError:
     """One error listing every invalid workflow's problems, the first file's first."""
-    problems = [d for _, exc in errors for d in exc.diagnostics]
-    return WorkflowError(problems, str(problems[0].path))
+    return WorkflowError([d for _, exc in errors for d in exc.diagnostics])
 
 
 async def _repo_root(workspace: Path) -> Path:

@@ -106,11 +106,16 @@ def emit_json(document: Any) -> None:
     click.echo(json.dumps(document, indent=2, sort_keys=True, default=str))
 
 
-def fail(message: str, code: int = 1) -> NoReturn:
-    """Ends the command with `message` on stderr, each of its lines (an invalid
-    workflow's problems are one a line) marked as an error, and `code`."""
+def echo_error(message: str) -> None:
+    """`message` on stderr, each of its lines (an invalid workflow's problems
+    are one a line) marked as an error."""
     for line in message.splitlines() or [""]:
         click.echo(f"preloop: error: {line}", err=True)
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Ends the command with `message` as `echo_error` prints it, and `code`."""
+    echo_error(message)
     sys.exit(code)
 
 

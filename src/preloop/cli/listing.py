@@ -80,7 +80,7 @@ def list_command(file: Path | None, event: str | None, as_json: bool) -> None:
                 rows.append(
                     _row(wf.path, wf.name, events, stage, j.base_id, j.name, j.runs_on, j.matrix)
                 )
-    invalid = WorkflowError(problems, str(problems[0].path)) if problems else None
+    invalid = WorkflowError(problems) if problems else None
     if invalid is not None and not rows:
         raise invalid
     if as_json:

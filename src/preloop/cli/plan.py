@@ -149,7 +149,7 @@ def plan_command(
         mine = given if len(paths) == 1 else {k: v for k, v in given.items() if k in declared}
         typed = check_inputs(wf, event, mine) if event in wf.on else dict(given)
         plans.append((plan(wf, event, inputs=typed, github=github), trig.reason))
-    invalid = WorkflowError(problems, str(problems[0].path)) if problems else None
+    invalid = WorkflowError(problems) if problems else None
     if invalid is not None and not plans:
         raise invalid
     if not plans:

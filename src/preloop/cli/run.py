@@ -19,7 +19,7 @@ from rich.text import Text
 
 from preloop import config
 from preloop.actions.reference import Overrides, parse_overrides
-from preloop.cli.app import cli, emit_json, make_console, plural
+from preloop.cli.app import cli, echo_error, emit_json, make_console, plural
 from preloop.cli.secret_args import parse_secrets, sandbox_options, secret_options
 from preloop.control import JobInfo, Lease
 from preloop.engine import (
@@ -151,9 +151,8 @@ class _Progress:
         # Every problem of an invalid workflow, at once and on stderr (--json
         # too): the other workflows run meanwhile, the exit status is 1.
         # A called workflow's problem, met through two callers, is shown once.
-        problems = dict.fromkeys(p for w in selection.invalid for p in w.problems)
-        for problem in problems:
-            click.echo(f"preloop: error: {problem}", err=True)
+        if selection.invalid:
+            echo_error("\n".join(dict.fromkeys(p for w in selection.invalid for p in w.problems)))
         if self.quiet:
             return
         for skipped in selection.skipped:

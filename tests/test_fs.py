@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from preloop.fs import TreeSize, tree_bytes
+from preloop.fs import TreeSize, tree_bytes, write_text_atomic
 from preloop.testing.trees import TreeSpec, make_tree
 
 
@@ -223,3 +223,17 @@ def test_one_file_system_stops_at_mount_points(tmp_path: Path) -> None:
         assert across.apparent_bytes >= inside.apparent_bytes + 100_000
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_an_atomic_write_leaves_the_old_file_or_the_new_and_no_temporary(tmp_path: Path) -> None:
+    target = tmp_path / "note"
+    write_text_atomic(target, "old\n")
+    write_text_atomic(target, "new\n")
+    assert target.read_text() == "new\n"
+    # A rename that cannot happen (the path is a non-empty directory): the
+    # error is raised and no temporary file is left beside it.
+    blocked = tmp_path / "dir"
+    (blocked / "inside").mkdir(parents=True)
+    with pytest.raises(OSError):
+        write_text_atomic(blocked, "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "note"]

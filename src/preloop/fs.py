@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -32,9 +33,15 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     path = os.fspath(path)
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name}.{os.urandom(4).hex()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk or an interrupt: no temporary file left that nothing sweeps.
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def tree_bytes(path: str | os.PathLike[str], *, one_file_system: bool = True) -> TreeSize:

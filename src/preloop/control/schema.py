@@ -1935,6 +1935,30 @@ _V23_CLAIM_HANDED: list[Statement] = [
     {"pg": _complete_claim_v23(), "lite": None},
 ]
 
+
+def _complete_claim_v24() -> str:
+    """Migration 23's batch, whose write of the finished jobs joins them to
+    the batch's results by hash. Without statistics on a run's fresh rows the
+    generic plan was a nested loop over the run's running jobs, rescanning the
+    results for each: running x results comparisons, about half of the
+    statement's time at 64 running and 32 results."""
+    old = "    IF n > 0 THEN\n        WITH i AS (\n"
+    new = (
+        "    IF n > 0 THEN\n"
+        "        loop_was := current_setting('enable_nestloop');\n"
+        "        PERFORM set_config('enable_nestloop', 'off', true);\n"
+        "        WITH i AS (\n"
+    )
+    after = (
+        "          INTO n_done, n_slow, n_multi, n_cancelled,"
+        " v_settled, v_units, v_slots, v_groups;\n"
+    )
+    restore = "        PERFORM set_config('enable_nestloop', loop_was, true);\n"
+    return _edited(_complete_claim_v23(), [(old, new), (after, after + restore)])
+
+
+_V24_RESULTS_BY_HASH: list[Statement] = [{"pg": _complete_claim_v24(), "lite": None}]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -1964,6 +1988,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V21_GROUPED_JOBS,
     _V22_ENDS_IN_BATCH,
     _V23_CLAIM_HANDED,
+    _V24_RESULTS_BY_HASH,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -358,6 +358,23 @@ def open_user_store(url: str, given: str | None) -> Store:
         raise StoreError(f"{exc} (from {origin})" if origin else str(exc)) from None
 
 
+def _may_call_services(plans: list[Plan]) -> bool:
+    """Whether a job may run an action, which may call the artifact or cache
+    service: a step with `uses:`, or a job whose steps are not known yet (a
+    deferred matrix). A `run:` step that calls them itself still gets them,
+    only without the server imported ahead."""
+    for p in plans:
+        for job in p.jobs:
+            if job.kind == "caller":
+                continue  # its inner jobs are in the plan
+            steps = job.spec.get("steps")
+            if not isinstance(steps, list):
+                return True
+            if any(isinstance(step, Mapping) and step.get("uses") for step in steps):
+                return True
+    return False
+
+
 def _plan_labels(p: Plan) -> list[str]:
     """Every label the plan's jobs ask for: local runners take all of them."""
     labels: set[str] = set(DEFAULT_LABELS)
@@ -591,8 +608,9 @@ class Engine:
 
     async def run_all(self) -> RunsOutcome:
         req = self.request
-        preload_server()  # served once the runs are submitted
         selection = await self.prepare()
+        if _may_call_services(selection.plans):
+            preload_server()  # served once a step connects: imported meanwhile
         if self.events.on_selected is not None:
             self.events.on_selected(selection)
         root = selection.root

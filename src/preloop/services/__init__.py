@@ -6,7 +6,8 @@
   whose Pythons are throwaway virtual environments;
 - `preloop.services.server`: the artifact (v4) and cache (v2 twirp and the
   older REST) HTTP services on 127.0.0.1, started by `preloop run` for its run
-  (`run_services`) and stopped with it;
+  (`run_services`) and stopped with it; `preloop.services.listener` binds
+  their socket at once and starts the server when a step first connects;
 - `preloop.services.storage`: where artifacts and caches live, behind the
   `ServiceStorage` interface: on this host's disk with the lite store, in the
   store itself on PostgreSQL (`preloop.services.store_storage`), so that the
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from preloop import config
+from preloop.services.listener import ServiceListener
 from preloop.services.storage import LocalStorage, ServiceStorage
 from preloop.services.tokens import Claims, mint
 from preloop.services.toolcache import (
@@ -44,7 +46,6 @@ from preloop.services.toolcache import (
 
 if TYPE_CHECKING:
     from preloop.control.store import Store
-    from preloop.services.server import ServiceServer
 
 __all__ = [
     "SERVICES_CONTEXT_KEY",
@@ -213,10 +214,12 @@ def preload_server() -> None:
 
 
 @contextlib.contextmanager
-def _serving(storage: ServiceStorage) -> Iterator[ServiceServer]:
-    from preloop.services.server import ServiceServer  # aiohttp only when serving
-
-    server = ServiceServer(storage)
+def _serving(storage: ServiceStorage) -> Iterator[ServiceListener]:
+    """The services on a socket that listens at once; the HTTP server starts
+    when a step first connects (a run that never calls them never imports it).
+    A server that cannot start is logged and resets its callers: their steps
+    fail, the run goes on."""
+    server = ServiceListener(storage)
     try:
         server.start()
         yield server

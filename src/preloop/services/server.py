@@ -30,6 +30,7 @@ import hmac
 import logging
 import re
 import secrets
+import socket
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -50,6 +51,7 @@ T = TypeVar("T")
 ARTIFACT_SERVICE = "github.actions.results.api.v1.ArtifactService"
 CACHE_SERVICE = "github.actions.results.api.v1.CacheService"
 _URL_TTL = 6 * 3600
+_BACKLOG = 512
 MAX_BLOCK = 4000 * 1024 * 1024  # Azure's limit for one block
 MAX_BLOB = 50 * 1024**3  # an upload larger than this is refused
 # how much of a body aiohttp buffers before it stops reading the socket (64 KiB
@@ -81,13 +83,20 @@ async def _chunks(request: web.Request) -> AsyncIterator[bytes]:
 
 
 class ServiceServer:
-    """The application and its signing secret. `start()` binds and serves in a
-    thread; `stop()` closes it. `url` is `http://127.0.0.1:<port>/`."""
+    """The application and its signing secret. `start()` binds (or takes the
+    listening `sock`, see `preloop.services.listener`) and serves in a thread;
+    `stop()` closes it. `url` is `http://127.0.0.1:<port>/`."""
 
-    def __init__(self, storage: ServiceStorage, secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        storage: ServiceStorage,
+        secret: bytes | None = None,
+        sock: socket.socket | None = None,
+    ) -> None:
         self.storage = storage
         self.secret = secret or secrets.token_bytes(32)
         self.port = 0
+        self._sock = sock
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -127,7 +136,11 @@ class ServiceServer:
                 self.app(), access_log=None, handle_signals=False, read_bufsize=_READ_BUFSIZE
             )
             loop.run_until_complete(runner.setup())
-            site = web.TCPSite(runner, "127.0.0.1", 0, backlog=512)
+            site: web.BaseSite
+            if self._sock is not None:
+                site = web.SockSite(runner, self._sock, backlog=_BACKLOG)
+            else:
+                site = web.TCPSite(runner, "127.0.0.1", 0, backlog=_BACKLOG)
             loop.run_until_complete(site.start())
             server = site._server
             assert isinstance(server, asyncio.base_events.Server)

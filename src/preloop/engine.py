@@ -52,7 +52,7 @@ import anyio
 
 import preloop.snapshot.prune  # noqa: F401  (registers the post-capture prune hook)
 from preloop import config
-from preloop.actions.reference import Override
+from preloop.actions.reference import Override, is_checkout
 from preloop.actions.workflows import PlanRun
 from preloop.control import JobInfo, Lease, Store, StoreError, open_store
 from preloop.control.cascade import RUN_CANCELLED
@@ -360,9 +360,10 @@ def open_user_store(url: str, given: str | None) -> Store:
 
 def _may_call_services(plans: list[Plan]) -> bool:
     """Whether a job may run an action, which may call the artifact or cache
-    service: a step with `uses:`, or a job whose steps are not known yet (a
-    deferred matrix). A `run:` step that calls them itself still gets them,
-    only without the server imported ahead."""
+    service: a step with `uses:` other than `actions/checkout` (which preloop
+    does itself), or a job whose steps are not known yet (a deferred matrix).
+    A `run:` step that calls them itself still gets them, only without the
+    server imported ahead."""
     for p in plans:
         for job in p.jobs:
             if job.kind == "caller":
@@ -370,8 +371,10 @@ def _may_call_services(plans: list[Plan]) -> bool:
             steps = job.spec.get("steps")
             if not isinstance(steps, list):
                 return True
-            if any(isinstance(step, Mapping) and step.get("uses") for step in steps):
-                return True
+            for step in steps:
+                uses = step.get("uses") if isinstance(step, Mapping) else None
+                if uses and not is_checkout(str(uses)):
+                    return True
     return False
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "Overrides",
     "RemoteRef",
     "UsesError",
+    "is_checkout",
     "parse_overrides",
     "parse_uses",
 ]
@@ -34,6 +35,12 @@ __all__ = [
 FULL_SHA = re.compile(r"[0-9a-fA-F]{40}")
 _NAME = r"[A-Za-z0-9_.-]+"
 _REMOTE = re.compile(rf"({_NAME})/({_NAME})((?:/[^@]+)?)@(.+)")
+
+
+def is_checkout(uses: str) -> bool:
+    """Whether `uses:` names `actions/checkout` (any ref): preloop checks the
+    snapshot out itself and never runs that action."""
+    return uses.split("@", 1)[0].strip().lower() == "actions/checkout"
 
 
 class UsesError(PreloopError):

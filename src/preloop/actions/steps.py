@@ -39,6 +39,7 @@ from preloop.actions.reference import (
     LocalRef,
     Overrides,
     RemoteRef,
+    is_checkout,
     parse_uses,
 )
 from preloop.errors import PreloopError
@@ -313,7 +314,7 @@ class ActionSteps:
             uses = step.get("uses")
             if not isinstance(uses, str) or uses.startswith("./") or uses.startswith("docker://"):
                 continue
-            if uses.split("@", 1)[0].lower() == "actions/checkout":
+            if is_checkout(uses):
                 continue
             state = self._state_of(step)
             try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import sys
 
-from preloop.control.schema import MIGRATIONS, render
+from preloop.control.schema import MIGRATIONS, Statement, render
 
 __all__ = ["current_functions"]
 
@@ -19,11 +19,11 @@ _CREATE = re.compile(r"\s*CREATE OR REPLACE FUNCTION (\w+)\(")
 _DROP = re.compile(r"\s*DROP FUNCTION IF EXISTS (\w+)\(")
 
 
-def current_functions() -> dict[str, str]:
-    """Each function the migrations leave installed, by name: the statement
-    of the last migration that creates it (one dropped since is left out)."""
+def current_functions(migrations: list[list[Statement]] = MIGRATIONS) -> dict[str, str]:
+    """Each function `migrations` leave installed, by name: the statement of
+    the last migration that creates it (one dropped since is left out)."""
     found: dict[str, str] = {}
-    for migration in MIGRATIONS:
+    for migration in migrations:
         for statement in migration:
             sql = render(statement, "pg")
             if sql is None:
@@ -36,6 +36,9 @@ def current_functions() -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__.strip())
+        return 0
     functions = current_functions()
     if not argv:
         print("\n".join(functions))

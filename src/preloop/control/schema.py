@@ -23,7 +23,14 @@ import re
 
 from preloop.workflow.plan import TRUE_WHEN_CLEAN
 
-__all__ = ["MIGRATIONS", "QUEUE_MAX", "SCHEMA_VERSION", "if_true_when_clean", "render"]
+__all__ = [
+    "MIGRATIONS",
+    "QUEUE_MAX",
+    "SCHEMA_VERSION",
+    "Statement",
+    "if_true_when_clean",
+    "render",
+]
 
 QUEUE_MAX = 100  # GitHub's `queue: max` pending limit
 

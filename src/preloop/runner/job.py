@@ -43,7 +43,7 @@ from typing import Any
 import anyio
 
 from preloop.actions.metadata import ActionMetadata, ActionMetadataError
-from preloop.actions.reference import UsesError
+from preloop.actions.reference import UsesError, is_checkout
 from preloop.actions.steps import POST_STEPS_TIMEOUT, ActionSource, ActionStepError, ActionSteps
 from preloop.errors import PreloopError
 from preloop.process import CommandTimeout
@@ -692,7 +692,7 @@ class _Execution:
         timeout: float | None,
     ) -> tuple[dict[str, str], str]:
         uses = str(step["uses"]).strip()
-        if uses.split("@", 1)[0].lower() == "actions/checkout":
+        if is_checkout(uses):
             self.log("actions/checkout: satisfied by the snapshot checkout in the workspace")
             return {}, "success"
         return await self.actions.run_main(step, name, env, ctx, scope, timeout)

@@ -199,10 +199,11 @@ def remove_expired_artifacts(state_dir: Path, store: Store | None = None) -> lis
 
 def preload_server() -> None:
     """Starts importing the HTTP server (aiohttp: ~150 ms of imports) in a
-    daemon thread, for a caller that will serve soon but has git and the
-    store to wait for first: the import overlaps those waits instead of
-    delaying the first job. Importing it again (`_serving`) waits for this
-    import to finish, as any import of a module being imported does."""
+    daemon thread, for a run whose steps will likely call it but that has git
+    and the store to wait for first: the import overlaps those waits instead
+    of delaying the first call. Importing it again (the listener, at the first
+    connection) waits for this import to finish, as any import of a module
+    being imported does."""
     import threading
 
     def load() -> None:
@@ -219,12 +220,14 @@ def _serving(storage: ServiceStorage) -> Iterator[ServiceListener]:
     when a step first connects (a run that never calls them never imports it).
     A server that cannot start is logged and resets its callers: their steps
     fail, the run goes on."""
-    server = ServiceListener(storage)
     try:
-        server.start()
-        yield server
+        server = ServiceListener(storage)
+        try:
+            server.start()
+            yield server
+        finally:
+            server.stop()
     finally:
-        server.stop()
         storage.close()
 
 

@@ -409,6 +409,60 @@ def test_a_batch_waiting_for_its_run_row_gives_way_to_the_holder(pg_url: str) ->
         assert store.get_run(run_id).remaining_jobs == 2
 
 
+def test_a_batch_hands_freed_slots_over_before_the_run_row_and_gives_way(pg_url: str) -> None:
+    """PostgreSQL (migration 25): a batch that frees a capped matrix's slots
+    locks and claims the next parked legs before it takes the run row, so the
+    run row is not held for their writes. A transaction holding the run row
+    that then needs one of those legs (as a cancellation does) is not
+    deadlocked: the batch stops waiting after `COMPLETE_LOCK_WAIT`, undoes its
+    hand-over and runs again run row first, and the holder's write stands."""
+    import psycopg
+
+    with open_store(pg_url) as store:
+        b = PlanBuilder()
+        b.matrix("leg", 6, max_parallel=2)
+        run_id = store.submit_run(b.plan())
+        held = store.claim_jobs("r", [], limit=2)
+        assert [lease.job_id for lease in held] == ["leg#0", "leg#1"]
+        out: dict[str, object] = {}
+        with psycopg.connect(pg_url) as holder:
+            holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (run_id,))
+            (pid,) = holder.execute("SELECT pg_backend_pid()").fetchone() or (0,)
+
+            def batch() -> None:
+                out["result"] = store.complete_and_claim(
+                    [(lease, "success", None) for lease in held], "r", [], limit=2
+                )
+
+            t = threading.Thread(target=batch)
+            t.start()
+            # The batch has ended its legs, claimed the next two from parked,
+            # and waits for the run row.
+            wait_until_blocked_by(holder, pid, t)
+            # This write waits for the batch's lock on leg#2 until the batch
+            # gives up: had the batch not handed it over yet, it would not wait
+            # and the batch would get the run row on its first try.
+            holder.execute(
+                "UPDATE jobs SET reason = 'holder' WHERE run_id = %s AND id = 'leg#2'", (run_id,)
+            )
+            holder.commit()
+            t.join(timeout=60)
+        done, claimed = out["result"]  # type: ignore[misc]
+        assert [(c.job_id, c.conclusion) for c in done] == [
+            ("leg#0", "success"),
+            ("leg#1", "success"),
+        ]
+        assert [lease.job_id for lease in claimed] == ["leg#2", "leg#3"]
+        snap = store.counters.snapshot()
+        assert snap.operations.get("complete_and_claim.lock_first") == 1
+        assert snap.deadlock_retries == 0
+        assert _fallbacks(snap) == 0
+        jobs = {j.id: j for j in store.list_jobs(run_id)}
+        assert jobs["leg#2"].reason == "holder" and jobs["leg#2"].status == "running"
+        assert [jobs[f"leg#{i}"].status for i in (4, 5)] == ["parked", "parked"]
+        assert _cohort_in_flight(store, run_id, "leg") == 2
+
+
 def test_a_batch_keeps_outputs_with_quotes_backslashes_and_braces(store: Store) -> None:
     """The batch path passes its results as arrays: outputs with the array
     syntax's own characters come back exactly as given."""

@@ -53,6 +53,33 @@ def wait_until_blocked_by(holder: Any, pid: int, thread: threading.Thread) -> No
             return
 
 
+def batch_behind_a_run_row_holder(
+    store: Store, pg_url: str, run_id: int, held: list[Lease], write: str
+) -> tuple[list[Any], list[Lease]]:
+    """Completes `held` in one batch (claiming 2) while another transaction
+    holds the run row; once the batch waits for it, the holder runs `write`
+    (`%s`: the run id) and commits. Returns the batch's answer."""
+    import psycopg
+
+    out: dict[str, tuple[list[Any], list[Lease]]] = {}
+    with psycopg.connect(pg_url) as holder:
+        holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (run_id,))
+        (pid,) = holder.execute("SELECT pg_backend_pid()").fetchone() or (0,)
+
+        def batch() -> None:
+            out["result"] = store.complete_and_claim(
+                [(lease, "success", None) for lease in held], "r", [], limit=2
+            )
+
+        t = threading.Thread(target=batch)
+        t.start()
+        wait_until_blocked_by(holder, pid, t)
+        holder.execute(write, (run_id,))  # type: ignore[arg-type]
+        holder.commit()
+        t.join(timeout=60)
+    return out["result"]
+
+
 def test_batch_claim_never_exceeds_the_runners_capacity(store: Store) -> None:
     b = PlanBuilder()
     for i in range(10):
@@ -368,36 +395,20 @@ def test_a_batch_waiting_for_its_run_row_gives_way_to_the_holder(pg_url: str) ->
     cancelling a run does) is not deadlocked: the batch stops waiting after
     `COMPLETE_LOCK_WAIT`, undoes itself and runs again taking the run row
     first, so the holder's change (the job told to stop) is what it ends."""
-    import psycopg
-
     with open_store(pg_url) as store:
         b = PlanBuilder()
         b.matrix("leg", 4)
         run_id = store.submit_run(b.plan())
         held = store.claim_jobs("r", [], limit=2)
-        victim = held[0]
-        out: dict[str, object] = {}
-        with psycopg.connect(pg_url) as holder:
-            holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (run_id,))
-            (pid,) = holder.execute("SELECT pg_backend_pid()").fetchone() or (0,)
-
-            def batch() -> None:
-                out["result"] = store.complete_and_claim(
-                    [(lease, "success", None) for lease in held], "r", [], limit=2
-                )
-
-            t = threading.Thread(target=batch)
-            t.start()
-            # The batch has written its jobs and waits for the run row.
-            wait_until_blocked_by(holder, pid, t)
-            # Now the holder needs the batch's job row (the cancel path's write).
-            holder.execute(
-                "UPDATE jobs SET cancel_requested = 1 WHERE run_id = %s AND id = %s",
-                (run_id, victim.job_id),
-            )
-            holder.commit()
-            t.join(timeout=60)
-        done, claimed = out["result"]  # type: ignore[misc]
+        # Once the batch has written its jobs and waits for the run row, the
+        # holder needs one of them (the cancel path's write).
+        done, claimed = batch_behind_a_run_row_holder(
+            store,
+            pg_url,
+            run_id,
+            held,
+            f"UPDATE jobs SET cancel_requested = 1 WHERE run_id = %s AND id = '{held[0].job_id}'",
+        )
         assert [(c.job_id, c.conclusion) for c in done] == [
             (held[0].job_id, "cancelled"),
             (held[1].job_id, "success"),
@@ -416,38 +427,24 @@ def test_a_batch_hands_freed_slots_over_before_the_run_row_and_gives_way(pg_url:
     that then needs one of those legs (as a cancellation does) is not
     deadlocked: the batch stops waiting after `COMPLETE_LOCK_WAIT`, undoes its
     hand-over and runs again run row first, and the holder's write stands."""
-    import psycopg
-
     with open_store(pg_url) as store:
         b = PlanBuilder()
         b.matrix("leg", 6, max_parallel=2)
         run_id = store.submit_run(b.plan())
         held = store.claim_jobs("r", [], limit=2)
         assert [lease.job_id for lease in held] == ["leg#0", "leg#1"]
-        out: dict[str, object] = {}
-        with psycopg.connect(pg_url) as holder:
-            holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (run_id,))
-            (pid,) = holder.execute("SELECT pg_backend_pid()").fetchone() or (0,)
-
-            def batch() -> None:
-                out["result"] = store.complete_and_claim(
-                    [(lease, "success", None) for lease in held], "r", [], limit=2
-                )
-
-            t = threading.Thread(target=batch)
-            t.start()
-            # The batch has ended its legs, claimed the next two from parked,
-            # and waits for the run row.
-            wait_until_blocked_by(holder, pid, t)
-            # This write waits for the batch's lock on leg#2 until the batch
-            # gives up: had the batch not handed it over yet, it would not wait
-            # and the batch would get the run row on its first try.
-            holder.execute(
-                "UPDATE jobs SET reason = 'holder' WHERE run_id = %s AND id = 'leg#2'", (run_id,)
-            )
-            holder.commit()
-            t.join(timeout=60)
-        done, claimed = out["result"]  # type: ignore[misc]
+        # Once the batch has ended its legs, claimed the next two from parked
+        # and waits for the run row, the holder writes leg#2: that waits for
+        # the batch's lock until the batch gives up. Had the batch not handed
+        # leg#2 over yet, it would not wait and the batch would get the run
+        # row on its first try.
+        done, claimed = batch_behind_a_run_row_holder(
+            store,
+            pg_url,
+            run_id,
+            held,
+            "UPDATE jobs SET reason = 'holder' WHERE run_id = %s AND id = 'leg#2'",
+        )
         assert [(c.job_id, c.conclusion) for c in done] == [
             ("leg#0", "success"),
             ("leg#1", "success"),

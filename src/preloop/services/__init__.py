@@ -218,8 +218,8 @@ def preload_server() -> None:
 def _serving(storage: ServiceStorage) -> Iterator[ServiceListener]:
     """The services on a socket that listens at once; the HTTP server starts
     when a step first connects (a run that never calls them never imports it).
-    A server that cannot start is logged and resets its callers: their steps
-    fail, the run goes on."""
+    A server that cannot start is logged and its callers are turned away at
+    once: their steps fail, the run goes on."""
     try:
         server = ServiceListener(storage)
         try:

@@ -1972,7 +1972,10 @@ _EARLY_HAND_OVER = """\
     -- of the run has a concurrency group: the next parked legs of each cohort,
     -- in seq order, locked (SKIP LOCKED: another batch of the run handing over
     -- at the same time takes the legs after them) and claimed from parked.
-    IF n > 0 AND NOT p_lock_first AND v_slots IS NOT NULL AND v_groups IS NULL
+    -- Run row first (a retry) the same way: a leg another batch holds while
+    -- it waits for the run row is skipped, not waited for (that batch hands
+    -- it over, or runs again and does).
+    IF n > 0 AND NOT p_cascade AND v_slots IS NOT NULL AND v_groups IS NULL
        AND NOT EXISTS (SELECT 1 FROM jobs WHERE run_id = p_run
                         AND (conc_group IS NOT NULL OR conc_group_expr IS NOT NULL)) THEN
         v_early := true;
@@ -2021,10 +2024,13 @@ def _complete_claim_v25() -> str:
     the run has a concurrency group (`_EARLY_HAND_OVER`); under the run row
     it then only gives back the slots no parked leg was left for. The run row
     was held for a write of each handed leg (0.5-0.7 ms for 20 legs); the
-    legs' own row locks keep two batches from handing over the same leg, and
-    a run-row holder that wants one (a cancellation) waits for this batch,
-    which gives up the run row's wait after 50 ms and runs again run row first
-    (PLLCK), as for its other writes."""
+    legs' own row locks keep two batches from handing over the same leg. A
+    run-row holder that writes one of those legs (a cancellation, fail-fast,
+    the cascade filling a cohort, `preloop_settle` handing a slot over) waits
+    for this batch, which gives up the run row's wait after 50 ms and runs
+    again run row first (PLLCK), as for its other writes; run row first, it
+    hands over the same way, skipping legs a waiting batch holds, so one slow
+    holder does not turn the batches behind it into a chain of such retries."""
     claim = (
         "    IF p_limit > 0 AND NOT claim_later THEN\n"
         "        v_claimed := preloop_claim(p_runner, p_labels, p_limit, p_now, p_expires,"

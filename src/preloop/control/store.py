@@ -39,14 +39,17 @@ rerun, and the queries get_run, list_runs, get_job, list_jobs.
  is one `preloop_complete_claim` call (schema migration 5; migration 14 for
  the order): the batch's own job rows first (each leased by this runner,
  lease-guarded) and, when none of them frees a slot or a group, the claims
- (`SKIP LOCKED`, never waiting); then the run row, waited for at most
- `schema.COMPLETE_LOCK_WAIT`; under it the run's and the units' counters,
- released groups (`preloop_promote_group`), parked legs through their slot
- and group (`preloop_through_group`), and the claims that had to see what
- those queued. This is the one path that takes job rows before their run
- row: a transaction holding the run row that needs one of those job rows
- (cancelling the run, fail-fast, the reaper) makes the batch's wait run
- out; the batch undoes itself and runs again in the order above (run row
+ (`SKIP LOCKED`, never waiting); when they free slots of a capped matrix and
+ no job of the run has a concurrency group, the next parked legs locked
+ (`SKIP LOCKED`) and claimed (migration 25); then the run row, waited for at
+ most `schema.COMPLETE_LOCK_WAIT`; under it the run's and the units'
+ counters, released groups (`preloop_promote_group`), parked legs through
+ their slot and group (`preloop_through_group`) when the run has groups, and
+ the claims that had to see what those queued. This is the one path that
+ takes job rows before their run row: a transaction holding the run row that
+ needs one of those job rows (cancelling the run, fail-fast, the reaper, the
+ cascade or `preloop_settle` handing a slot to a parked leg) makes the
+ batch's wait run out; the batch undoes itself and runs again in the order above (run row
  first), counted as `complete_and_claim.lock_first`. Since migration 19 the
  same holds for the jobs a batch queues when its jobs are the last of a need
  that ended clean and whose dependents are all plain: those blocked rows are

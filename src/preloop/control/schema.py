@@ -2039,37 +2039,31 @@ def _complete_claim_v25() -> str:
         "    IF n > 0 THEN\n"
     )
     early_claim = claim.replace("NOT claim_later THEN", "NOT claim_later AND NOT v_early THEN")
-    under_lock = "        FOR c IN SELECT x.cohort, x.freed\n"
+    # The hand-over under the run row stays for runs with groups, one level in.
+    text = _complete_claim_v24()
+    first = text.index("        FOR c IN SELECT x.cohort, x.freed\n")
+    last = text.index("    END IF;\n    IF n > 0 AND left_jobs <= 0 AND NOT p_cascade THEN\n")
+    under_lock = text[first:last]
     gave_back = (
         "        IF v_early THEN\n"
         "            FOR i IN 1 .. cardinality(v_short) LOOP\n"
         "                UPDATE cohorts SET active = active - v_short_n[i]\n"
         "                    WHERE run_id = p_run AND id = v_short[i];\n"
         "            END LOOP;\n"
-        "        END IF;\n"
-        "        IF NOT v_early THEN\n"
-    )
-    end = (
-        "            PERFORM set_config('preloop.queued_notified', '', true);\n"
-        "        END IF;\n"
-        "    END IF;\n"
-        "    IF n > 0 AND left_jobs <= 0 AND NOT p_cascade THEN\n"
-    )
-    end_new = end.replace(
-        "        END IF;\n    END IF;\n    IF n > 0 AND left_jobs",
-        "        END IF;\n        END IF;\n    END IF;\n    IF n > 0 AND left_jobs",
+        "        ELSE\n"
+        + "".join("    " + line for line in under_lock.splitlines(True))
+        + "        END IF;\n"
     )
     declare = "    v_handed TID[] := '{{}}';"
     return _edited(
-        _complete_claim_v24(),
+        text,
         [
             (
                 declare,
                 declare + " v_early BOOLEAN := false; v_short TEXT[] := '{{}}';"
                 " v_short_n INT[] := '{{}}'; i INT;",
             ),
-            (under_lock, gave_back + under_lock),
-            (end, end_new),
+            (under_lock, gave_back),
             (claim, _EARLY_HAND_OVER.replace("{}", "{{}}") + early_claim),
         ],
     )

@@ -23,10 +23,10 @@ if TYPE_CHECKING:
     from preloop.services.server import ServiceServer
     from preloop.services.storage import ServiceStorage
 
-__all__ = ["ServiceListener"]
+__all__ = ["BACKLOG", "ServiceListener"]
 
 _log = logging.getLogger(__name__)
-_BACKLOG = 512  # as the server's own
+BACKLOG = 512  # the services' listen backlog, here and once the server serves
 
 
 class ServiceListener:
@@ -44,7 +44,7 @@ class ServiceListener:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._sock.bind(("127.0.0.1", 0))
-            self._sock.listen(_BACKLOG)
+            self._sock.listen(BACKLOG)
             self._sock.setblocking(False)
             self._wake_r, self._wake_w = os.pipe()
         except BaseException:

@@ -40,6 +40,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from preloop.services.listener import BACKLOG
 from preloop.services.storage import ServiceStorage, StorageConflict, StorageError
 from preloop.services.tokens import Claims, TokenError, verify
 
@@ -51,7 +52,6 @@ T = TypeVar("T")
 ARTIFACT_SERVICE = "github.actions.results.api.v1.ArtifactService"
 CACHE_SERVICE = "github.actions.results.api.v1.CacheService"
 _URL_TTL = 6 * 3600
-_BACKLOG = 512
 MAX_BLOCK = 4000 * 1024 * 1024  # Azure's limit for one block
 MAX_BLOB = 50 * 1024**3  # an upload larger than this is refused
 # how much of a body aiohttp buffers before it stops reading the socket (64 KiB
@@ -138,9 +138,9 @@ class ServiceServer:
             loop.run_until_complete(runner.setup())
             site: web.BaseSite
             if self._sock is not None:
-                site = web.SockSite(runner, self._sock, backlog=_BACKLOG)
+                site = web.SockSite(runner, self._sock, backlog=BACKLOG)
             else:
-                site = web.TCPSite(runner, "127.0.0.1", 0, backlog=_BACKLOG)
+                site = web.TCPSite(runner, "127.0.0.1", 0, backlog=BACKLOG)
             loop.run_until_complete(site.start())
             server = site._server
             assert isinstance(server, asyncio.base_events.Server)

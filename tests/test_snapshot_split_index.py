@@ -59,6 +59,15 @@ def backdate(*paths: Path) -> None:
         os.utime(path, (past, past))
 
 
+def split_on_first_capture(ws: Path) -> None:
+    """An untracked file, so that the first capture's index is written (and
+    split by write-tree): of a workspace unchanged since its index was
+    written, and whose entries git does not see as racily clean (written in
+    the same instant as the index, which depends on timing), the copied index
+    is already complete and no git command rewrites it."""
+    (ws / "untracked.txt").write_text("untracked\n")
+
+
 def backdate_all(ws: Path) -> None:
     backdate(*(p for p in ws.rglob("*") if ".git" not in p.relative_to(ws).parts and p.is_file()))
 
@@ -106,9 +115,11 @@ def test_warm_captures_keep_a_split_index_in_the_cache_entry(tmp_path: Path, fmt
 
 def test_capture_seeds_when_the_shared_index_is_lost(tmp_path: Path) -> None:
     ws = make_repo(tmp_path / "ws", files(20))
+    split_on_first_capture(ws)
     state = tmp_path / "state"
     capture(state, ws, "one")
     entry = entry_dir(state, ws)
+    assert shared_indexes(entry), "the first capture left no shared index"
     for name in shared_indexes(entry):
         (entry / name).unlink()
     (ws / "d0/f00.txt").write_text("changed\n")
@@ -122,6 +133,7 @@ def test_capture_seeds_when_the_memo_does_not_match_a_split_index(tmp_path: Path
     read without its shared index, which only a trusted memo names; the reset
     fails and the capture seeds from the workspace's index."""
     ws = make_repo(tmp_path / "ws", files(20))
+    split_on_first_capture(ws)
     state = tmp_path / "state"
     capture(state, ws, "one")
     memo_path = entry_dir(state, ws) / MEMO_NAME

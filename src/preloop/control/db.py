@@ -50,6 +50,7 @@ import sqlite3
 import sys
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -202,6 +203,7 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self.counters = Counters()
+        self._once: set[str] = set()  # lite: the store's one connection
 
     @abstractmethod
     def transaction(self, op: str, fn: Callable[[Tx], T]) -> T:
@@ -212,6 +214,15 @@ class Backend(ABC):
         transaction: on PostgreSQL one round trip (autocommit, no BEGIN or
         COMMIT); on SQLite the same as `transaction`."""
         return self.transaction(op, fn)
+
+    def once_per_connection(self, op: str, fn: Callable[[Tx], object]) -> None:
+        """Runs `fn` (one statement, as `statement`) the first time `op` is
+        asked on the connection this thread's next operations use, and does
+        nothing after: for work a server session does once, such as planning
+        a function's statements before a call that holds a lock runs them."""
+        if op not in self._once:
+            self._once.add(op)
+            self.statement(op, fn)
 
     def listener(self, start: bool = True) -> Listener | None:
         """The process's wake-up listener (pg; started on first use unless
@@ -329,6 +340,8 @@ class PgBackend(Backend):
         # ended (an anyio worker thread retires after idling) gives its back.
         self._held: list[tuple[threading.Thread, Any]] = []
         self._held_lock = threading.Lock()
+        # What `once_per_connection` did on each open connection.
+        self._done_on: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
         self._pool = ConnectionPool(
             url,
             min_size=1,
@@ -364,6 +377,17 @@ class PgBackend(Backend):
             with self._held_lock:
                 self._held.append((threading.current_thread(), conn))
         return conn
+
+    def once_per_connection(self, op: str, fn: Callable[[Tx], object]) -> None:
+        conn = self._connection()
+        with self._held_lock:
+            done = self._done_on.setdefault(conn, set())
+            if op in done:
+                return
+            done.add(op)
+        # A connection lost meanwhile: `statement` reruns `fn` on a fresh one,
+        # which is not marked, so it does the work again before its own first use.
+        self.statement(op, fn)
 
     def _reclaim_ended(self) -> None:
         """Gives back the connections of threads that ended: a long-lived

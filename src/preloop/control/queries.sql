@@ -8,6 +8,10 @@
 -- store: Store._pg_call (run_row and ended: NULL unless in cascade mode)
 SELECT settled, claimed, wait_us, hold_us, run_row, ended FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?, ?, ?)
 
+-- pg_select_preloop_warm_settle --
+-- store: Store._pg_call (once per connection, before its first batch: schema migration 26)
+SELECT preloop_warm_settle() AS paths
+
 -- pg_cascade_select_grouped_job --
 -- store: Store._pg_cascade (a run whose jobs meet in a group settles a batch job by job)
 SELECT 1 AS grouped FROM jobs WHERE run_id = ? AND (conc_group IS NOT NULL OR conc_group_expr IS NOT NULL) LIMIT 1

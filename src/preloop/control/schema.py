@@ -2071,6 +2071,112 @@ def _complete_claim_v25() -> str:
 
 _V25_EARLY_HAND_OVER: list[Statement] = [{"pg": _complete_claim_v25(), "lite": None}]
 
+# Migration 26: a connection's statements of `preloop_complete_claim` planned
+# before it first holds a run row. PL/pgSQL plans each statement the first
+# time a connection runs it (once: `plan_cache_mode = force_generic_plan`),
+# and for the statements after the run row that meant planning under it:
+# 0.7-1 ms more on a connection's first batch and 1.5-4 ms on the batch that
+# first ends a unit there, against 0.1-0.2 ms steady, on every connection of
+# a fleet (an autoscaled `preloop runner --once` has no other batch). The
+# store calls `preloop_warm_settle` before a connection's first batch: it
+# drives the function through each path on two runs of its own (negative
+# ids from the backend's pid, so two connections never meet, and a group
+# named after it), all inside a block that it then rolls back, so nothing
+# it wrote, notified or locked outlives the call. It returns the paths it
+# saw taken (an error is returned as such, never raised: a connection left
+# cold is only slower), which the tests hold to every path.
+_WARM_SETTLE_FN = """\
+CREATE OR REPLACE FUNCTION preloop_warm_settle() RETURNS TEXT[]
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    r_a BIGINT := -2 * pg_backend_pid()::BIGINT;
+    r_b BIGINT := -2 * pg_backend_pid()::BIGINT - 1;
+    grp TEXT := 'preloop warm-up ' || pg_backend_pid();
+    lbl TEXT[] := ARRAY['preloop-warm-up'];
+    done TEXT[] := '{}';
+BEGIN
+    BEGIN
+        INSERT INTO runs (id, workflow, name, event, status, remaining_jobs, context, created_at)
+            VALUES (r_a, '', '', '', 'running', 100, '{}', 0),
+                   (r_b, '', '', '', 'running', 100, '{}', 0);
+        INSERT INTO units (run_id, base_id, remaining) VALUES
+            (r_a, 'c', 3), (r_a, 'a', 2), (r_a, 'b', 1), (r_a, 'm', 1), (r_a, 'n', 1),
+            (r_b, 'g', 2);
+        INSERT INTO cohorts (run_id, id, max_parallel, fail_fast, active, total)
+            VALUES (r_a, 'c', 2, 0, 2, 3), (r_b, 'g', 2, 0, 2, 2);
+        INSERT INTO deps (run_id, need, job_id) VALUES (r_a, 'a', 'm'), (r_a, 'b', 'n');
+        INSERT INTO conc_groups (name, holder_run, holder_job) VALUES (grp, r_b, 'g1');
+        INSERT INTO jobs (run_id, id, seq, base_id, name, kind, needs, runs_on, cohort,
+                          continue_on_error, timeout_minutes, outputs_expr, inner_job_ids,
+                          spec, status, remaining_needs, capped, holds_slot, holds_group,
+                          conc_group, wait_seq, lease_token)
+        SELECT v.run_id, v.id, v.seq, v.base_id, v.id, 'job', '[]', '["preloop-warm-up"]',
+               v.cohort, 0, 1, '{}', '[]', '{}', v.status, v.needs, v.capped, v.slot,
+               v.holds, v.grp, v.wseq, 't'
+          FROM (VALUES
+            (r_a, 'c1', 1, 'c', 'c', 'running', 0, 1, 1, NULL, NULL, NULL::BIGINT),
+            (r_a, 'c2', 2, 'c', 'c', 'running', 0, 1, 1, NULL, NULL, NULL),
+            (r_a, 'c3', 3, 'c', 'c', 'parked', 0, 1, 0, NULL, NULL, NULL),
+            (r_a, 'a1', 4, 'a', NULL, 'running', 0, 0, 0, NULL, NULL, NULL),
+            (r_a, 'a2', 5, 'a', NULL, 'running', 0, 0, 0, NULL, NULL, NULL),
+            (r_a, 'b', 6, 'b', NULL, 'running', 0, 0, 0, NULL, NULL, NULL),
+            (r_a, 'm', 7, 'm', NULL, 'blocked', 1, 0, 0, NULL, NULL, NULL),
+            (r_a, 'n', 8, 'n', NULL, 'blocked', 1, 0, 0, NULL, NULL, NULL),
+            (r_b, 'g1', 1, 'g', 'g', 'running', 0, 1, 1, grp, grp, NULL),
+            (r_b, 'g2', 2, 'g', 'g', 'waiting', 0, 1, 1, NULL, grp, 0))
+            AS v(run_id, id, seq, base_id, cohort, status, needs, capped, slot, holds, grp, wseq);
+        -- Two legs free two slots of a capped matrix: one handed to the parked leg
+        -- before the run row, one given back under it.
+        PERFORM preloop_complete_claim(r_a, ARRAY['c1', 'c2'], ARRAY['success', 'success'],
+            ARRAY['{}', '{}'], ARRAY['t', 't'], 0, 'preloop-warm-up', lbl, 1, 0, r_a, NULL, false);
+        IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_a AND id = 'c3' AND status = 'running')
+           AND (SELECT active FROM cohorts WHERE run_id = r_a AND id = 'c') = 1 THEN
+            done := done || 'slots'::TEXT;
+        END IF;
+        -- A leg that ends no unit.
+        PERFORM preloop_complete_claim(r_a, ARRAY['a1'], ARRAY['success'], ARRAY['{}'],
+            ARRAY['t'], 0, 'preloop-warm-up', lbl, 1, 0, r_a, NULL, false);
+        IF (SELECT remaining FROM units WHERE run_id = r_a AND base_id = 'a') = 1 THEN
+            done := done || 'plain'::TEXT;
+        END IF;
+        -- A unit that another batch ended meanwhile (its count already at 0):
+        -- it ends under the run row, which admits and claims its dependent.
+        UPDATE units SET remaining = 0 WHERE run_id = r_a AND base_id = 'a';
+        PERFORM preloop_complete_claim(r_a, ARRAY['a2'], ARRAY['success'], ARRAY['{}'],
+            ARRAY['t'], 0, 'preloop-warm-up', lbl, 1, 0, r_a, NULL, false);
+        IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_a AND id = 'm' AND status = 'running') THEN
+            done := done || 'unit ended under the run row'::TEXT;
+        END IF;
+        -- The run's last job, whose unit ends before the run row.
+        UPDATE runs SET remaining_jobs = 1 WHERE id = r_a;
+        PERFORM preloop_complete_claim(r_a, ARRAY['b'], ARRAY['success'], ARRAY['{}'],
+            ARRAY['t'], 0, 'preloop-warm-up', lbl, 1, 0, r_a, NULL, false);
+        IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_a AND id = 'n' AND status = 'running') THEN
+            done := done || 'unit ended before the run row'::TEXT;
+        END IF;
+        IF (SELECT status FROM runs WHERE id = r_a) = 'completed' THEN
+            done := done || 'run ended'::TEXT;
+        END IF;
+        -- A group handed to its waiter; the slot freed is given back.
+        PERFORM preloop_complete_claim(r_b, ARRAY['g1'], ARRAY['success'], ARRAY['{}'],
+            ARRAY['t'], 0, 'preloop-warm-up', lbl, 1, 0, r_b, NULL, false);
+        IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_b AND id = 'g2' AND status = 'running')
+           AND (SELECT active FROM cohorts WHERE run_id = r_b AND id = 'g') = 1 THEN
+            done := done || 'group'::TEXT;
+        END IF;
+        RAISE EXCEPTION 'preloop: warm-up done' USING ERRCODE = 'PLWRM';
+    EXCEPTION
+        WHEN SQLSTATE 'PLWRM' THEN NULL;
+        WHEN OTHERS THEN done := done || ('error: ' || SQLERRM);
+    END;
+    RETURN done;
+END
+$fn$"""
+
+_V26_WARM_SETTLE: list[Statement] = [
+    {"pg": _WARM_SETTLE_FN.replace("{", "{{").replace("}", "}}"), "lite": None}
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -2102,6 +2208,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V23_CLAIM_HANDED,
     _V24_RESULTS_BY_HASH,
     _V25_EARLY_HAND_OVER,
+    _V26_WARM_SETTLE,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

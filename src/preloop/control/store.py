@@ -58,6 +58,10 @@ rerun, and the queries get_run, list_runs, get_job, list_jobs.
  cancel, is checked again under the run row (or the batch undoes itself).
  Every other path takes a run row before any job row of that run, so a cycle
  can only pass through such a batch's wait, and lasts no longer than it.
+ Before a connection's first batch the store calls `preloop_warm_settle`
+ (migration 26), which takes each of those paths once on runs of its own and
+ undoes them: PL/pgSQL plans a statement the first time a connection runs
+ it, and otherwise planned those after the run row under it.
 
 The rules live in `preloop.control.cascade`, the claim statement and lite's
 batch completion in `preloop.control.batch`, every fixed statement by name in
@@ -156,6 +160,12 @@ def _text_array(items: Sequence[str]) -> str:
     return (
         "{" + ",".join('"' + x.replace("\\", "\\\\").replace('"', '\\"') + '"' for x in items) + "}"
     )
+
+
+def _warm_settle(tx: Tx) -> None:
+    """`preloop_warm_settle`: each path of `preloop_complete_claim` taken
+    once on runs of its own, then undone (schema migration 26)."""
+    tx.execute(Q["pg_select_preloop_warm_settle"])
 
 
 def _server_refused(claim: _Claim | None) -> None:
@@ -528,6 +538,8 @@ class Store:
             settled, leases, _ = self._pg_call(tx, results, claim, lock_first=lock_first)
             return list(settled), leases
 
+        # Planned before this connection first holds a run row (schema migration 26).
+        self._db.once_per_connection("warm_settle", _warm_settle)
         try:
             try:
                 return self._db.statement(op, call)

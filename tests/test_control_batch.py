@@ -16,6 +16,7 @@ import pytest
 
 from preloop.control import Lease, Store, open_store
 from preloop.control.counters import CountersSnapshot
+from preloop.testing.pg import wait_until_blocked_by
 from preloop.testing.plans import PlanBuilder, with_runs_on
 
 
@@ -34,23 +35,6 @@ def _cohort_in_flight(store: Store, run_id: int, cohort: str) -> int:
 def _fallbacks(snapshot: CountersSnapshot) -> int:
     """Batches that left the one-statement path for the Python cascade."""
     return snapshot.operations.get("complete_and_claim.fallback", 0)
-
-
-def wait_until_blocked_by(holder: Any, pid: int, thread: threading.Thread) -> None:
-    """Returns once another backend waits for a lock `holder` (backend `pid`)
-    holds, or `thread` ended: the server's own lock table, no timing."""
-    while thread.is_alive():
-        row = holder.execute(
-            "SELECT count(*) FROM pg_locks l JOIN pg_locks h ON h.pid = %s "
-            "AND h.granted AND h.locktype = l.locktype "
-            "AND h.database IS NOT DISTINCT FROM l.database "
-            "AND h.relation IS NOT DISTINCT FROM l.relation "
-            "AND h.transactionid IS NOT DISTINCT FROM l.transactionid "
-            "WHERE NOT l.granted AND l.pid <> %s",
-            (pid, pid),
-        ).fetchone()
-        if row and row[0]:
-            return
 
 
 def batch_behind_a_run_row_holder(

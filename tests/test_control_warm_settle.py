@@ -12,15 +12,20 @@ import psycopg
 import pytest
 
 from preloop.control import Store, open_store
+from preloop.control.db import PgBackend
+from preloop.testing.pg import wait_until_blocked_by
 from preloop.testing.plans import PlanBuilder
+from preloop.workflow.plan import ConcurrencySpec
 
 PATHS = [
     "slots",
+    "slot given back",
     "plain",
     "unit ended under the run row",
     "unit ended before the run row",
     "run ended",
     "group",
+    "group slot given back",
 ]
 
 # Every table the warm-up writes, and the shared group counter it must not.
@@ -35,6 +40,10 @@ SELECT (SELECT count(*) FROM runs), (SELECT count(*) FROM jobs), (SELECT count(*
 def store(pg_url: str) -> Iterator[Store]:
     with open_store(pg_url) as s:
         yield s
+
+
+def _fallbacks(store: Store) -> int:
+    return store.counters.snapshot().operations.get("complete_and_claim.fallback", 0)
 
 
 def _submit(store: Store, legs: int = 6) -> int:
@@ -76,28 +85,83 @@ def test_a_warm_up_inside_a_transaction_undoes_only_its_own_work(store: Store, p
     assert store.get_run(run_id).name == "renamed"
 
 
-def test_two_connections_warm_up_on_rows_that_never_meet(store: Store, pg_url: str) -> None:
-    """One connection in the middle of its warm-up (its rows written, not
-    committed) does not hold up another's: their run ids and group come from
-    their own backend pids."""
+def test_a_warm_up_in_progress_does_not_hold_up_another(store: Store, pg_url: str) -> None:
+    """One connection's warm-up stopped halfway (its runs written, its group
+    row waiting on a row a third session holds) while another's runs from
+    start to end: their runs and groups are named after their own backends."""
     with (
-        psycopg.connect(pg_url) as first,
+        psycopg.connect(pg_url, autocommit=True) as first,
+        psycopg.connect(pg_url) as holder,
         psycopg.connect(pg_url, autocommit=True) as second,
     ):
         pid = first.info.backend_pid
-        first.execute(
-            "INSERT INTO runs (id, workflow, name, event, status, remaining_jobs, context,"
-            " created_at) VALUES (%s, '', '', '', 'running', 1, '{}', 0), (%s, '', '', '',"
-            " 'running', 1, '{}', 0)",
-            (-2 * pid, -2 * pid - 1),
-        )
-        first.execute(
-            "INSERT INTO conc_groups (name, holder_run, holder_job) VALUES (%s, %s, 'g1')",
-            (f"preloop warm-up {pid}", -2 * pid - 1),
-        )
-        second.execute("SET lock_timeout = '5s'")  # a clash fails, not hangs
+        holder.execute("INSERT INTO conc_groups (name) VALUES (%s)", (f"preloop warm-up {pid}",))
+        out: dict[str, object] = {}
+
+        def warm_first() -> None:
+            out["first"] = first.execute("SELECT preloop_warm_settle()").fetchone()
+
+        t = threading.Thread(target=warm_first)
+        t.start()
+        wait_until_blocked_by(holder, holder.info.backend_pid, t)
+        second.execute("SET lock_timeout = '5s'")  # meeting the first's rows: fails
         assert second.execute("SELECT preloop_warm_settle()").fetchone() == (PATHS,)
-        first.rollback()
+        holder.rollback()
+        t.join(timeout=60)
+        assert out["first"] == (PATHS,)
+
+
+def test_a_cancelled_warm_up_leaves_the_batch_to_run(store: Store, pg_url: str) -> None:
+    """A warm-up cancelled (`pg_cancel_backend`, a `statement_timeout`) raises
+    on the server; the store counts it and the batch runs as it would have."""
+    run_id = _submit(store, legs=2)
+    held = store.claim_jobs("r", [], limit=2)
+    out: dict[str, object] = {}
+    with psycopg.connect(pg_url) as holder:
+        # The warm-up writes the shared wait counter last: held here, it waits.
+        holder.execute("SELECT value FROM wait_seq WHERE id = 1 FOR UPDATE")
+
+        def batch() -> None:
+            out["result"] = store.complete_and_claim(
+                [(lease, "success", None) for lease in held], "r", []
+            )
+
+        t = threading.Thread(target=batch)
+        t.start()
+        wait_until_blocked_by(holder, holder.info.backend_pid, t)
+        cancelled = holder.execute(
+            "SELECT pg_cancel_backend(pid) FROM pg_stat_activity"
+            " WHERE %s = ANY (pg_blocking_pids(pid))",
+            (holder.info.backend_pid,),
+        ).fetchall()
+        assert cancelled == [(True,)]
+        t.join(timeout=60)
+        holder.rollback()
+    done, more = out["result"]  # type: ignore[misc]
+    assert all(c.changed for c in done) and [lease.job_id for lease in more] == ["merge"]
+    assert store.counters.snapshot().operations.get("warm_settle.failed") == 1
+    store.complete_and_claim([(more[0], "success", None)], "r", [])
+    assert store.get_run(run_id).conclusion == "success"
+
+
+def test_no_connection_to_be_had_leaves_the_warm_up_for_later(pg_url: str) -> None:
+    """The pool exhausted (or the server away): the warm-up does not fail the
+    batch for want of a connection; the batch's own statement waits for one."""
+    backend = PgBackend(pg_url, max_size=1)
+    try:
+        backend._pool.timeout = 0.2  # the only connection stays with this thread
+        backend._connection()
+        ran: list[str] = []
+
+        def other_thread() -> None:
+            ran.append(str(backend.once_per_connection("warm", lambda tx: "ran")))
+
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join(timeout=60)
+        assert ran == ["None"]
+    finally:
+        backend.close()
 
 
 def test_a_failed_warm_up_is_reported_and_the_batch_still_runs(store: Store, pg_url: str) -> None:
@@ -134,3 +198,52 @@ def test_the_store_warms_each_connection_up_once_before_its_first_batch(store: S
     t.join()
     assert store.counters.snapshot().operations.get("warm_settle") == 2
     assert store.get_run(run_id).status == "running"  # the merge is left
+
+
+def test_after_the_warm_up_a_batch_plans_nothing_of_its_own(store: Store) -> None:
+    """Each path a runner's batches take, on a connection the warm-up has
+    seen: PostgreSQL plans nothing inside `preloop_complete_claim` (at most
+    the call itself, which psycopg prepares only after a few runs). The
+    server's `debug_print_plan`, sent to this client, counts the plans."""
+    b = PlanBuilder()
+    b.job("setup")
+    b.matrix("leg", 4, needs=["setup"], max_parallel=2)  # slots handed over
+    b.job("merge", needs=["leg"], if_expr="always()")  # a unit's end; the run's
+    capped = store.submit_run(b.plan())
+    g = PlanBuilder()
+    g.job("setup")
+    g.matrix(
+        "leg", 4, needs=["setup"], max_parallel=2, concurrency=ConcurrencySpec("g", queue_max=True)
+    )
+    grouped = store.submit_run(g.plan())
+    first = store.claim_jobs("r", [], limit=1)  # `capped`'s setup: the first batch warms up
+    _, held = store.complete_and_claim([(first[0], "success", None)], "r", [], limit=1)
+    assert store.counters.snapshot().operations.get("warm_settle") == 1
+
+    plans: list[str] = []
+    conn = store._db._connection()  # this thread's, as the store's calls use it
+    conn.add_notice_handler(
+        lambda d: (
+            plans.append(d.context or "top level") if d.severity_nonlocalized == "LOG" else None
+        )
+    )
+    conn.execute("SET debug_print_plan = on")
+    conn.execute("SET client_min_messages = log")
+    fast = 0
+    try:
+        while held or (held := store.claim_jobs("r", [], limit=1)):
+            before, fell_back = len(plans), _fallbacks(store)
+            _, held = store.complete_and_claim(
+                [(lease, "success", None) for lease in held], "r", [], limit=1
+            )
+            if _fallbacks(store) == fell_back:  # the cascade's SQL is planned as it goes
+                fast += 1
+                assert len(plans) - before <= 1, plans[before:]
+    finally:
+        conn.execute("RESET client_min_messages")
+        conn.execute("RESET debug_print_plan")
+    assert store.get_run(capped).conclusion == "success"
+    assert store.get_run(grouped).conclusion == "success"
+    # Every batch but the grouped run's first (its legs enter their group
+    # through the cascade).
+    assert (fast, _fallbacks(store)) == (9, 1)

@@ -203,7 +203,6 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self.counters = Counters()
-        self._once: set[str] = set()  # lite: the store's one connection
 
     @abstractmethod
     def transaction(self, op: str, fn: Callable[[Tx], T]) -> T:
@@ -215,14 +214,13 @@ class Backend(ABC):
         COMMIT); on SQLite the same as `transaction`."""
         return self.transaction(op, fn)
 
-    def once_per_connection(self, op: str, fn: Callable[[Tx], object]) -> None:
+    def once_per_connection(self, op: str, fn: Callable[[Tx], T]) -> T | None:
         """Runs `fn` (one statement, as `statement`) the first time `op` is
-        asked on the connection this thread's next operations use, and does
-        nothing after: for work a server session does once, such as planning
-        a function's statements before a call that holds a lock runs them."""
-        if op not in self._once:
-            self._once.add(op)
-            self.statement(op, fn)
+        asked on the server session this thread's next operations use, and
+        returns its result; None, doing nothing, every time after. For work a
+        session does once, such as planning a function's statements before a
+        call that holds a lock runs them. Lite has no server sessions: None."""
+        return None
 
     def listener(self, start: bool = True) -> Listener | None:
         """The process's wake-up listener (pg; started on first use unless
@@ -378,16 +376,21 @@ class PgBackend(Backend):
                 self._held.append((threading.current_thread(), conn))
         return conn
 
-    def once_per_connection(self, op: str, fn: Callable[[Tx], object]) -> None:
-        conn = self._connection()
+    def once_per_connection(self, op: str, fn: Callable[[Tx], T]) -> T | None:
+        try:
+            conn = self._connection()
+        except self._lost:
+            # None to be had now: the operation that follows waits for one
+            # (`statement`), and this is done before a later one.
+            return None
         with self._held_lock:
             done = self._done_on.setdefault(conn, set())
             if op in done:
-                return
+                return None
             done.add(op)
-        # A connection lost meanwhile: `statement` reruns `fn` on a fresh one,
-        # which is not marked, so it does the work again before its own first use.
-        self.statement(op, fn)
+        # Lost meanwhile, it runs on a fresh connection, which is not marked:
+        # done again before that one's next such operation (harmless).
+        return self.statement(op, fn)
 
     def _reclaim_ended(self) -> None:
         """Gives back the connections of threads that ended: a long-lived

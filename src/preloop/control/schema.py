@@ -2073,25 +2073,36 @@ _V25_EARLY_HAND_OVER: list[Statement] = [{"pg": _complete_claim_v25(), "lite": N
 
 # Migration 26: a connection's statements of `preloop_complete_claim` planned
 # before it first holds a run row. PL/pgSQL plans each statement the first
-# time a connection runs it (once: `plan_cache_mode = force_generic_plan`),
+# time a connection runs it (once: `plan_cache_mode = force_generic_plan`,
+# until an ANALYZE or other change of a table it reads invalidates the plan),
 # and for the statements after the run row that meant planning under it:
 # 0.7-1 ms more on a connection's first batch and 1.5-4 ms on the batch that
 # first ends a unit there, against 0.1-0.2 ms steady, on every connection of
 # a fleet (an autoscaled `preloop runner --once` has no other batch). The
-# store calls `preloop_warm_settle` before a connection's first batch: it
-# drives the function through each path on two runs of its own (negative
-# ids from the backend's pid, so two connections never meet, and a group
-# named after it), all inside a block that it then rolls back, so nothing
-# it wrote, notified or locked outlives the call. It returns the paths it
-# saw taken (an error is returned as such, never raised: a connection left
-# cold is only slower), which the tests hold to every path.
+# store calls `preloop_warm_settle` before a connection's first batch. It
+# drives the function through its common paths on two runs of its own: slots
+# handed over and given back, a slot given back with no leg left, a batch
+# that ends nothing (also run row first), a unit ended under and before the
+# run row (each admitting a plain and a capped dependent), the run's end, a
+# group handed to its waiter and a parked leg then waiting for it, a group
+# handed on with its slot given back; and both claim functions' branch for a
+# runner that names no run (limit 0: it locks nothing). Its runs have
+# negative ids from the backend's pid and its group is named after it, so
+# two connections never meet; everything happens in a block it then rolls
+# back, so nothing it wrote, notified or locked outlives the call (the
+# shared wait counter, written last, is held for the block's last
+# statements). It returns the paths it saw taken; an error is returned, not
+# raised (a connection left cold is only slower), except a cancellation.
+# Not taken: a group taken at once by a parked leg, a run-level group, the
+# cascade mode and the slow paths (those are planned where they first run).
 _WARM_SETTLE_FN = """\
 CREATE OR REPLACE FUNCTION preloop_warm_settle() RETURNS TEXT[]
-LANGUAGE plpgsql AS $fn$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $fn$
 DECLARE
     r_a BIGINT := -2 * pg_backend_pid()::BIGINT;
     r_b BIGINT := -2 * pg_backend_pid()::BIGINT - 1;
     grp TEXT := 'preloop warm-up ' || pg_backend_pid();
+    who TEXT := 'preloop-warm-up';
     lbl TEXT[] := ARRAY['preloop-warm-up'];
     done TEXT[] := '{}';
 BEGIN
@@ -2100,11 +2111,13 @@ BEGIN
             VALUES (r_a, '', '', '', 'running', 100, '{}', 0),
                    (r_b, '', '', '', 'running', 100, '{}', 0);
         INSERT INTO units (run_id, base_id, remaining) VALUES
-            (r_a, 'c', 3), (r_a, 'a', 2), (r_a, 'b', 1), (r_a, 'm', 1), (r_a, 'n', 1),
-            (r_b, 'g', 2);
-        INSERT INTO cohorts (run_id, id, max_parallel, fail_fast, active, total)
-            VALUES (r_a, 'c', 2, 0, 2, 3), (r_b, 'g', 2, 0, 2, 2);
-        INSERT INTO deps (run_id, need, job_id) VALUES (r_a, 'a', 'm'), (r_a, 'b', 'n');
+            (r_a, 'c', 6), (r_a, 'a', 2), (r_a, 'l', 2), (r_a, 'b', 1), (r_a, 'm', 1),
+            (r_a, 'p', 1), (r_a, 'n', 1), (r_a, 'q', 1), (r_b, 'g', 3);
+        INSERT INTO cohorts (run_id, id, max_parallel, fail_fast, active, total) VALUES
+            (r_a, 'c', 3, 0, 3, 5), (r_a, 'p', 1, 0, 0, 1), (r_a, 'q', 1, 0, 0, 1),
+            (r_b, 'g', 2, 0, 2, 3);
+        INSERT INTO deps (run_id, need, job_id) VALUES
+            (r_a, 'a', 'm'), (r_a, 'a', 'p1'), (r_a, 'b', 'n'), (r_a, 'b', 'q1');
         INSERT INTO conc_groups (name, holder_run, holder_job) VALUES (grp, r_b, 'g1');
         INSERT INTO jobs (run_id, id, seq, base_id, name, kind, needs, runs_on, cohort,
                           continue_on_error, timeout_minutes, outputs_expr, inner_job_ids,
@@ -2116,53 +2129,91 @@ BEGIN
           FROM (VALUES
             (r_a, 'c1', 1, 'c', 'c', 'running', 0, 1, 1, NULL, NULL, NULL::BIGINT),
             (r_a, 'c2', 2, 'c', 'c', 'running', 0, 1, 1, NULL, NULL, NULL),
-            (r_a, 'c3', 3, 'c', 'c', 'parked', 0, 1, 0, NULL, NULL, NULL),
-            (r_a, 'a1', 4, 'a', NULL, 'running', 0, 0, 0, NULL, NULL, NULL),
-            (r_a, 'a2', 5, 'a', NULL, 'running', 0, 0, 0, NULL, NULL, NULL),
-            (r_a, 'b', 6, 'b', NULL, 'running', 0, 0, 0, NULL, NULL, NULL),
-            (r_a, 'm', 7, 'm', NULL, 'blocked', 1, 0, 0, NULL, NULL, NULL),
-            (r_a, 'n', 8, 'n', NULL, 'blocked', 1, 0, 0, NULL, NULL, NULL),
+            (r_a, 'c3', 3, 'c', 'c', 'running', 0, 1, 1, NULL, NULL, NULL),
+            (r_a, 'c4', 4, 'c', 'c', 'parked', 0, 1, 0, NULL, NULL, NULL),
+            (r_a, 'c5', 5, 'c', 'c', 'parked', 0, 1, 0, NULL, NULL, NULL),
+            (r_a, 'a1', 6, 'a', NULL, 'running', 0, 0, 0, NULL, NULL, NULL),
+            (r_a, 'a2', 7, 'a', NULL, 'running', 0, 0, 0, NULL, NULL, NULL),
+            (r_a, 'l1', 8, 'l', NULL, 'running', 0, 0, 0, NULL, NULL, NULL),
+            (r_a, 'b', 9, 'b', NULL, 'running', 0, 0, 0, NULL, NULL, NULL),
+            (r_a, 'm', 10, 'm', NULL, 'blocked', 1, 0, 0, NULL, NULL, NULL),
+            (r_a, 'p1', 11, 'p', 'p', 'blocked', 1, 1, 0, NULL, NULL, NULL),
+            (r_a, 'n', 12, 'n', NULL, 'blocked', 1, 0, 0, NULL, NULL, NULL),
+            (r_a, 'q1', 13, 'q', 'q', 'blocked', 1, 1, 0, NULL, NULL, NULL),
             (r_b, 'g1', 1, 'g', 'g', 'running', 0, 1, 1, grp, grp, NULL),
-            (r_b, 'g2', 2, 'g', 'g', 'waiting', 0, 1, 1, NULL, grp, 0))
+            (r_b, 'g2', 2, 'g', 'g', 'waiting', 0, 1, 1, NULL, grp, 0),
+            (r_b, 'g3', 3, 'g', 'g', 'parked', 0, 1, 0, NULL, grp, NULL))
             AS v(run_id, id, seq, base_id, cohort, status, needs, capped, slot, holds, grp, wseq);
-        -- Two legs free two slots of a capped matrix: one handed to the parked leg
-        -- before the run row, one given back under it.
-        PERFORM preloop_complete_claim(r_a, ARRAY['c1', 'c2'], ARRAY['success', 'success'],
-            ARRAY['{}', '{}'], ARRAY['t', 't'], 0, 'preloop-warm-up', lbl, 1, 0, r_a, NULL, false);
-        IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_a AND id = 'c3' AND status = 'running')
-           AND (SELECT active FROM cohorts WHERE run_id = r_a AND id = 'c') = 1 THEN
+        -- Three legs free three slots of a capped matrix: the two parked legs
+        -- are handed over before the run row (one claimed, one queued), the
+        -- third slot is given back under it.
+        PERFORM preloop_complete_claim(r_a, ARRAY['c1', 'c2', 'c3'],
+            ARRAY['success', 'success', 'success'], ARRAY['{}', '{}', '{}'],
+            ARRAY['t', 't', 't'], 0, who, lbl, 1, 0, r_a, NULL, false);
+        IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_a AND id = 'c4' AND status = 'running')
+           AND EXISTS (SELECT 1 FROM jobs WHERE run_id = r_a AND id = 'c5' AND status = 'queued')
+           AND (SELECT active FROM cohorts WHERE run_id = r_a AND id = 'c') = 2 THEN
             done := done || 'slots'::TEXT;
         END IF;
-        -- A leg that ends no unit.
+        -- A slot freed with no parked leg left: given back; the claim takes
+        -- the queued one.
+        PERFORM preloop_complete_claim(r_a, ARRAY['c4'], ARRAY['success'], ARRAY['{}'],
+            ARRAY[(SELECT lease_token FROM jobs WHERE run_id = r_a AND id = 'c4')], 0, who, lbl,
+            1, 0, r_a, NULL, false);
+        IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_a AND id = 'c5' AND status = 'running')
+           AND (SELECT active FROM cohorts WHERE run_id = r_a AND id = 'c') = 1 THEN
+            done := done || 'slot given back'::TEXT;
+        END IF;
+        -- A leg that ends no unit; and one run again run row first (a retry).
         PERFORM preloop_complete_claim(r_a, ARRAY['a1'], ARRAY['success'], ARRAY['{}'],
-            ARRAY['t'], 0, 'preloop-warm-up', lbl, 1, 0, r_a, NULL, false);
-        IF (SELECT remaining FROM units WHERE run_id = r_a AND base_id = 'a') = 1 THEN
+            ARRAY['t'], 0, who, lbl, 1, 0, r_a, NULL, false);
+        PERFORM preloop_complete_claim(r_a, ARRAY['l1'], ARRAY['success'], ARRAY['{}'],
+            ARRAY['t'], 0, who, lbl, 1, 0, r_a, NULL, true);
+        IF (SELECT sum(remaining) FROM units WHERE run_id = r_a AND base_id IN ('a', 'l')) = 2 THEN
             done := done || 'plain'::TEXT;
         END IF;
         -- A unit that another batch ended meanwhile (its count already at 0):
-        -- it ends under the run row, which admits and claims its dependent.
+        -- it ends under the run row, which admits its dependents (one plain,
+        -- one a capped leg) and claims one.
         UPDATE units SET remaining = 0 WHERE run_id = r_a AND base_id = 'a';
         PERFORM preloop_complete_claim(r_a, ARRAY['a2'], ARRAY['success'], ARRAY['{}'],
-            ARRAY['t'], 0, 'preloop-warm-up', lbl, 1, 0, r_a, NULL, false);
-        IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_a AND id = 'm' AND status = 'running') THEN
+            ARRAY['t'], 0, who, lbl, 1, 0, r_a, NULL, false);
+        IF (SELECT count(*) FROM jobs WHERE run_id = r_a AND id IN ('m', 'p1')
+              AND status IN ('queued', 'running')) = 2 THEN
             done := done || 'unit ended under the run row'::TEXT;
         END IF;
         -- The run's last job, whose unit ends before the run row.
         UPDATE runs SET remaining_jobs = 1 WHERE id = r_a;
         PERFORM preloop_complete_claim(r_a, ARRAY['b'], ARRAY['success'], ARRAY['{}'],
-            ARRAY['t'], 0, 'preloop-warm-up', lbl, 1, 0, r_a, NULL, false);
-        IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_a AND id = 'n' AND status = 'running') THEN
+            ARRAY['t'], 0, who, lbl, 1, 0, r_a, NULL, false);
+        IF (SELECT count(*) FROM jobs WHERE run_id = r_a AND id IN ('n', 'q1')
+              AND status IN ('queued', 'running')) = 2 THEN
             done := done || 'unit ended before the run row'::TEXT;
         END IF;
         IF (SELECT status FROM runs WHERE id = r_a) = 'completed' THEN
             done := done || 'run ended'::TEXT;
         END IF;
-        -- A group handed to its waiter; the slot freed is given back.
+        -- A runner's claims take the other branch (no run named): limit 0,
+        -- which locks nothing.
+        PERFORM preloop_claim(who, lbl, 0, 0, 0, NULL);
+        PERFORM preloop_claim_handed(who, lbl, 0, 0, 0, NULL, '{}');
+        -- A group handed to its waiter, the freed slot to a parked leg that
+        -- then waits for the group (the shared wait counter, locked last).
         PERFORM preloop_complete_claim(r_b, ARRAY['g1'], ARRAY['success'], ARRAY['{}'],
-            ARRAY['t'], 0, 'preloop-warm-up', lbl, 1, 0, r_b, NULL, false);
+            ARRAY['t'], 0, who, lbl, 1, 0, r_b, NULL, false);
         IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_b AND id = 'g2' AND status = 'running')
-           AND (SELECT active FROM cohorts WHERE run_id = r_b AND id = 'g') = 1 THEN
+           AND EXISTS (SELECT 1 FROM jobs WHERE run_id = r_b AND id = 'g3'
+                         AND status = 'waiting')
+           AND (SELECT holder_job FROM conc_groups WHERE name = grp) = 'g2' THEN
             done := done || 'group'::TEXT;
+        END IF;
+        -- The group handed on; its slot given back (no parked leg left).
+        PERFORM preloop_complete_claim(r_b, ARRAY['g2'], ARRAY['success'], ARRAY['{}'],
+            ARRAY[(SELECT lease_token FROM jobs WHERE run_id = r_b AND id = 'g2')], 0, who, lbl,
+            1, 0, r_b, NULL, false);
+        IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_b AND id = 'g3' AND status = 'running')
+           AND (SELECT active FROM cohorts WHERE run_id = r_b AND id = 'g') = 1 THEN
+            done := done || 'group slot given back'::TEXT;
         END IF;
         RAISE EXCEPTION 'preloop: warm-up done' USING ERRCODE = 'PLWRM';
     EXCEPTION

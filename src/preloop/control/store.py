@@ -59,9 +59,9 @@ rerun, and the queries get_run, list_runs, get_job, list_jobs.
  Every other path takes a run row before any job row of that run, so a cycle
  can only pass through such a batch's wait, and lasts no longer than it.
  Before a connection's first batch the store calls `preloop_warm_settle`
- (migration 26), which takes each of those paths once on runs of its own and
- undoes them: PL/pgSQL plans a statement the first time a connection runs
- it, and otherwise planned those after the run row under it.
+ (migration 26), which takes the common paths above once on runs of its own
+ and undoes them: PL/pgSQL plans a statement the first time a connection
+ runs it, and otherwise planned those after the run row under it.
 
 The rules live in `preloop.control.cascade`, the claim statement and lite's
 batch completion in `preloop.control.batch`, every fixed statement by name in
@@ -160,12 +160,6 @@ def _text_array(items: Sequence[str]) -> str:
     return (
         "{" + ",".join('"' + x.replace("\\", "\\\\").replace('"', '\\"') + '"' for x in items) + "}"
     )
-
-
-def _warm_settle(tx: Tx) -> None:
-    """`preloop_warm_settle`: each path of `preloop_complete_claim` taken
-    once on runs of its own, then undone (schema migration 26)."""
-    tx.execute(Q["pg_select_preloop_warm_settle"])
 
 
 def _server_refused(claim: _Claim | None) -> None:
@@ -538,8 +532,7 @@ class Store:
             settled, leases, _ = self._pg_call(tx, results, claim, lock_first=lock_first)
             return list(settled), leases
 
-        # Planned before this connection first holds a run row (schema migration 26).
-        self._db.once_per_connection("warm_settle", _warm_settle)
+        self._warm_settle()
         try:
             try:
                 return self._db.statement(op, call)
@@ -561,6 +554,26 @@ class Store:
             _server_refused(claim)
             primary = exc.diag.message_primary or ""
             return _SLOW_ENDED if primary.endswith(_ENDED_MARK) else _SLOW_OTHER
+
+    def _warm_settle(self) -> None:
+        """Before this thread's connection first runs `preloop_complete_claim`:
+        `preloop_warm_settle` takes the function's common paths on runs of
+        its own and undoes them, so their statements are planned before the
+        connection first holds a run row (schema migration 26). A warm-up
+        that fails (cancelled, an error it returns) is counted as
+        `warm_settle.failed`, never raised: the connection is only slower."""
+        import psycopg
+
+        def call(tx: Tx) -> list[str]:
+            row = tx.one(Q["pg_select_preloop_warm_settle"])
+            return list(row["paths"]) if row else []
+
+        try:
+            paths = self._db.once_per_connection("warm_settle", call)
+        except psycopg.Error:
+            paths = ["error"]
+        if paths is not None and any(p.startswith("error") for p in paths):
+            self.counters.add_statements("warm_settle.failed", 1)
 
     def _pg_cascade(
         self, tx: Tx, results: Sequence[JobResultItem], groups: set[str]

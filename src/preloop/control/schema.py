@@ -2095,6 +2095,21 @@ _V25_EARLY_HAND_OVER: list[Statement] = [{"pg": _complete_claim_v25(), "lite": N
 # raised (a connection left cold is only slower), except a cancellation.
 # Not taken: a group taken at once by a parked leg, a run-level group, the
 # cascade mode and the slow paths (those are planned where they first run).
+_WARM_BATCH_FN = """\
+CREATE OR REPLACE FUNCTION preloop_warm_batch(
+    p_run BIGINT, p_jobs TEXT[], p_lock_first BOOLEAN DEFAULT false)
+RETURNS VOID LANGUAGE plpgsql AS $fn$
+BEGIN
+    -- `p_jobs` succeed, on their current leases; the warm-up's runner claims one.
+    PERFORM preloop_complete_claim(p_run, p_jobs,
+        array_fill('success'::TEXT, ARRAY[cardinality(p_jobs)]),
+        array_fill('{}'::TEXT, ARRAY[cardinality(p_jobs)]),
+        ARRAY(SELECT j.lease_token FROM unnest(p_jobs) WITH ORDINALITY AS u(id, k)
+                JOIN jobs j ON j.run_id = p_run AND j.id = u.id ORDER BY u.k),
+        0, 'preloop-warm-up', ARRAY['preloop-warm-up'], 1, 0, p_run, NULL, p_lock_first);
+END
+$fn$"""
+
 _WARM_SETTLE_FN = """\
 CREATE OR REPLACE FUNCTION preloop_warm_settle() RETURNS TEXT[]
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $fn$
@@ -2102,7 +2117,7 @@ DECLARE
     r_a BIGINT := -2 * pg_backend_pid()::BIGINT;
     r_b BIGINT := -2 * pg_backend_pid()::BIGINT - 1;
     grp TEXT := 'preloop warm-up ' || pg_backend_pid();
-    who TEXT := 'preloop-warm-up';
+    who TEXT := 'preloop-warm-up';  -- the runner and label of preloop_warm_batch
     lbl TEXT[] := ARRAY['preloop-warm-up'];
     done TEXT[] := '{}';
 BEGIN
@@ -2147,9 +2162,7 @@ BEGIN
         -- Three legs free three slots of a capped matrix: the two parked legs
         -- are handed over before the run row (one claimed, one queued), the
         -- third slot is given back under it.
-        PERFORM preloop_complete_claim(r_a, ARRAY['c1', 'c2', 'c3'],
-            ARRAY['success', 'success', 'success'], ARRAY['{}', '{}', '{}'],
-            ARRAY['t', 't', 't'], 0, who, lbl, 1, 0, r_a, NULL, false);
+        PERFORM preloop_warm_batch(r_a, ARRAY['c1', 'c2', 'c3']);
         IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_a AND id = 'c4' AND status = 'running')
            AND EXISTS (SELECT 1 FROM jobs WHERE run_id = r_a AND id = 'c5' AND status = 'queued')
            AND (SELECT active FROM cohorts WHERE run_id = r_a AND id = 'c') = 2 THEN
@@ -2157,18 +2170,14 @@ BEGIN
         END IF;
         -- A slot freed with no parked leg left: given back; the claim takes
         -- the queued one.
-        PERFORM preloop_complete_claim(r_a, ARRAY['c4'], ARRAY['success'], ARRAY['{}'],
-            ARRAY[(SELECT lease_token FROM jobs WHERE run_id = r_a AND id = 'c4')], 0, who, lbl,
-            1, 0, r_a, NULL, false);
+        PERFORM preloop_warm_batch(r_a, ARRAY['c4']);
         IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_a AND id = 'c5' AND status = 'running')
            AND (SELECT active FROM cohorts WHERE run_id = r_a AND id = 'c') = 1 THEN
             done := done || 'slot given back'::TEXT;
         END IF;
         -- A leg that ends no unit; and one run again run row first (a retry).
-        PERFORM preloop_complete_claim(r_a, ARRAY['a1'], ARRAY['success'], ARRAY['{}'],
-            ARRAY['t'], 0, who, lbl, 1, 0, r_a, NULL, false);
-        PERFORM preloop_complete_claim(r_a, ARRAY['l1'], ARRAY['success'], ARRAY['{}'],
-            ARRAY['t'], 0, who, lbl, 1, 0, r_a, NULL, true);
+        PERFORM preloop_warm_batch(r_a, ARRAY['a1']);
+        PERFORM preloop_warm_batch(r_a, ARRAY['l1'], true);
         IF (SELECT sum(remaining) FROM units WHERE run_id = r_a AND base_id IN ('a', 'l')) = 2 THEN
             done := done || 'plain'::TEXT;
         END IF;
@@ -2176,16 +2185,14 @@ BEGIN
         -- it ends under the run row, which admits its dependents (one plain,
         -- one a capped leg) and claims one.
         UPDATE units SET remaining = 0 WHERE run_id = r_a AND base_id = 'a';
-        PERFORM preloop_complete_claim(r_a, ARRAY['a2'], ARRAY['success'], ARRAY['{}'],
-            ARRAY['t'], 0, who, lbl, 1, 0, r_a, NULL, false);
+        PERFORM preloop_warm_batch(r_a, ARRAY['a2']);
         IF (SELECT count(*) FROM jobs WHERE run_id = r_a AND id IN ('m', 'p1')
               AND status IN ('queued', 'running')) = 2 THEN
             done := done || 'unit ended under the run row'::TEXT;
         END IF;
         -- The run's last job, whose unit ends before the run row.
         UPDATE runs SET remaining_jobs = 1 WHERE id = r_a;
-        PERFORM preloop_complete_claim(r_a, ARRAY['b'], ARRAY['success'], ARRAY['{}'],
-            ARRAY['t'], 0, who, lbl, 1, 0, r_a, NULL, false);
+        PERFORM preloop_warm_batch(r_a, ARRAY['b']);
         IF (SELECT count(*) FROM jobs WHERE run_id = r_a AND id IN ('n', 'q1')
               AND status IN ('queued', 'running')) = 2 THEN
             done := done || 'unit ended before the run row'::TEXT;
@@ -2199,8 +2206,7 @@ BEGIN
         PERFORM preloop_claim_handed(who, lbl, 0, 0, 0, NULL, '{}');
         -- A group handed to its waiter, the freed slot to a parked leg that
         -- then waits for the group (the shared wait counter, locked last).
-        PERFORM preloop_complete_claim(r_b, ARRAY['g1'], ARRAY['success'], ARRAY['{}'],
-            ARRAY['t'], 0, who, lbl, 1, 0, r_b, NULL, false);
+        PERFORM preloop_warm_batch(r_b, ARRAY['g1']);
         IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_b AND id = 'g2' AND status = 'running')
            AND EXISTS (SELECT 1 FROM jobs WHERE run_id = r_b AND id = 'g3'
                          AND status = 'waiting')
@@ -2208,9 +2214,7 @@ BEGIN
             done := done || 'group'::TEXT;
         END IF;
         -- The group handed on; its slot given back (no parked leg left).
-        PERFORM preloop_complete_claim(r_b, ARRAY['g2'], ARRAY['success'], ARRAY['{}'],
-            ARRAY[(SELECT lease_token FROM jobs WHERE run_id = r_b AND id = 'g2')], 0, who, lbl,
-            1, 0, r_b, NULL, false);
+        PERFORM preloop_warm_batch(r_b, ARRAY['g2']);
         IF EXISTS (SELECT 1 FROM jobs WHERE run_id = r_b AND id = 'g3' AND status = 'running')
            AND (SELECT active FROM cohorts WHERE run_id = r_b AND id = 'g') = 1 THEN
             done := done || 'group slot given back'::TEXT;
@@ -2225,7 +2229,8 @@ END
 $fn$"""
 
 _V26_WARM_SETTLE: list[Statement] = [
-    {"pg": _WARM_SETTLE_FN.replace("{", "{{").replace("}", "}}"), "lite": None}
+    {"pg": _WARM_BATCH_FN.replace("{", "{{").replace("}", "}}"), "lite": None},
+    {"pg": _WARM_SETTLE_FN.replace("{", "{{").replace("}", "}}"), "lite": None},
 ]
 
 MIGRATIONS: list[list[Statement]] = [

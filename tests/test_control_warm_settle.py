@@ -1,17 +1,18 @@
-"""PostgreSQL: `preloop_warm_settle` (schema migration 26) takes each path of
-`preloop_complete_claim` once on runs of its own and undoes it, so that a
-connection has planned the function's statements before its first batch
-holds a run row; the store calls it once per connection."""
+"""PostgreSQL: `preloop_warm_settle` (schema migration 26) takes the common
+paths of `preloop_complete_claim` once on runs of its own and undoes them, so
+that a connection has planned the function's statements before its first
+batch holds a run row; the store calls it once per connection."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
 
-from preloop.control import Store, open_store
+from preloop.control import Lease, Store, open_store
 from preloop.control.db import PgBackend
 from preloop.testing.pg import wait_until_blocked_by
 from preloop.testing.plans import PlanBuilder
@@ -51,6 +52,14 @@ def _submit(store: Store, legs: int = 6) -> int:
     b.matrix("leg", legs)
     b.job("merge", needs=["leg"], if_expr="always()")
     return store.submit_run(b.plan())
+
+
+def _merge_ends_the_run(store: Store, run_id: int, done: list[Any], more: list[Lease]) -> None:
+    """A batch of `_submit`'s legs ran as it would have: each settled, the
+    merge claimed; the merge then ends the run in success."""
+    assert all(c.changed for c in done) and [lease.job_id for lease in more] == ["merge"]
+    store.complete_and_claim([(more[0], "success", None)], "r", [])
+    assert store.get_run(run_id).conclusion == "success"
 
 
 def test_the_warm_up_takes_every_path_and_leaves_nothing_behind(store: Store, pg_url: str) -> None:
@@ -138,10 +147,8 @@ def test_a_cancelled_warm_up_leaves_the_batch_to_run(store: Store, pg_url: str) 
         t.join(timeout=60)
         holder.rollback()
     done, more = out["result"]  # type: ignore[misc]
-    assert all(c.changed for c in done) and [lease.job_id for lease in more] == ["merge"]
     assert store.counters.snapshot().operations.get("warm_settle.failed") == 1
-    store.complete_and_claim([(more[0], "success", None)], "r", [])
-    assert store.get_run(run_id).conclusion == "success"
+    _merge_ends_the_run(store, run_id, done, more)
 
 
 def test_no_connection_to_be_had_leaves_the_warm_up_for_later(pg_url: str) -> None:
@@ -174,10 +181,8 @@ def test_a_failed_warm_up_is_reported_and_the_batch_still_runs(store: Store, pg_
     run_id = _submit(store, legs=2)
     held = store.claim_jobs("r", [], limit=2)
     done, more = store.complete_and_claim([(lease, "success", None) for lease in held], "r", [])
-    assert all(c.changed for c in done) and [lease.job_id for lease in more] == ["merge"]
     assert store.counters.snapshot().operations.get("warm_settle") == 1
-    store.complete_and_claim([(more[0], "success", None)], "r", [])
-    assert store.get_run(run_id).conclusion == "success"
+    _merge_ends_the_run(store, run_id, done, more)
 
 
 def test_the_store_warms_each_connection_up_once_before_its_first_batch(store: Store) -> None:

@@ -9,7 +9,7 @@
 SELECT settled, claimed, wait_us, hold_us, run_row, ended FROM preloop_complete_claim(?, ?::TEXT[], ?::TEXT[], ?::TEXT[], ?::TEXT[], ?, ?, ?::TEXT[], ?, ?, ?, ?, ?, ?)
 
 -- pg_select_preloop_warm_settle --
--- store: Store._pg_call (once per connection, before its first batch: schema migration 26)
+-- store: Store._warm_settle (once per connection, before its first batch: schema migration 26)
 SELECT preloop_warm_settle() AS paths
 
 -- pg_cascade_select_grouped_job --

@@ -162,6 +162,12 @@ def _text_array(items: Sequence[str]) -> str:
     )
 
 
+def _warm_settle_paths(tx: Tx) -> list[str]:
+    """The paths `preloop_warm_settle` saw taken (or the error it met)."""
+    row = tx.one(Q["pg_select_preloop_warm_settle"])
+    return list(row["paths"]) if row else []
+
+
 def _server_refused(claim: _Claim | None) -> None:
     """The server refused the batch with a SQLSTATE of its own: nothing of that
     attempt committed (nor of one before it, which it looked for), so the next
@@ -564,12 +570,8 @@ class Store:
         `warm_settle.failed`, never raised: the connection is only slower."""
         import psycopg
 
-        def call(tx: Tx) -> list[str]:
-            row = tx.one(Q["pg_select_preloop_warm_settle"])
-            return list(row["paths"]) if row else []
-
         try:
-            paths = self._db.once_per_connection("warm_settle", call)
+            paths = self._db.once_per_connection("warm_settle", _warm_settle_paths)
         except psycopg.Error:
             paths = ["error"]
         if paths is not None and any(p.startswith("error") for p in paths):

@@ -18,6 +18,7 @@ from preloop.control import Lease, Store, open_store
 from preloop.control.counters import CountersSnapshot
 from preloop.testing.pg import wait_until_blocked_by
 from preloop.testing.plans import PlanBuilder, with_runs_on
+from preloop.workflow.plan import ConcurrencySpec
 
 
 def _cohort_in_flight(store: Store, run_id: int, cohort: str) -> int:
@@ -38,16 +39,19 @@ def _fallbacks(snapshot: CountersSnapshot) -> int:
 
 
 def batch_behind_a_run_row_holder(
-    store: Store, pg_url: str, run_id: int, held: list[Lease], write: str
+    store: Store, pg_url: str, run_id: int, held: list[Lease], write: str, first: str = ""
 ) -> tuple[list[Any], list[Lease]]:
     """Completes `held` in one batch (claiming 2) while another transaction
-    holds the run row; once the batch waits for it, the holder runs `write`
-    (`%s`: the run id) and commits. Returns the batch's answer."""
+    holds the run row (and has run `first`, if given); once the batch waits
+    for it, the holder runs `write` (`%s`: the run id) and commits. Returns
+    the batch's answer."""
     import psycopg
 
     out: dict[str, tuple[list[Any], list[Lease]]] = {}
     with psycopg.connect(pg_url) as holder:
         holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (run_id,))
+        if first:
+            holder.execute(first, (run_id,))  # type: ignore[arg-type]
         (pid,) = holder.execute("SELECT pg_backend_pid()").fetchone() or (0,)
 
         def batch() -> None:
@@ -442,6 +446,86 @@ def test_a_batch_hands_freed_slots_over_before_the_run_row_and_gives_way(pg_url:
         assert jobs["leg#2"].reason == "holder" and jobs["leg#2"].status == "running"
         assert [jobs[f"leg#{i}"].status for i in (4, 5)] == ["parked", "parked"]
         assert _cohort_in_flight(store, run_id, "leg") == 2
+
+
+def test_a_batch_hands_a_released_group_over_before_the_run_row_and_gives_way(
+    pg_url: str,
+) -> None:
+    """PostgreSQL (migration 27): a batch whose job held a concurrency group
+    releases it, hands it to the oldest waiter, sends the freed slot's parked
+    leg through the group and claims the waiter before it takes the run row.
+    A transaction holding the run row that then writes the group's row (the
+    cascade's order: run row, then group) is not deadlocked: the batch stops
+    waiting after `COMPLETE_LOCK_WAIT`, undoes its hand-over and runs again
+    run row first, and the holder's write stands."""
+    with open_store(pg_url) as store:
+        b = PlanBuilder()
+        b.matrix("leg", 4, max_parallel=2, concurrency=ConcurrencySpec("g", queue_max=True))
+        run_id = store.submit_run(b.plan())
+        held = store.claim_jobs("r", [], limit=2)
+        assert [lease.job_id for lease in held] == ["leg#0"]  # leg#1 waits for the group
+        # Had the batch not released the group before the run row, the
+        # holder's write would not wait for it and the batch would get the
+        # run row on its first try.
+        done, claimed = batch_behind_a_run_row_holder(
+            store,
+            pg_url,
+            run_id,
+            held,
+            "UPDATE conc_groups SET holder_job = holder_job || '' WHERE holder_run = %s",
+        )
+        assert [(c.job_id, c.conclusion) for c in done] == [("leg#0", "success")]
+        assert [lease.job_id for lease in claimed] == ["leg#1"]
+        snap = store.counters.snapshot()
+        assert snap.operations.get("complete_and_claim.lock_first") == 1
+        assert snap.deadlock_retries == 0
+        assert _fallbacks(snap) == 0
+        jobs = {j.id: j for j in store.list_jobs(run_id)}
+        assert [jobs[f"leg#{i}"].status for i in range(4)] == [
+            "completed",
+            "running",
+            "waiting",
+            "parked",
+        ]
+        holders = store._db.transaction(
+            "query",
+            lambda tx: tx.execute(
+                "SELECT name, holder_job FROM conc_groups WHERE holder_run = ?", (run_id,)
+            ),
+        )
+        assert [(r["name"], r["holder_job"]) for r in holders] == [("g", "leg#1")]
+        assert _cohort_in_flight(store, run_id, "leg") == 1  # and leg#2 waits on a slot
+
+
+def test_a_batch_waiting_for_a_group_the_run_row_holder_has_gives_way(pg_url: str) -> None:
+    """PostgreSQL (migration 27): the group's hand-over before the run row
+    waits for rows other transactions hold (the group's, the waiter's, the
+    wait counter) at most `COMPLETE_LOCK_WAIT`, as for the run row. A holder
+    of the run row and the group's row that then writes the batch's job (a
+    cancellation's order) is not deadlocked: the batch gives up its wait for
+    the group, undoes itself and runs again run row first, and ends the job
+    as the holder left it."""
+    with open_store(pg_url) as store:
+        b = PlanBuilder()
+        b.matrix("leg", 3, max_parallel=2, concurrency=ConcurrencySpec("g", queue_max=True))
+        run_id = store.submit_run(b.plan())
+        held = store.claim_jobs("r", [], limit=2)
+        assert [lease.job_id for lease in held] == ["leg#0"]
+        done, claimed = batch_behind_a_run_row_holder(
+            store,
+            pg_url,
+            run_id,
+            held,
+            "UPDATE jobs SET cancel_requested = 1 WHERE run_id = %s AND id = 'leg#0'",
+            first="UPDATE conc_groups SET holder_job = holder_job || '' WHERE holder_run = %s",
+        )
+        assert [(c.job_id, c.conclusion) for c in done] == [("leg#0", "cancelled")]
+        assert [lease.job_id for lease in claimed] == ["leg#1"]
+        snap = store.counters.snapshot()
+        assert snap.operations.get("complete_and_claim.lock_first") == 1
+        assert snap.deadlock_retries == 0
+        jobs = {j.id: j for j in store.list_jobs(run_id)}
+        assert [jobs[f"leg#{i}"].status for i in range(3)] == ["completed", "running", "waiting"]
 
 
 def test_a_batch_keeps_outputs_with_quotes_backslashes_and_braces(store: Store) -> None:

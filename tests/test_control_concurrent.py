@@ -120,3 +120,115 @@ def test_two_nodes_migrating_together_migrate_once(store_url: str) -> None:
     assert [r["version"] for r in rows] == [SCHEMA_VERSION]
     for o in opened:
         o.close()
+
+
+# One statement, so every figure comes from the same snapshot: the most jobs
+# holding one group at once, the capped cohorts whose legs in flight (queued,
+# running or waiting for their group, each on a slot) exceed max-parallel or
+# differ from the cohort's count of them.
+_GROUP_INVARIANTS = """
+SELECT
+  (SELECT coalesce(max(n), 0) FROM (
+     SELECT count(*) AS n FROM jobs
+      WHERE holds_group IS NOT NULL AND status IN ('queued', 'running')
+      GROUP BY holds_group) h) AS most_holders,
+  (SELECT count(*) FROM (
+     SELECT co.max_parallel, co.active, count(j.id) AS n FROM cohorts co
+       LEFT JOIN jobs j ON j.run_id = co.run_id AND j.cohort = co.id
+        AND j.status IN ('queued', 'running', 'waiting')
+      GROUP BY co.run_id, co.id, co.max_parallel, co.active) c
+    WHERE c.n > c.max_parallel OR c.n <> c.active) AS bad_cohorts
+"""
+
+
+def test_engines_batching_grouped_matrices_keep_groups_and_slots(store_url: str) -> None:
+    """Four engine processes completing and claiming in batches
+    (`complete_and_claim`, the path that hands a released group over before
+    the run row on PostgreSQL) through capped matrices in concurrency groups:
+    one run's own group and one shared by two runs (cross-run waiters, the
+    cascade's path), one of which is cancelled mid-way, and two matrices of
+    one run in groups of their own (batches of one run handing over at once). Sampled all along: no
+    group ever has two holders, no cohort more legs in flight than its
+    max-parallel or than its count of them; at the end every leg ran once or
+    was cancelled, no group is held and no batch deadlocked."""
+    own = PlanBuilder()
+    own.job("setup", runs_on=("linux",))
+    own.matrix(
+        "leg",
+        30,
+        needs=["setup"],
+        max_parallel=10,
+        concurrency=ConcurrencySpec("own", queue_max=True),
+        runs_on=("linux",),
+    )
+    own.matrix(
+        "side",
+        20,
+        needs=["setup"],
+        max_parallel=4,
+        concurrency=ConcurrencySpec("own-side", queue_max=True),
+        runs_on=("linux",),
+    )
+    own.job("merge", needs=["leg", "side"], if_expr="always()", runs_on=("linux",))
+    shared = PlanBuilder()
+    shared.matrix("g", 15, max_parallel=5, concurrency=ConcurrencySpec("shared", queue_max=True))
+    cancelled = PlanBuilder()
+    cancelled.matrix("g", 15, max_parallel=5, concurrency=ConcurrencySpec("shared", queue_max=True))
+    # No engine serves this label: the run ends only by its cancellation.
+    cancelled.job("stuck", runs_on=("nowhere",))
+    with open_store(store_url) as store:
+        runs = [
+            store.submit_run(own.plan("own")),
+            store.submit_run(shared.plan("shared")),
+            store.submit_run(cancelled.plan("cancelled")),
+        ]
+        engine = [sys.executable, "-m", "preloop.testing.load", store_url, ",".join(map(str, runs))]
+        procs = [
+            subprocess.Popen(
+                [*engine, "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            for _ in range(4)
+        ]
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        samples = 0
+        cancel_sent = False
+        while any(p.poll() is None for p in procs):
+            row = store._db.transaction("query", lambda tx: tx.execute(_GROUP_INVARIANTS))[0]
+            assert row["most_holders"] <= 1 and row["bad_cohorts"] == 0, row
+            samples += 1
+            if not cancel_sent:
+                ended = store._db.transaction(
+                    "query",
+                    lambda tx: tx.execute(
+                        "SELECT count(*) AS n FROM jobs WHERE run_id = ? AND status = 'completed'",
+                        (runs[2],),
+                    ),
+                )[0]["n"]
+                if ended >= 3:
+                    assert store.cancel_run(runs[2])
+                    cancel_sent = True
+        reports = []
+        for p in procs:
+            out, _ = p.communicate(timeout=300)
+            assert p.returncode == 0
+            reports.append(json.loads(out.strip().splitlines()[-1]))
+        assert cancel_sent and samples > 0
+        assert all(r["deadlock_retries"] == 0 and r["graph_loads"] == 0 for r in reports)
+        assert [store.get_run(r).conclusion for r in runs] == ["success", "success", "cancelled"]
+        ran = 0
+        for run_id in runs:
+            jobs = store.list_jobs(run_id)
+            assert all(j.status == "completed" for j in jobs), run_id
+            ran += sum(1 for j in jobs if j.runner is not None)
+        # Each completion an engine reported is one job that ran: none twice.
+        assert sum(r["completions"] for r in reports) == ran
+        held = store._db.transaction(
+            "query",
+            lambda tx: tx.execute("SELECT name FROM conc_groups WHERE holder_run IS NOT NULL"),
+        )
+        assert held == []

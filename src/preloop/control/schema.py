@@ -2233,6 +2233,141 @@ _V26_WARM_SETTLE: list[Statement] = [
     {"pg": _WARM_SETTLE_FN.replace("{", "{{").replace("}", "}}"), "lite": None},
 ]
 
+# Migration 27: a batch that releases a concurrency group hands it over
+# before it takes the run row, as migration 25 does for freed slots. Under
+# the run row a one-completion batch of a grouped matrix wrote the group's
+# release, its oldest waiter (waiting -> queued), the freed slot's parked leg
+# through the group (the wait counter, `waiting`, the check of the group's
+# queue) and the claim of the waiter: 0.44-0.51 ms of the hold on a quiet
+# host, against ~0.1 ms for the counters the run row guards. Those writes
+# lock their own rows (the group's, the waiter's, the leg's, the wait
+# counter), so the run row adds nothing to them; what it serialises (the
+# run's and units' counters, the cohorts' slots given back, the run's end)
+# stays under it. Taken in this order, a group row is held while the batch
+# waits for its run row, against the cascade's order (run row, then group);
+# so, as for the batch's other writes before the run row, every wait of the
+# hand-over is bounded (`lock_timeout` COMPLETE_LOCK_WAIT) and running out
+# undoes the batch, which runs again run row first (PLLCK), where the order
+# is the cascade's. The group is released before the freed slots admit
+# parked legs, as the cascade's release_group does; the legs are taken in
+# seq order, skipping (not waiting for) those another batch of the run
+# holds. Two batches of a run handing over at once may so put two legs in
+# the group's queue in the other order than their seq: both were freed at
+# the same moment, and GitHub orders a group's queue by arrival only.
+_EARLY_HAND_OVER_V27 = """\
+    -- Freed slots and released groups handed over before the run row
+    -- (migrations 25 and 27): each group to its oldest waiter, then the next
+    -- parked legs of each cohort, in seq order, locked (SKIP LOCKED: another
+    -- batch of the run handing over at the same time takes the legs after
+    -- them) and claimed from parked, or sent through their group. A wait for
+    -- another transaction's row (a group, a waiter, the wait counter) is
+    -- bounded as the run row's: run row first (a retry), the order is the
+    -- cascade's and nothing is bounded.
+    IF n > 0 AND NOT p_cascade AND (v_slots IS NOT NULL OR v_groups IS NOT NULL) THEN
+        v_early := true;
+        IF NOT p_lock_first THEN
+            lock_was := current_setting('lock_timeout');
+            PERFORM set_config('lock_timeout', '@LOCK_WAIT@', true);
+        END IF;
+        BEGIN
+            FOR g IN SELECT x.job, x.grp
+                       FROM json_to_recordset(coalesce(v_groups, '[]'::JSON))
+                         AS x(job TEXT, grp TEXT)
+            LOOP
+                UPDATE conc_groups SET holder_run = NULL, holder_job = NULL
+                    WHERE name = g.grp AND holder_run = p_run AND holder_job = g.job;
+                IF FOUND THEN
+                    PERFORM preloop_promote_group(p_run, g.grp);
+                END IF;
+            END LOOP;
+            FOR c IN SELECT x.cohort, x.freed
+                       FROM json_to_recordset(coalesce(v_slots, '[]'::JSON))
+                         AS x(cohort TEXT, freed INT)
+            LOOP
+                got := 0;
+                FOR leg IN SELECT p.ctid AS tid, p.id, p.kind, p.conc_group, p.conc_group_expr,
+                                  p.conc_cancel, p.conc_queue_max
+                             FROM jobs p WHERE p.run_id = p_run AND p.cohort = c.cohort
+                              AND p.status = 'parked' ORDER BY p.seq LIMIT c.freed
+                              FOR UPDATE SKIP LOCKED
+                LOOP
+                    got := got + 1;
+                    IF leg.kind <> 'job' OR leg.conc_group_expr IS NOT NULL
+                       OR leg.conc_cancel = 1 THEN
+                        RAISE EXCEPTION 'preloop: slow path' USING ERRCODE = 'PLSLO';
+                    END IF;
+                    IF leg.conc_group IS NULL THEN
+                        v_handed := v_handed || leg.tid;
+                    ELSE
+                        PERFORM preloop_through_group(p_run, leg.id, leg.conc_group,
+                                                      leg.conc_queue_max, leg.tid);
+                    END IF;
+                END LOOP;
+                IF got < c.freed THEN
+                    v_short := v_short || c.cohort;
+                    v_short_n := v_short_n || (c.freed - got);
+                END IF;
+            END LOOP;
+            -- A released group's waiter is claimed with the rest, in the
+            -- claim's order; without one, the handed legs straight from parked.
+            IF cardinality(v_handed) > 0 AND p_limit > 0 AND v_groups IS NULL THEN
+                v_claimed := preloop_claim_handed(p_runner, p_labels, p_limit, p_now,
+                                                  p_expires, p_only_run, v_handed);
+            END IF;
+            IF cardinality(v_handed) > 0 THEN
+                PERFORM set_config('preloop.queued_notified', 'on', true);
+                UPDATE jobs SET status = 'queued', holds_slot = 1 WHERE ctid = ANY (v_handed);
+                IF FOUND THEN
+                    PERFORM pg_notify('preloop_jobs', '');
+                END IF;
+                PERFORM set_config('preloop.queued_notified', '', true);
+            END IF;
+            IF p_limit > 0 AND NOT (cardinality(v_handed) > 0 AND v_groups IS NULL) THEN
+                v_claimed := preloop_claim(p_runner, p_labels, p_limit, p_now, p_expires,
+                                           p_only_run);
+            END IF;
+        EXCEPTION WHEN lock_not_available THEN
+            IF p_lock_first THEN
+                RAISE;
+            END IF;
+            RAISE EXCEPTION 'preloop: run row busy' USING ERRCODE = 'PLLCK';
+        END;
+        IF NOT p_lock_first THEN
+            PERFORM set_config('lock_timeout', lock_was, true);
+        END IF;
+        claim_later := false;
+    END IF;
+"""
+
+
+def _complete_claim_v27() -> str:
+    """Migration 25's batch, whose hand-over before the run row also takes
+    the groups its jobs held and runs whose jobs have groups
+    (`_EARLY_HAND_OVER_V27`); the hand-over under the run row is left to
+    the cascade mode."""
+    text = _complete_claim_v25()
+    release = text[
+        text.index("        -- A group a job held goes to its oldest waiter") : text.index(
+            "        IF v_early THEN\n"
+        )
+    ]
+    late_release = (
+        "        IF NOT v_early THEN\n"
+        + "".join("    " + line for line in release.splitlines(True))
+        + "        END IF;\n"
+    )
+    early = _EARLY_HAND_OVER_V27.replace("@LOCK_WAIT@", COMPLETE_LOCK_WAIT)
+    return _edited(
+        text,
+        [
+            (_EARLY_HAND_OVER.replace("{}", "{{}}"), early.replace("{}", "{{}}")),
+            (release, late_release),
+        ],
+    )
+
+
+_V27_EARLY_GROUPS: list[Statement] = [{"pg": _complete_claim_v27(), "lite": None}]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -2265,6 +2400,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V24_RESULTS_BY_HASH,
     _V25_EARLY_HAND_OVER,
     _V26_WARM_SETTLE,
+    _V27_EARLY_GROUPS,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

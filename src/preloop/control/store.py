@@ -39,18 +39,20 @@ rerun, and the queries get_run, list_runs, get_job, list_jobs.
  is one `preloop_complete_claim` call (schema migration 5; migration 14 for
  the order): the batch's own job rows first (each leased by this runner,
  lease-guarded) and, when none of them frees a slot or a group, the claims
- (`SKIP LOCKED`, never waiting); when they free slots of a capped matrix and
- no job of the run has a concurrency group, the next parked legs locked
- (`SKIP LOCKED`) and claimed (migration 25); then the run row, waited for at
- most `schema.COMPLETE_LOCK_WAIT`; under it the run's and the units'
- counters, released groups (`preloop_promote_group`), parked legs through
- their slot and group (`preloop_through_group`) when the run has groups, and
- the claims that had to see what those queued. This is the one path that
- takes job rows before their run row: a transaction holding the run row that
- needs one of those job rows (cancelling the run, fail-fast, the reaper, the
- cascade or `preloop_settle` handing a slot to a parked leg) makes the
- batch's wait run out; the batch undoes itself and runs again in the order above (run row
- first), counted as `complete_and_claim.lock_first`. Since migration 19 the
+ (`SKIP LOCKED`, never waiting); when they free slots of a capped matrix or
+ release concurrency groups, each group handed to its oldest waiter
+ (`preloop_promote_group`, migration 27), the next parked legs locked
+ (`SKIP LOCKED`) and claimed or sent through their group
+ (`preloop_through_group`), then the claims that see what those queued
+ (migration 25), every wait there bounded by `schema.COMPLETE_LOCK_WAIT`;
+ then the run row, waited for at most as long; under it the run's and the
+ units' counters and the slots no parked leg was left for. This is the one
+ path that takes job and group rows before their run row: a transaction
+ holding the run row that needs one of those rows (cancelling the run,
+ fail-fast, the reaper, the cascade releasing a group or `preloop_settle`
+ handing a slot to a parked leg), or that holds one the batch waits for,
+ makes the batch's wait run out; the batch undoes itself and runs again in
+ the order above (run row first), counted as `complete_and_claim.lock_first`. Since migration 19 the
  same holds for the jobs a batch queues when its jobs are the last of a need
  that ended clean and whose dependents are all plain: those blocked rows are
  written before the run row too (their lock waits are also bounded by

@@ -528,6 +528,28 @@ def test_a_batch_waiting_for_a_group_the_run_row_holder_has_gives_way(pg_url: st
         assert [jobs[f"leg#{i}"].status for i in range(3)] == ["completed", "running", "waiting"]
 
 
+def test_jobs_a_batch_claims_start_after_the_completions_it_wrote(store: Store) -> None:
+    """A batch whose completion needs the cascade (a failure, on PostgreSQL
+    after its one-statement try was refused) claims the dependent it queued:
+    that job starts no earlier than its need completed."""
+    b = PlanBuilder()
+    b.job("build")
+    b.job("report", needs=["build"], if_expr="always()")
+    run_id = store.submit_run(b.plan())
+    held = store.claim_jobs("r", [], limit=1)
+    _, claimed = store.complete_and_claim([(held[0], "failure", None)], "r", [], limit=1)
+    assert [lease.job_id for lease in claimed] == ["report"]
+    rows = store._db.transaction(
+        "query",
+        lambda tx: tx.execute(
+            "SELECT id, started_at, completed_at FROM jobs WHERE run_id = ? ORDER BY seq",
+            (run_id,),
+        ),
+    )
+    times = {r["id"]: (r["started_at"], r["completed_at"]) for r in rows}
+    assert times["report"][0] >= times["build"][1]
+
+
 def test_a_batch_keeps_outputs_with_quotes_backslashes_and_braces(store: Store) -> None:
     """The batch path passes its results as arrays: outputs with the array
     syntax's own characters come back exactly as given."""

@@ -517,6 +517,11 @@ class Store:
             leases: list[Lease] = []
             if claim is not None and claim.limit > 0:
                 if tx.dialect == "pg":
+                    if claim.attempts == 0:
+                        # No attempt of this claim committed: its jobs start
+                        # now, not before the completions just written (the
+                        # refused one-statement try and its warm-up).
+                        claim.at = time.time()
                     leases = self._pg_call(tx, [], claim)[1]
                 else:
                     leases = _claim_lite(tx, claim)

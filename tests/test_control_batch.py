@@ -499,8 +499,8 @@ def test_a_batch_hands_a_released_group_over_before_the_run_row_and_gives_way(
 
 def test_a_batch_waiting_for_a_group_the_run_row_holder_has_gives_way(pg_url: str) -> None:
     """PostgreSQL (migration 27): the group's hand-over before the run row
-    waits for rows other transactions hold (the group's, the waiter's, the
-    wait counter) at most `COMPLETE_LOCK_WAIT`, as for the run row. A holder
+    waits for rows other transactions hold (the group's, the waiter's) at
+    most `COMPLETE_LOCK_WAIT`, as for the run row. A holder
     of the run row and the group's row that then writes the batch's job (a
     cancellation's order) is not deadlocked: the batch gives up its wait for
     the group, undoes itself and runs again run row first, and ends the job
@@ -548,6 +548,99 @@ def test_jobs_a_batch_claims_start_after_the_completions_it_wrote(store: Store) 
     )
     times = {r["id"]: (r["started_at"], r["completed_at"]) for r in rows}
     assert times["report"][0] >= times["build"][1]
+
+
+def test_a_batch_waiting_for_its_run_row_holds_up_no_other_runs_group(pg_url: str) -> None:
+    """PostgreSQL (migration 27): a batch that handed its group over and sent
+    a leg through it (a waiter, with its place in the group's queue) holds
+    only rows of its run and group while it waits for its run row. Another
+    run's batch doing the same with another group is never blocked by it:
+    the places come from a sequence, not from a counter row every writer of
+    a waiter holds until it commits. Its backend is watched for a blocker
+    all through its call."""
+    import psycopg
+
+    def grouped(group: str) -> Any:
+        b = PlanBuilder()
+        # leg#0 holds the group, leg#1 waits, leg#2 is parked: ending leg#0
+        # hands the group to leg#1 and sends leg#2 to wait behind it.
+        b.matrix(group, 3, max_parallel=2, concurrency=ConcurrencySpec(group, queue_max=True))
+        return b.plan()
+
+    with open_store(pg_url) as store, open_store(pg_url) as other:
+        busy = store.submit_run(grouped("a"))
+        free = store.submit_run(grouped("c"))
+        a = store.claim_jobs("ra", [], limit=1, run_id=busy)
+        c = store.claim_jobs("rc", [], limit=1, run_id=free)
+        other._warm_settle()
+        (other_pid,) = other._db.transaction(
+            "query", lambda tx: [tx.one("SELECT pg_backend_pid() AS p")["p"]]
+        )
+        with psycopg.connect(pg_url) as holder, psycopg.connect(pg_url, autocommit=True) as watch:
+            holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (busy,))
+            (pid,) = holder.execute("SELECT pg_backend_pid()").fetchone() or (0,)
+            t = threading.Thread(
+                target=lambda: store.complete_and_claim([(a[0], "success", None)], "ra", [])
+            )
+            t.start()
+            wait_until_blocked_by(holder, pid, t)  # handed over, waiting for the run row
+            done = threading.Event()
+            blockers: set[int] = set()
+
+            def watcher() -> None:
+                while not done.is_set():
+                    row = watch.execute("SELECT pg_blocking_pids(%s)", (other_pid,)).fetchone()
+                    blockers.update(row[0] if row else [])
+
+            w = threading.Thread(target=watcher)
+            w.start()
+            try:
+                finished, claimed = other.complete_and_claim([(c[0], "success", None)], "rc", [])
+            finally:
+                done.set()
+                w.join(timeout=60)
+            holder.commit()
+            t.join(timeout=60)
+        assert blockers == set()
+        assert [lease.job_id for lease in claimed] == ["c#1"] and finished[0].changed
+        assert other.counters.snapshot().operations.get("complete_and_claim.lock_first") is None
+        jobs = {j.id: j.status for j in store.list_jobs(free)}
+        assert jobs == {"c#0": "completed", "c#1": "running", "c#2": "waiting"}
+
+
+def test_a_cancelled_waiter_whose_promotion_was_put_off_passes_the_group_on(
+    pg_url: str,
+) -> None:
+    """PostgreSQL: a batch that releases a group whose oldest waiter is in a
+    run another transaction holds puts the promotion off (it never waits on
+    another run's row) and, that run still held after its retries, leaves
+    the group free. The holder then cancelling that run's waiters looks at
+    the group again once it commits: the next waiter, of a third run, gets
+    it instead of waiting for a holder that never comes."""
+    import psycopg
+
+    def grouped() -> Any:
+        b = PlanBuilder()
+        b.matrix("g", 2, concurrency=ConcurrencySpec("shared", queue_max=True))
+        return b.plan()
+
+    with open_store(pg_url) as store:
+        first = store.submit_run(grouped())  # g#0 holds the group, g#1 waits
+        second = store.submit_run(grouped())  # both legs wait, behind the first's
+        third = store.submit_run(grouped())  # both legs wait, behind the second's
+        held = store.claim_jobs("r", [], limit=1)
+        assert [(x.run_id, x.job_id) for x in held] == [(first, "g#0")]
+        _, claimed = store.complete_and_claim([(held[0], "success", None)], "r", [])
+        assert [(x.run_id, x.job_id) for x in claimed] == [(first, "g#1")]
+        with psycopg.connect(pg_url) as holder:
+            holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (second,))
+            # The first run's last leg ends; the group's oldest waiter is the
+            # second run's g#0, whose run row is held: put off, then given up.
+            store.complete_and_claim([(claimed[0], "success", None)], "r", [], limit=0)
+            holder.rollback()
+        assert store.cancel_run(second)
+        jobs = {j.id: j.status for j in store.list_jobs(third)}
+        assert jobs == {"g#0": "queued", "g#1": "waiting"}
 
 
 def test_a_batch_keeps_outputs_with_quotes_backslashes_and_braces(store: Store) -> None:

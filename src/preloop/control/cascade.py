@@ -229,6 +229,11 @@ class _Cascade:
                 )
             return
         self.run_delta.setdefault(run_id, [0, 0, 0])[0] -= 1
+        if job["status"] == "waiting" and job["conc_group"] is not None:
+            # A waiter that goes may be why another transaction's promotion
+            # gave up (this one held the waiter's run row): the group is
+            # looked at again after commit (Store._retry_groups).
+            self.retry_groups.add(str(job["conc_group"]))
         self.after_conclude(job, conclusion, outputs)
 
     def after_conclude(
@@ -825,11 +830,11 @@ class _Cascade:
         if got:
             self.enqueue(first, first_slot, group)
         if waiters:
-            seq0 = tx.next_wait_seq(len(waiters)) - len(waiters) + 1
+            seqs = tx.next_wait_seqs(len(waiters))
             self._bulk_waiting(
                 run_id,
                 group,
-                [(j["id"], int(slot), seq0 + i) for i, (j, slot) in enumerate(waiters)],
+                [(j["id"], int(slot), seq) for (j, slot), seq in zip(waiters, seqs, strict=True)],
             )
 
     def _bulk_waiting(self, run_id: int, group: str, rows: list[tuple[str, int, int]]) -> None:
@@ -893,7 +898,7 @@ class _Cascade:
         if got is not None:
             self.enqueue(job, holds_slot, group)
             return
-        seq = tx.next_wait_seq()
+        (seq,) = tx.next_wait_seqs()
         tx.execute(
             Q["through_group_update_jobs"],
             (int(holds_slot), group, seq, run_id, job["id"]),
@@ -1084,7 +1089,7 @@ class _Cascade:
         got = tx.one(_ACQUIRE, (group, run_id, None, group, group))
         if got is not None:
             return True
-        seq = tx.next_wait_seq()
+        (seq,) = tx.next_wait_seqs()
         tx.execute(Q["acquire_run_group_update_runs"], (seq, run_id))
         self.run(run_id)["status"] = "pending"
         self.make_room(group, bool(conc.queue_max), keep=(run_id, None))

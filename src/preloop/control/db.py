@@ -178,11 +178,21 @@ class Tx:
             return self.one(sql, (run_id,))
         return self.one(sql + " FOR UPDATE SKIP LOCKED", (run_id,))
 
-    def next_wait_seq(self, n: int = 1) -> int:
-        """Takes `n` wait seqs; returns the last of them."""
+    def next_wait_seqs(self, n: int = 1) -> list[int]:
+        """`n` places in the groups' queues, in increasing order. PostgreSQL
+        takes them from the `wait_order` sequence (schema migration 27),
+        which no transaction holds: a counter row would be held by every
+        writer of a waiter until it commits, a queue shared by every group
+        of every run. Lite has one writer and keeps the `wait_seq` row."""
+        if self._pg:
+            rows = self.execute(
+                "SELECT nextval('wait_order') AS v FROM generate_series(1, ?) ORDER BY 1", (n,)
+            )
+            return [int(r["v"]) for r in rows]
         row = self.one("UPDATE wait_seq SET value = value + ? WHERE id = 1 RETURNING value", (n,))
         assert row is not None
-        return int(row["value"])
+        last = int(row["value"])
+        return list(range(last - n + 1, last + 1))
 
 
 _PG_CACHE: dict[str, str] = {}

@@ -2237,11 +2237,11 @@ _V26_WARM_SETTLE: list[Statement] = [
 # before it takes the run row, as migration 25 does for freed slots. Under
 # the run row a one-completion batch of a grouped matrix wrote the group's
 # release, its oldest waiter (waiting -> queued), the freed slot's parked leg
-# through the group (the wait counter, `waiting`, the check of the group's
-# queue) and the claim of the waiter: 0.44-0.51 ms of the hold on a quiet
-# host, against ~0.1 ms for the counters the run row guards. Those writes
-# lock their own rows (the group's, the waiter's, the leg's, the wait
-# counter), so the run row adds nothing to them; what it serialises (the
+# through the group (its place in the queue, `waiting`, the check of the
+# group's queue) and the claim of the waiter: 0.44-0.51 ms of the hold on a
+# quiet host, against ~0.1 ms for the counters the run row guards. Those
+# writes lock their own rows (the group's, the waiter's, the leg's; the
+# place comes from a sequence, below), so the run row adds nothing to them; what it serialises (the
 # run's and units' counters, the cohorts' slots given back, the run's end)
 # stays under it. Taken in this order, a group row is held while the batch
 # waits for its run row, against the cascade's order (run row, then group);
@@ -2260,9 +2260,9 @@ _EARLY_HAND_OVER_V27 = """\
     -- parked legs of each cohort, in seq order, locked (SKIP LOCKED: another
     -- batch of the run handing over at the same time takes the legs after
     -- them) and claimed from parked, or sent through their group. A wait for
-    -- another transaction's row (a group, a waiter, the wait counter) is
-    -- bounded as the run row's: run row first (a retry), the order is the
-    -- cascade's and nothing is bounded.
+    -- another transaction's row (a group, a waiter) is bounded as the run
+    -- row's: run row first (a retry), the order is the cascade's and nothing
+    -- is bounded.
     IF n > 0 AND NOT p_cascade AND (v_slots IS NOT NULL OR v_groups IS NOT NULL) THEN
         v_early := true;
         IF NOT p_lock_first THEN
@@ -2366,7 +2366,38 @@ def _complete_claim_v27() -> str:
     )
 
 
-_V27_EARLY_GROUPS: list[Statement] = [{"pg": _complete_claim_v27(), "lite": None}]
+def _through_group_v27() -> str:
+    """Migration 19's `preloop_through_group`, whose waiter takes its place
+    from the `wait_order` sequence instead of the `wait_seq` row."""
+    return _edited(
+        _through_group_v19(),
+        [
+            (
+                "    UPDATE wait_seq SET value = value + 1 WHERE id = 1"
+                " RETURNING value INTO v_seq;\n",
+                "    v_seq := nextval('wait_order');\n",
+            )
+        ],
+    )
+
+
+# The places in the groups' queues come from a sequence on PostgreSQL: the
+# hand-over before the run row would otherwise hold the one `wait_seq` row,
+# which every writer of a waiter of any group of any run takes, while it
+# waits for its run row (a review's test: another run's batch, sending a leg
+# through an unrelated group, waited 50 ms and ran again run row first). A
+# sequence is never held; its numbers increase in the order they are taken,
+# and a rolled-back transaction leaves a gap, which an order does not mind.
+# It starts after the row's value, so waiters queued before keep their place.
+_V27_EARLY_GROUPS: list[Statement] = [
+    {"pg": "CREATE SEQUENCE IF NOT EXISTS wait_order", "lite": None},
+    {
+        "pg": "SELECT setval('wait_order', (SELECT value FROM wait_seq WHERE id = 1) + 1, false)",
+        "lite": None,
+    },
+    {"pg": _through_group_v27(), "lite": None},
+    {"pg": _complete_claim_v27(), "lite": None},
+]
 
 MIGRATIONS: list[list[Statement]] = [
     _V1,

@@ -4,8 +4,6 @@ claims in one transaction)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import threading
 from dataclasses import replace
@@ -16,6 +14,8 @@ import pytest
 
 from preloop.control import Lease, Store, open_store
 from preloop.control.counters import CountersSnapshot
+from preloop.testing.load import reports as load_reports
+from preloop.testing.load import start_together
 from preloop.testing.pg import wait_until_blocked_by
 from preloop.testing.plans import PlanBuilder, with_runs_on
 from preloop.workflow.plan import ConcurrencySpec
@@ -274,26 +274,11 @@ def test_two_processes_complete_and_claim_atomically(store: Store, store_url: st
     b.matrix("free", 40, needs=["setup"], runs_on=("linux",))
     b.job("merge", needs=["leg", "free"], if_expr="always()", runs_on=("linux",))
     run_id = store.submit_run(b.plan())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, store_url, f"w{i}", str(run_id), "4"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+    reports = load_reports(
+        start_together(
+            [[sys.executable, "-c", WORKER, store_url, f"w{i}", str(run_id), "4"] for i in range(2)]
         )
-        for i in range(2)
-    ]
-    for p in procs:
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-    for p in procs:
-        assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    reports = []
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+    )
     claimed = [tuple(c) for r in reports for c in r["claimed"]]
     completed = [tuple(c) for r in reports for c in r["completed"]]
     assert len(claimed) == len(set(claimed)) == 102, "a job was claimed twice or never"

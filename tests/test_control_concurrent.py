@@ -4,12 +4,12 @@ the lock-order test: run rows, cross-run concurrency groups, SKIP LOCKED)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 
 from preloop.control import Store, open_store
 from preloop.control.schema import SCHEMA_VERSION
+from preloop.testing.load import reports as load_reports
+from preloop.testing.load import start_together
 from preloop.testing.plans import PlanBuilder
 from preloop.workflow.plan import ConcurrencySpec
 
@@ -55,26 +55,14 @@ def test_two_processes_settle_and_claim_concurrently(store: Store, store_url: st
         store.submit_run(b.plan("b")),
         store.submit_run(b.plan("c")),
     ]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WORKER, store_url, f"w{i}", ",".join(map(str, runs))],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
+    reports = load_reports(
+        start_together(
+            [
+                [sys.executable, "-c", WORKER, store_url, f"w{i}", ",".join(map(str, runs))]
+                for i in range(2)
+            ]
         )
-        for i in range(2)
-    ]
-    for p in procs:
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-    for p in procs:
-        assert p.stdin is not None
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    reports = []
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0
-        reports.append(json.loads(out.strip().splitlines()[-1]))
+    )
     claimed = [tuple(c) for r in reports for c in r["claimed"]]
     assert len(claimed) == len(set(claimed)), "a job was claimed twice"
     assert all(r["deadlocks"] == 0 and r["graph_loads"] == 0 for r in reports)
@@ -183,18 +171,7 @@ def test_engines_batching_grouped_matrices_keep_groups_and_slots(store_url: str)
             store.submit_run(cancelled.plan("cancelled")),
         ]
         engine = [sys.executable, "-m", "preloop.testing.load", store_url, ",".join(map(str, runs))]
-        procs = [
-            subprocess.Popen(
-                [*engine, "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-            )
-            for _ in range(4)
-        ]
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        procs = start_together([[*engine, "1"] for _ in range(4)])
         samples = 0
         cancel_sent = False
         while any(p.poll() is None for p in procs):
@@ -217,11 +194,7 @@ def test_engines_batching_grouped_matrices_keep_groups_and_slots(store_url: str)
                 if ended >= 3:
                     assert store.cancel_run(runs[2])
                     cancel_sent = True
-        reports = []
-        for p in procs:
-            out, _ = p.communicate(timeout=300)
-            assert p.returncode == 0
-            reports.append(json.loads(out.strip().splitlines()[-1]))
+        reports = load_reports(procs)
         assert cancel_sent and samples > 0
         assert all(r["deadlock_retries"] == 0 and r["graph_loads"] == 0 for r in reports)
         assert [store.get_run(r).conclusion for r in runs] == ["success", "success", "cancelled"]

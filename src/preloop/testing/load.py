@@ -12,13 +12,42 @@ completion count when done.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 from preloop.control import Lease, open_store
 
-__all__ = ["main"]
+__all__ = ["main", "reports", "start_together"]
+
+
+def start_together(argvs: list[list[str]]) -> list[subprocess.Popen[str]]:
+    """Starts a process per argv that speaks this module's protocol (prints
+    "ready", waits for a line on stdin), waits until every one is ready and
+    lets them all go at once."""
+    procs = [
+        subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for argv in argvs
+    ]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    return procs
+
+
+def reports(procs: list[subprocess.Popen[str]], timeout: float = 300) -> list[dict[str, Any]]:
+    """Each process's last output line, a JSON report, once it exited 0."""
+    out = []
+    for p in procs:
+        text, _ = p.communicate(timeout=timeout)
+        assert p.returncode == 0
+        out.append(json.loads(text.strip().splitlines()[-1]))
+    return out
 
 
 def main(argv: list[str]) -> int:

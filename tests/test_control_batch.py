@@ -628,6 +628,38 @@ def test_a_cancelled_waiter_whose_promotion_was_put_off_passes_the_group_on(
         assert jobs == {"g#0": "queued", "g#1": "waiting"}
 
 
+def test_a_batch_settled_by_the_cascade_hands_its_freed_slots_over(store: Store) -> None:
+    """A batch that frees a capped matrix's slot and ends a unit whose
+    dependent needs the cascade's gate (on PostgreSQL the function's cascade
+    mode, run row first): the freed slot goes to the next parked leg, once,
+    and the cohort counts it."""
+    b = PlanBuilder()
+    b.job("a")
+    b.job("gate", needs=["a"], if_expr="failure()")
+    b.matrix("leg", 4, max_parallel=2)
+    run_id = store.submit_run(b.plan())
+    held = store.claim_jobs("r", [], limit=3)
+    assert sorted(lease.job_id for lease in held) == ["a", "leg#0", "leg#1"]
+    done, _ = store.complete_and_claim(
+        [(lease, "success", None) for lease in held if lease.job_id in ("a", "leg#0")],
+        "r",
+        [],
+        limit=0,
+    )
+    assert all(c.changed for c in done)
+    jobs = {j.id: j.status for j in store.list_jobs(run_id)}
+    assert [jobs[f"leg#{i}"] for i in range(4)] == ["completed", "running", "queued", "parked"]
+    assert jobs["gate"] == "completed"  # skipped: `a` did not fail
+    assert _cohort_in_flight(store, run_id, "leg") == 2
+    active = store._db.transaction(
+        "query",
+        lambda tx: tx.execute(
+            "SELECT active FROM cohorts WHERE run_id = ? AND id = 'leg'", (run_id,)
+        ),
+    )
+    assert [r["active"] for r in active] == [2]
+
+
 def test_a_batch_keeps_outputs_with_quotes_backslashes_and_braces(store: Store) -> None:
     """The batch path passes its results as arrays: outputs with the array
     syntax's own characters come back exactly as given."""

@@ -2263,7 +2263,7 @@ _EARLY_HAND_OVER_V27 = """\
     -- another transaction's row (a group, a waiter) is bounded as the run
     -- row's: run row first (a retry), the order is the cascade's and nothing
     -- is bounded.
-    IF n > 0 AND NOT p_cascade AND (v_slots IS NOT NULL OR v_groups IS NOT NULL) THEN
+    IF n > 0 AND (v_slots IS NOT NULL OR v_groups IS NOT NULL) THEN
         v_early := true;
         IF NOT p_lock_first THEN
             lock_was := current_setting('lock_timeout');
@@ -2342,26 +2342,26 @@ _EARLY_HAND_OVER_V27 = """\
 
 def _complete_claim_v27() -> str:
     """Migration 25's batch, whose hand-over before the run row also takes
-    the groups its jobs held and runs whose jobs have groups
-    (`_EARLY_HAND_OVER_V27`); the hand-over under the run row is left to
-    the cascade mode."""
+    the groups its jobs held, runs whose jobs have groups and the cascade
+    mode (which claims nothing: its run row is taken first, so the early
+    hand-over is under it there) (`_EARLY_HAND_OVER_V27`). Under the run row
+    only the slots no parked leg was left for are given back: the hand-over
+    that was made there is gone."""
     text = _complete_claim_v25()
-    release = text[
-        text.index("        -- A group a job held goes to its oldest waiter") : text.index(
-            "        IF v_early THEN\n"
-        )
-    ]
-    late_release = (
-        "        IF NOT v_early THEN\n"
-        + "".join("    " + line for line in release.splitlines(True))
-        + "        END IF;\n"
+    first = text.index("        -- A group a job held goes to its oldest waiter")
+    last = text.index("    END IF;\n    IF n > 0 AND left_jobs <= 0 AND NOT p_cascade THEN\n")
+    gave_back = (
+        "        FOR i IN 1 .. cardinality(v_short) LOOP\n"
+        "            UPDATE cohorts SET active = active - v_short_n[i]\n"
+        "                WHERE run_id = p_run AND id = v_short[i];\n"
+        "        END LOOP;\n"
     )
     early = _EARLY_HAND_OVER_V27.replace("@LOCK_WAIT@", COMPLETE_LOCK_WAIT)
     return _edited(
         text,
         [
             (_EARLY_HAND_OVER.replace("{}", "{{}}"), early.replace("{}", "{{}}")),
-            (release, late_release),
+            (text[first:last], gave_back),
         ],
     )
 

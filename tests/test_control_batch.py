@@ -1158,3 +1158,87 @@ def test_a_queued_job_the_handed_leg_claim_passes_over_is_announced(pg_url: str)
             assert len(list(listener.notifies(timeout=30, stop_after=1))) == 1
         assert [lease.job_id for lease in store.claim_jobs("r", [], limit=5)] == ["x"]
         assert store.get_run(other_run).status == "running"
+
+
+def test_a_batch_of_several_runs_takes_their_run_rows_before_any_group(pg_url: str) -> None:
+    """PostgreSQL: a runner's batch with jobs of two runs settles them one
+    after the other, and the first's cascade releases a concurrency group.
+    Another transaction holding the second run's row that then writes the
+    group's row (the cascade's order: run row, then group) is not
+    deadlocked: the batch takes both run rows, in id order, before any
+    group, so it waits for the holder without holding the group."""
+    import psycopg
+
+    with open_store(pg_url) as store:
+        grouped = PlanBuilder()
+        grouped.job("a", concurrency=ConcurrencySpec("g"))
+        first = store.submit_run(grouped.plan())
+        plain = PlanBuilder()
+        plain.job("b")
+        second = store.submit_run(plain.plan())
+        held = store.claim_jobs("r", [], limit=2)
+        assert sorted((x.run_id, x.job_id) for x in held) == [(first, "a"), (second, "b")]
+        out: dict[str, Any] = {}
+        with psycopg.connect(pg_url) as holder:
+            holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (second,))
+            (pid,) = holder.execute("SELECT pg_backend_pid()").fetchone() or (0,)
+
+            def batch() -> None:
+                out["done"] = store.complete_and_claim(
+                    [(lease, "success", None) for lease in held], "r", [], limit=0
+                )
+
+            t = threading.Thread(target=batch)
+            t.start()
+            wait_until_blocked_by(holder, pid, t)
+            # Had the batch settled the first run (and released its group)
+            # before taking the second run's row, this write would wait for
+            # the batch while the batch waits for it.
+            holder.execute("UPDATE conc_groups SET holder_job = holder_job WHERE name = 'g'")
+            holder.commit()
+            t.join(timeout=60)
+        done, _ = out["done"]
+        assert sorted((c.run_id, c.job_id, c.conclusion) for c in done) == [
+            (first, "a", "success"),
+            (second, "b", "success"),
+        ]
+        assert store.counters.snapshot().deadlock_retries == 0
+        assert store.get_run(first).status == store.get_run(second).status == "completed"
+
+
+def test_a_put_off_promotion_waits_for_the_waiters_run_after_commit(pg_url: str) -> None:
+    """PostgreSQL: a batch that releases a group whose oldest waiter is in a
+    run another transaction holds puts the promotion off (it never waits on
+    another run's row while it holds its own). Right after its commit it
+    waits for that run's row, a while, as the cascade takes rows (the run
+    first, then the group): once the holder commits, the waiter has the
+    group, without the reaper."""
+    import psycopg
+
+    def grouped() -> Any:
+        b = PlanBuilder()
+        b.matrix("g", 2, concurrency=ConcurrencySpec("shared", queue_max=True))
+        return b.plan()
+
+    with open_store(pg_url) as store:
+        first = store.submit_run(grouped())  # g#0 holds the group, g#1 waits
+        second = store.submit_run(grouped())  # both legs wait, behind the first's
+        held = store.claim_jobs("r", [], limit=1)
+        _, claimed = store.complete_and_claim([(held[0], "success", None)], "r", [])
+        assert [(x.run_id, x.job_id) for x in claimed] == [(first, "g#1")]
+        with psycopg.connect(pg_url) as holder:
+            holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (second,))
+            (pid,) = holder.execute("SELECT pg_backend_pid()").fetchone() or (0,)
+            t = threading.Thread(
+                target=lambda: store.complete_and_claim(
+                    [(claimed[0], "success", None)], "r", [], limit=0
+                )
+            )
+            t.start()
+            wait_until_blocked_by(holder, pid, t)  # the follow-up, waiting
+            holder.commit()
+            t.join(timeout=60)
+        jobs = {j.id: j.status for j in store.list_jobs(second)}
+        assert jobs == {"g#0": "queued", "g#1": "waiting"}
+        assert store.get_run(first).status == "completed"
+        assert store.counters.snapshot().deadlock_retries == 0

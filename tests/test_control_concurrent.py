@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from preloop.control import Store, open_store
 from preloop.control.schema import SCHEMA_VERSION
 from preloop.testing.load import reports as load_reports
@@ -129,9 +131,12 @@ SELECT
 """
 
 
-def test_engines_batching_grouped_matrices_keep_groups_and_slots(store_url: str) -> None:
-    """Four engine processes completing and claiming in batches
-    (`complete_and_claim`, the path that hands a released group over before
+@pytest.mark.parametrize("capacity", [1, 3])
+def test_engines_batching_grouped_matrices_keep_groups_and_slots(
+    store_url: str, capacity: int
+) -> None:
+    """Four engine processes of `capacity` completing and claiming in batches
+    (at 3, of several jobs and runs) (`complete_and_claim`, the path that hands a released group over before
     the run row on PostgreSQL) through capped matrices in concurrency groups:
     one run's own group and one shared by two runs (cross-run waiters, the
     cascade's path), one of which is cancelled mid-way, and two matrices of
@@ -171,7 +176,7 @@ def test_engines_batching_grouped_matrices_keep_groups_and_slots(store_url: str)
             store.submit_run(cancelled.plan("cancelled")),
         ]
         engine = [sys.executable, "-m", "preloop.testing.load", store_url, ",".join(map(str, runs))]
-        procs = start_together([[*engine, "1"] for _ in range(4)])
+        procs = start_together([[*engine, str(capacity)] for _ in range(4)])
         samples = 0
         cancel_sent = False
         while any(p.poll() is None for p in procs):

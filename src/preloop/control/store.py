@@ -8,7 +8,8 @@ admits through. Nothing reads a whole run ("graph load") except the
 
 Lock order (PostgreSQL; SQLite has one writer and cannot deadlock)
  1. the operation's own run row (`Tx.lock_run`, `SELECT ... FOR UPDATE`),
-    before any job, unit, cohort or group row of that run;
+    before any job, unit, cohort or group row of that run; a batch of
+    several runs' completions takes all their rows, in id order, first;
  2. concurrency-group rows, each locked by the statement that changes it;
  3. cohort rows, units rows, job rows of the locked run.
  On PostgreSQL the settle fast path is the `preloop_settle` function
@@ -20,7 +21,9 @@ Lock order (PostgreSQL; SQLite has one writer and cannot deadlock)
  commits without waiting on us, and we remember the group; a cancellation
  the group owes that run (replacing an older waiter, cancel-in-progress) is
  recorded in `conc_actions`. Right after our commit a follow-up transaction
- (`_retry_groups`) carries out the group's recorded cancellations and
+ (`_retry_groups`) takes the runs the group's work writes, waiting for them a
+ bounded while (`RETRY_GROUP_LOCK_WAIT`, before the group's row, so in the
+ same order), carries out the group's recorded cancellations and
  re-examines it; a group being released does the same before promoting; and
  `expire_leases` (the reaper) re-examines every free group with waiters or
  recorded cancellations, so a skipped waiter or cancellation is retried,
@@ -153,6 +156,13 @@ __all__ = [
 
 #: Why a run `Store.cancel_run` cancels was cancelled, unless told otherwise.
 USER_CANCEL_REASON = "cancelled by the user (preloop cancel)"
+
+#: Follow-up transactions for a group whose promotion or cancellation was put
+#: off, and how long each waits for the runs it writes (PostgreSQL): together
+#: they outlast a batch's or a cancellation's hold of a run row (a big run's
+#: cancellation holds it 150-190 ms); past them the reaper carries it out.
+RETRY_GROUP_TRIES = 3
+RETRY_GROUP_LOCK_WAIT = "250ms"
 
 
 def _text_array(items: Sequence[str]) -> str:
@@ -493,6 +503,13 @@ class Store:
                     return list(fast), claimed
             # Runs in id order: two batches never wait on each other's run rows.
             order = sorted(range(len(results)), key=lambda i: results[i][0].run_id)
+            if tx.dialect == "pg" and not one_run:
+                # Every run row before the first run's cascade takes a group:
+                # holding a group while waiting for a later run's row would
+                # cross a transaction that holds that row and then writes the
+                # group (the cascade's order, run row then group).
+                run_ids = sorted({lease.run_id for lease, _, _ in results})
+                tx.execute(Q["complete_many_lock_runs"], (run_ids,))
             by_index: dict[int, Completion | PreloopError] = {}
             bulk = self._pg_cascade(tx, results, groups) if ended else None
             if bulk is not None:
@@ -888,7 +905,7 @@ class Store:
         """Carries out deferred cancellations and promotes waiters of groups a
         transaction could not reach without waiting on another run's lock
         (see the module docstring)."""
-        for _ in range(3):
+        for _ in range(RETRY_GROUP_TRIES):
             if not groups:
                 return
             again: set[str] = set()
@@ -896,6 +913,18 @@ class Store:
 
                 def tx_fn(tx: Tx, name: str = name, again: set[str] = again) -> None:
                     if tx.dialect == "pg":
+                        # The runs it writes were held (that is why it was put
+                        # off): waited for, a while, and before the group's
+                        # row, in the cascade's order. Each try waiting
+                        # `RETRY_GROUP_LOCK_WAIT` outlasts a batch or a
+                        # cancellation; a holder that outlasts them all
+                        # leaves the group to the reaper.
+                        runs = tx.execute(Q["retry_groups_select_runs"], (name,) * 7)
+                        if not tx.lock_runs_within(
+                            [int(r["run_id"]) for r in runs], RETRY_GROUP_LOCK_WAIT
+                        ):
+                            again.add(name)
+                            return
                         # The group row before its recorded cancellations, as
                         # a release takes them: no two transactions cross.
                         tx.execute(Q["retry_groups_select_conc_groups"], (name,))

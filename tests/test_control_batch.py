@@ -1242,3 +1242,32 @@ def test_a_put_off_promotion_waits_for_the_waiters_run_after_commit(pg_url: str)
         assert jobs == {"g#0": "queued", "g#1": "waiting"}
         assert store.get_run(first).status == "completed"
         assert store.counters.snapshot().deadlock_retries == 0
+
+
+def test_waiting_a_while_for_run_rows_keeps_the_transactions_own_timeout(pg_url: str) -> None:
+    """PostgreSQL: `Tx.lock_runs_within` gives up a run row held past its
+    wait without undoing the transaction's earlier writes, takes a free one,
+    and leaves the transaction's own `lock_timeout` as it was either way
+    (a later wait of the transaction is not cut short)."""
+    import psycopg
+
+    with open_store(pg_url) as store:
+        b = PlanBuilder()
+        b.job("a")
+        free, held = store.submit_run(b.plan("free")), store.submit_run(b.plan("held"))
+        with psycopg.connect(pg_url) as holder:
+            holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (held,))
+
+            def fn(tx: Any) -> tuple[bool, str, bool, str]:
+                tx.execute("SET LOCAL lock_timeout = '7s'")
+                tx.execute("UPDATE runs SET name = 'renamed' WHERE id = ?", (free,))
+                missed = tx.lock_runs_within([held], "20ms")
+                after_miss = tx.one("SELECT current_setting('lock_timeout') AS v")["v"]
+                got = tx.lock_runs_within([free], "20ms")
+                after = tx.one("SELECT current_setting('lock_timeout') AS v")["v"]
+                return missed, after_miss, got, after
+
+            result = store._db.transaction("query", fn)
+            holder.rollback()
+        assert result == (False, "7s", True, "7s")
+        assert store.get_run(free).name == "renamed"

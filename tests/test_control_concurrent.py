@@ -136,14 +136,15 @@ def test_engines_batching_grouped_matrices_keep_groups_and_slots(
     store_url: str, capacity: int
 ) -> None:
     """Four engine processes of `capacity` completing and claiming in batches
-    (at 3, of several jobs and runs) (`complete_and_claim`, the path that hands a released group over before
-    the run row on PostgreSQL) through capped matrices in concurrency groups:
-    one run's own group and one shared by two runs (cross-run waiters, the
-    cascade's path), one of which is cancelled mid-way, and two matrices of
-    one run in groups of their own (batches of one run handing over at once). Sampled all along: no
-    group ever has two holders, no cohort more legs in flight than its
-    max-parallel or than its count of them; at the end every leg ran once or
-    was cancelled, no group is held and no batch deadlocked."""
+    (at 3, of several jobs and runs) with `complete_and_claim`, the path that
+    hands a released group over before the run row on PostgreSQL, through
+    capped matrices in concurrency groups: one run's own group and one shared
+    by two runs (cross-run waiters, the cascade's path), one of which is
+    cancelled mid-way, and two matrices of one run in groups of their own
+    (batches of one run handing over at once). Sampled all along: no group
+    ever has two holders, no cohort more legs in flight than its max-parallel
+    or than its count of them; at the end every leg ran once or was
+    cancelled, no group is held and no batch deadlocked."""
     own = PlanBuilder()
     own.job("setup", runs_on=("linux",))
     own.matrix(

@@ -1206,7 +1206,9 @@ def test_a_batch_of_several_runs_takes_their_run_rows_before_any_group(pg_url: s
         assert store.get_run(first).status == store.get_run(second).status == "completed"
 
 
-def test_a_put_off_promotion_waits_for_the_waiters_run_after_commit(pg_url: str) -> None:
+def test_a_put_off_promotion_waits_for_the_waiters_run_after_commit(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """PostgreSQL: a batch that releases a group whose oldest waiter is in a
     run another transaction holds puts the promotion off (it never waits on
     another run's row while it holds its own). Right after its commit it
@@ -1220,6 +1222,9 @@ def test_a_put_off_promotion_waits_for_the_waiters_run_after_commit(pg_url: str)
         b.matrix("g", 2, concurrency=ConcurrencySpec("shared", queue_max=True))
         return b.plan()
 
+    # Long enough that this thread sees the follow-up wait and commits
+    # before it gives up, however loaded the machine.
+    monkeypatch.setattr("preloop.control.store.RETRY_GROUP_LOCK_WAIT", "30s")
     with open_store(pg_url) as store:
         first = store.submit_run(grouped())  # g#0 holds the group, g#1 waits
         second = store.submit_run(grouped())  # both legs wait, behind the first's
@@ -1271,3 +1276,35 @@ def test_waiting_a_while_for_run_rows_keeps_the_transactions_own_timeout(pg_url:
             holder.rollback()
         assert result == (False, "7s", True, "7s")
         assert store.get_run(free).name == "renamed"
+
+
+def test_a_held_groups_follow_up_leaves_its_waiters_run_alone(pg_url: str) -> None:
+    """PostgreSQL: cancelling a run ends its waiting job, and its group is
+    looked at again after commit. The group is held: there is no one to
+    promote, so the follow-up does not wait for the oldest waiter's run row
+    (held by another transaction) and the cancellation returns at once.
+    (Found by review.)"""
+    import psycopg
+
+    with open_store(pg_url) as store:
+        a = PlanBuilder()
+        a.matrix("g", 2, concurrency=ConcurrencySpec("shared", queue_max=True))
+        first = store.submit_run(a.plan("a"))  # g#0 holds the group, g#1 its oldest waiter
+        c = PlanBuilder()
+        c.job("c", concurrency=ConcurrencySpec("shared", queue_max=True))
+        other = store.submit_run(c.plan("c"))  # c waits behind g#1
+        out: dict[str, Any] = {}
+        with psycopg.connect(pg_url) as holder:
+            holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (first,))
+            (pid,) = holder.execute("SELECT pg_backend_pid()").fetchone() or (0,)
+            t = threading.Thread(target=lambda: out.update(ok=store.cancel_run(other)))
+            t.start()
+            wait_until_blocked_by(holder, pid, t)
+            blocked = t.is_alive()  # returned because the call waits on the holder
+            t.join(timeout=60)
+            holder.rollback()
+        assert out["ok"] and not blocked
+        holders = store._db.transaction(
+            "query", lambda tx: tx.execute("SELECT holder_run, holder_job FROM conc_groups")
+        )
+        assert [(r["holder_run"], r["holder_job"]) for r in holders] == [(first, "g#0")]

@@ -16,10 +16,6 @@ SELECT preloop_warm_settle() AS paths
 -- store: Store._pg_cascade (a run whose jobs meet in a group settles a batch job by job)
 SELECT 1 AS grouped FROM jobs WHERE run_id = ? AND (conc_group IS NOT NULL OR conc_group_expr IS NOT NULL) LIMIT 1
 
--- complete_many_lock_runs --
--- store: Store._complete_many (a batch of several runs: their rows in id order before any group)
-SELECT id FROM runs WHERE id = ANY(?::BIGINT[]) ORDER BY id FOR UPDATE
-
 -- settle_pg_select_preloop_settle --
 -- store: Store._settle_pg
 SELECT run_row, job_row, unit_row, admitted, wait_us, refused_used FROM preloop_settle(?, ?, ?, ?, ?, ?, ?, ?)
@@ -93,8 +89,8 @@ SELECT * FROM jobs WHERE run_id = ? ORDER BY seq, id
 SELECT name FROM conc_groups g WHERE holder_run IS NULL AND (EXISTS (SELECT 1 FROM jobs j WHERE j.conc_group = g.name AND j.status = 'waiting') OR EXISTS (SELECT 1 FROM runs r WHERE r.conc_group = g.name AND r.status = 'pending')) UNION SELECT group_name FROM conc_actions
 
 -- retry_groups_select_runs --
--- store: Store._retry_groups (the runs a group's retry writes: its oldest waiter's, the holders it owes a cancellation, every waiter's when it owes room)
-SELECT run_id FROM (SELECT run_id, wait_seq FROM jobs WHERE conc_group = ? AND status = 'waiting' UNION ALL SELECT id, wait_seq FROM runs WHERE conc_group = ? AND status = 'pending' ORDER BY wait_seq LIMIT 1) oldest UNION SELECT holder_run FROM conc_actions WHERE group_name = ? AND holder_run IS NOT NULL UNION SELECT run_id FROM jobs WHERE conc_group = ? AND status = 'waiting' AND EXISTS (SELECT 1 FROM conc_actions WHERE group_name = ? AND action = 'make_room') UNION SELECT id FROM runs WHERE conc_group = ? AND status = 'pending' AND EXISTS (SELECT 1 FROM conc_actions WHERE group_name = ? AND action = 'make_room')
+-- store: Store._retry_groups (the runs a group's retry writes: its oldest waiter's when the group is free or its holder is to be cancelled, the holders it owes a cancellation, every waiter's when it owes room)
+SELECT run_id FROM (SELECT run_id, wait_seq FROM jobs WHERE conc_group = ? AND status = 'waiting' UNION ALL SELECT id, wait_seq FROM runs WHERE conc_group = ? AND status = 'pending' ORDER BY wait_seq LIMIT 1) oldest WHERE NOT EXISTS (SELECT 1 FROM conc_groups WHERE name = ? AND holder_run IS NOT NULL) OR EXISTS (SELECT 1 FROM conc_actions WHERE group_name = ? AND action = 'cancel_holder') UNION SELECT holder_run FROM conc_actions WHERE group_name = ? AND holder_run IS NOT NULL UNION SELECT run_id FROM jobs WHERE conc_group = ? AND status = 'waiting' AND EXISTS (SELECT 1 FROM conc_actions WHERE group_name = ? AND action = 'make_room') UNION SELECT id FROM runs WHERE conc_group = ? AND status = 'pending' AND EXISTS (SELECT 1 FROM conc_actions WHERE group_name = ? AND action = 'make_room')
 
 -- retry_groups_select_conc_groups --
 -- store: Store._retry_groups.tx_fn

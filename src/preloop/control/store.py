@@ -503,13 +503,12 @@ class Store:
                     return list(fast), claimed
             # Runs in id order: two batches never wait on each other's run rows.
             order = sorted(range(len(results)), key=lambda i: results[i][0].run_id)
-            if tx.dialect == "pg" and not one_run:
+            if not one_run:
                 # Every run row before the first run's cascade takes a group:
                 # holding a group while waiting for a later run's row would
                 # cross a transaction that holds that row and then writes the
                 # group (the cascade's order, run row then group).
-                run_ids = sorted({lease.run_id for lease, _, _ in results})
-                tx.execute(Q["complete_many_lock_runs"], (run_ids,))
+                tx.lock_runs([lease.run_id for lease, _, _ in results])
             by_index: dict[int, Completion | PreloopError] = {}
             bulk = self._pg_cascade(tx, results, groups) if ended else None
             if bulk is not None:
@@ -914,12 +913,15 @@ class Store:
                 def tx_fn(tx: Tx, name: str = name, again: set[str] = again) -> None:
                     if tx.dialect == "pg":
                         # The runs it writes were held (that is why it was put
-                        # off): waited for, a while, and before the group's
-                        # row, in the cascade's order. Each try waiting
+                        # off): waited for, a while, before the group's row,
+                        # in the cascade's order (the batch's hand-over that
+                        # takes a group before its run row gives way after
+                        # 50 ms). A held group promotes no one: its waiter's
+                        # run is left alone. Each row's wait of
                         # `RETRY_GROUP_LOCK_WAIT` outlasts a batch or a
-                        # cancellation; a holder that outlasts them all
+                        # cancellation; a holder that outlasts every try
                         # leaves the group to the reaper.
-                        runs = tx.execute(Q["retry_groups_select_runs"], (name,) * 7)
+                        runs = tx.execute(Q["retry_groups_select_runs"], (name,) * 9)
                         if not tx.lock_runs_within(
                             [int(r["run_id"]) for r in runs], RETRY_GROUP_LOCK_WAIT
                         ):

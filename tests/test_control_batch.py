@@ -39,12 +39,18 @@ def _fallbacks(snapshot: CountersSnapshot) -> int:
 
 
 def batch_behind_a_run_row_holder(
-    store: Store, pg_url: str, run_id: int, held: list[Lease], write: str, first: str = ""
+    store: Store,
+    pg_url: str,
+    run_id: int,
+    held: list[Lease],
+    write: str,
+    first: str = "",
+    limit: int = 2,
 ) -> tuple[list[Any], list[Lease]]:
-    """Completes `held` in one batch (claiming 2) while another transaction
-    holds the run row (and has run `first`, if given); once the batch waits
-    for it, the holder runs `write` (`%s`: the run id) and commits. Returns
-    the batch's answer."""
+    """Completes `held` in one batch (claiming `limit`) while another
+    transaction holds the row of run `run_id` (and has run `first`, if
+    given); once the batch waits for it, the holder runs `write` (`%s`: the
+    run id) and commits. Returns the batch's answer."""
     import psycopg
 
     out: dict[str, tuple[list[Any], list[Lease]]] = {}
@@ -56,7 +62,7 @@ def batch_behind_a_run_row_holder(
 
         def batch() -> None:
             out["result"] = store.complete_and_claim(
-                [(lease, "success", None) for lease in held], "r", [], limit=2
+                [(lease, "success", None) for lease in held], "r", [], limit=limit
             )
 
         t = threading.Thread(target=batch)
@@ -1167,8 +1173,6 @@ def test_a_batch_of_several_runs_takes_their_run_rows_before_any_group(pg_url: s
     group's row (the cascade's order: run row, then group) is not
     deadlocked: the batch takes both run rows, in id order, before any
     group, so it waits for the holder without holding the group."""
-    import psycopg
-
     with open_store(pg_url) as store:
         grouped = PlanBuilder()
         grouped.job("a", concurrency=ConcurrencySpec("g"))
@@ -1178,26 +1182,17 @@ def test_a_batch_of_several_runs_takes_their_run_rows_before_any_group(pg_url: s
         second = store.submit_run(plain.plan())
         held = store.claim_jobs("r", [], limit=2)
         assert sorted((x.run_id, x.job_id) for x in held) == [(first, "a"), (second, "b")]
-        out: dict[str, Any] = {}
-        with psycopg.connect(pg_url) as holder:
-            holder.execute("SELECT id FROM runs WHERE id = %s FOR UPDATE", (second,))
-            (pid,) = holder.execute("SELECT pg_backend_pid()").fetchone() or (0,)
-
-            def batch() -> None:
-                out["done"] = store.complete_and_claim(
-                    [(lease, "success", None) for lease in held], "r", [], limit=0
-                )
-
-            t = threading.Thread(target=batch)
-            t.start()
-            wait_until_blocked_by(holder, pid, t)
-            # Had the batch settled the first run (and released its group)
-            # before taking the second run's row, this write would wait for
-            # the batch while the batch waits for it.
-            holder.execute("UPDATE conc_groups SET holder_job = holder_job WHERE name = 'g'")
-            holder.commit()
-            t.join(timeout=60)
-        done, _ = out["done"]
+        # Had the batch settled the first run (and released its group) before
+        # taking the second run's row, the holder's write of that group would
+        # wait for the batch while the batch waits for it.
+        done, _ = batch_behind_a_run_row_holder(
+            store,
+            pg_url,
+            second,
+            held,
+            "UPDATE conc_groups SET holder_job = holder_job WHERE holder_run <> %s",
+            limit=0,
+        )
         assert sorted((c.run_id, c.job_id, c.conclusion) for c in done) == [
             (first, "a", "success"),
             (second, "b", "success"),

@@ -48,6 +48,7 @@ import pytest
 
 from hoststats import steal_between, steal_ms
 from preloop.control import open_store
+from preloop.testing.load import let_go, start_ready
 from preloop.testing.pg import scratch_schema
 from preloop.testing.plans import profile_plan, with_runs_on
 
@@ -67,17 +68,6 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         pytest.skip("PRELOOP_TEST_PG_URL is not set")
     with scratch_schema(url, prefix="preloop_bench") as scoped:
         yield scoped
-
-
-def _start(argvs: list[list[str]]) -> list[subprocess.Popen[str]]:
-    """Worker processes, each started and waiting at its "ready" line."""
-    procs = [
-        subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        for argv in argvs
-    ]
-    for p in procs:
-        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-    return procs
 
 
 def _connect(url: str) -> Any:
@@ -107,10 +97,7 @@ def _race(
     with _connect(url) as conn:
         steal_before = steal_ms()
         t0 = time.perf_counter()
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        let_go(procs)
         while True:
             row = conn.execute(end_sql).fetchone()
             if row is not None and row[0]:
@@ -132,7 +119,7 @@ def run_load(url: str, profile: str, legs: int) -> dict[str, Any]:
     with open_store(url) as store:
         run_id = store.submit_run(plan)
     engine = [sys.executable, "-m", "preloop.testing.load", url, str(run_id), str(CAPACITY)]
-    engines = _start([[*engine, str(THREADS_PER_ENGINE)] for _ in range(ENGINES)])
+    engines = start_ready([[*engine, str(THREADS_PER_ENGINE)] for _ in range(ENGINES)])
     wall, outs, steal = _race(
         engines, url, f"SELECT status = 'completed' FROM runs WHERE id = {int(run_id)}"
     )
@@ -243,7 +230,7 @@ def run_peer(kind: str, legs: int) -> dict[str, Any]:
     jobs = legs + 2
     with scratch_schema(url, prefix=f"preloop_bench_{kind}") as scoped:
         subprocess.run([sys.executable, PEERS_SCRIPT, "setup", scoped, kind, str(jobs)], check=True)
-        workers = _start(
+        workers = start_ready(
             [
                 [
                     sys.executable,

@@ -20,23 +20,33 @@ from typing import Any
 
 from preloop.control import Lease, open_store
 
-__all__ = ["main", "reports", "start_together"]
+__all__ = ["let_go", "main", "reports", "start_ready", "start_together"]
 
 
-def start_together(argvs: list[list[str]]) -> list[subprocess.Popen[str]]:
+def start_ready(argvs: list[list[str]]) -> list[subprocess.Popen[str]]:
     """Starts a process per argv that speaks this module's protocol (prints
-    "ready", waits for a line on stdin), waits until every one is ready and
-    lets them all go at once."""
+    "ready", waits for a line on stdin) and waits until every one is ready."""
     procs = [
         subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for argv in argvs
     ]
     for p in procs:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return procs
+
+
+def let_go(procs: list[subprocess.Popen[str]]) -> None:
+    """Lets processes `start_ready` started go, one right after the other."""
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("go\n")
         p.stdin.flush()
+
+
+def start_together(argvs: list[list[str]]) -> list[subprocess.Popen[str]]:
+    """`start_ready`, then `let_go`: the processes start working together."""
+    procs = start_ready(argvs)
+    let_go(procs)
     return procs
 
 

@@ -192,12 +192,11 @@ class Tx:
         self.lock_taken_ns = self.lock_taken_ns or t1
 
     def lock_runs_within(self, run_ids: Sequence[int], wait: str) -> bool:
-        """Locks the rows of `run_ids`, in id order, waiting at most `wait`
-        (a PostgreSQL interval such as "200ms") for each: False, with none of
-        them taken and nothing else of the transaction undone, when one stays
-        held longer. For a transaction that holds no other row yet, so it
-        takes run rows in the order every transaction does. Lite has one
-        writer: always True."""
+        """`lock_runs`, waiting at most `wait` (a PostgreSQL interval such as
+        "200ms") for each row: False, with none of them taken and nothing
+        else of the transaction undone, when one stays held longer. For a
+        transaction that holds no other row yet, so it takes run rows in the
+        order every transaction does. Lite has one writer: always True."""
         if not self._pg or not run_ids:
             return True
         import psycopg
@@ -207,7 +206,7 @@ class Tx:
         self.execute("SAVEPOINT preloop_lock_runs")
         try:
             self.execute("SELECT set_config('lock_timeout', ?, true)", (wait,))
-            self.execute(_LOCK_RUNS, (sorted(set(run_ids)),))
+            self.lock_runs(run_ids)
         except psycopg.errors.LockNotAvailable:
             # Also undoes the timeout set above.
             self.execute("ROLLBACK TO SAVEPOINT preloop_lock_runs")

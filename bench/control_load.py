@@ -26,8 +26,8 @@ benchmark's `extra_info` and printed as a table at the end (issue 17 targets):
   >= 10,000 lite),
 - per-completion cost at 20,000 legs within 1.2x of 2,000 legs,
 - statements per completion (the group profile: <= 4),
-- ours / PgQueuer and ours / procrastinate (>= 2.5x each; PgQueuer over
-  three alternating rounds, the median),
+- ours / PgQueuer and ours / procrastinate (>= 2.5x each; PgQueuer, on its
+  default driver asyncpg, over three alternating rounds, the median),
 - the vCPU time the host stole while the run was timed (`bench/hoststats.py`).
 """
 
@@ -256,10 +256,10 @@ def run_peer(kind: str, legs: int) -> dict[str, Any]:
     }
 
 
-# Rounds of ours and a peer, alternating: PgQueuer, within a few times of
-# ours, three (the ratio is their median, so one burst of host steal on one
-# side decides nothing); procrastinate, tens of times slower and a minute a
-# run at 20,000 jobs, one.
+# Rounds of ours and a peer, alternating: PgQueuer, close to ours, three
+# (the ratio is their median, so one burst of host steal on one side decides
+# nothing); procrastinate, tens of times slower and a minute a run at 20,000
+# jobs, one.
 PEER_ROUNDS = {"pgqueuer": 3, "procrastinate": 1}
 
 

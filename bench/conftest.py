@@ -6,7 +6,9 @@ implementation named in `BASELINES` found in a group is the reference, and the
 terminal summary prints every other implementation's mean time as a ratio of it.
 A benchmark that measures two implementations in alternating rounds (so that
 the load of a shared machine weighs on both alike) puts its one-line result in
-`extra_info["paired"]`, printed after the table.
+`extra_info["paired"]`, printed after the table. One with
+`extra_info["floor only"]` measures the host beside the others (its time is no
+rival's) and is left out of the table.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     for bench in session.benchmarks:
         if not bench.stats or bench.has_error:
             continue
+        if bench.extra_info.get("floor only"):
+            continue  # a measurement of the host beside the others, not a rival's time
         impl = bench.extra_info.get("impl", bench.name)
         groups[bench.group or bench.name][impl] = bench.stats.mean
     if not groups:

@@ -6,8 +6,9 @@ for a line on stdin, then works until nothing is queued or running (each
 queue's own drain mode) and prints one JSON line; `count URL KIND` prints the
 jobs still queued or running. KIND is `pgqueuer` or `procrastinate`; both run
 plain (no dependencies between jobs), with their stock settings apart from the
-batch size / concurrency given; PgQueuer's workers use its default driver,
-asyncpg.
+batch size / concurrency given and PgQueuer's dequeue timeout (0.2 s instead of
+30 s: a worker whose queue is briefly empty looks again sooner); PgQueuer's
+workers use asyncpg, the driver its CLI takes first.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import asyncio
 import json
 import sys
 import time
-import urllib.parse
 from datetime import timedelta
 from typing import Any
 
@@ -33,35 +33,22 @@ async def _pgq_setup(url: str, n: int) -> None:
             await queries.enqueue(["noop"] * k, [None] * k, [0] * k)
 
 
-async def _asyncpg_connect(url: str) -> Any:
-    """An asyncpg connection to `url`: libpq's `options=-cNAME=VALUE ...` (the
-    scratch schema's search_path) become asyncpg's server settings."""
-    import asyncpg
-
-    parts = urllib.parse.urlsplit(url)
-    query = urllib.parse.parse_qs(parts.query)
-    settings = dict(
-        token[2:].split("=", 1)
-        for token in query.pop("options", [""])[0].split()
-        if token.startswith("-c") and "=" in token
-    )
-    dsn = urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query, doseq=True)))
-    return await asyncpg.connect(dsn, server_settings=settings)
-
-
 async def _pgq_work(url: str, concurrency: int) -> dict[str, Any]:
+    import asyncpg
     from pgqueuer.db import AsyncpgDriver
     from pgqueuer.models import Job
     from pgqueuer.qm import QueueManager
     from pgqueuer.queries import Queries
     from pgqueuer.types import QueueExecutionMode
 
-    # asyncpg, PgQueuer's default driver (its CLI falls back to psycopg only
-    # without it). Its psycopg driver reads notifications on the one connection
-    # with `notifies(timeout=1.0)`, holding it up to 1 s when none arrives: the
-    # workers' last completion write then waits ~1 s, a stall of the driver,
-    # not of the queue, that dominated every earlier PgQueuer figure.
-    conn = await _asyncpg_connect(url)
+    # asyncpg, the driver PgQueuer's CLI takes first (psycopg only without
+    # it). Its psycopg driver waits for notifications on the worker's one
+    # connection with `notifies(timeout=1.0)`, holding the connection up to
+    # 1 s when none arrives: a worker's first dequeue or last completion write
+    # then waits up to a second, a stall of the driver, not of the queue.
+    # libpq's `options` in the URL (the scratch schema's search_path) reach
+    # the server through asyncpg as they are.
+    conn = await asyncpg.connect(url)
     qm = QueueManager(Queries(AsyncpgDriver(conn)))
     done = 0
 

@@ -184,11 +184,12 @@ FAIR_PROCS, FAIR_HOLDS, FAIR_HOLD_SECONDS = 8, 1000, 0.001
 
 # One contender: `impl` is who caps the holds. "preloop" is HostSlots. "flock
 # race" is the semaphore a user would write with flock(2), seed 001's as it
-# reads: take any free slot file, else block on slot pid % 4, where every
-# waiter of a slot is woken at each release and the fastest wins. "no cap"
-# holds with no semaphore at all, so its waits are 0 and its longest hold is
-# how far this host stretches a 1 ms hold (a vCPU woken late): the floor for
-# any waiter behind that hold.
+# reads: take any free slot file, else block on slot pid % 4. A waiter blocked
+# on its slot then races every other process's non-blocking scan, the holder
+# that just let the slot go among them, and loses whenever it runs later.
+# "no cap" holds with no semaphore at all, so its waits are 0 and its longest
+# hold is how far this host stretched a 1 ms hold in that run (a vCPU woken
+# late): what any waiter behind such a hold would wait out.
 FAIR_CONTENDER = """
 import fcntl, json, os, sys, time
 from contextlib import contextmanager

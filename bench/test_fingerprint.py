@@ -12,8 +12,8 @@ Targets (issue 3), warm page cache, one run:
 - 16 contenders x 200 short holds: throughput as a fraction of ideal 4-way;
 - issue 17: 8 processes x 1,000 acquisitions: no waiter starves (max wait within
   4x the median hold), beside a plain flock(2) race for the same four slots and
-  beside no cap at all (whose longest hold is the host's own stretch of a 1 ms
-  hold: the floor for a waiter behind it).
+  beside no cap at all (a run of its own, whose longest hold is how far the host
+  stretched a 1 ms hold: what a waiter behind such a hold waits out).
 
 Figures (GB/s, files/s, fractions) are in each benchmark's extra_info and printed
 by `-s`; the ratio table comes from bench/conftest.py.
@@ -330,27 +330,27 @@ def test_contended_waiters_do_not_starve(benchmark: Any, coordination: Path, imp
     steal_before = steal_ms()
     benchmark.pedantic(run, setup=start, rounds=1, iterations=1)
     steal = steal_between(steal_before, steal_ms())
-    waits = [got - asked for asked, got, _, _ in spans]
     holds = [released - got for _, got, released, _ in spans]
-    median_hold = statistics.median(holds)
-    max_wait, max_hold = max(waits), max(holds)
+    median_hold, max_hold = statistics.median(holds), max(holds)
+    benchmark.extra_info["median hold ms"] = round(median_hold * 1e3, 3)
+    benchmark.extra_info["max hold / median hold"] = round(max_hold / median_hold, 2)
+    benchmark.extra_info["vCPU steal during the run ms"] = steal
+    if impl == "no cap":  # nobody waits: only how far the host stretched the holds
+        benchmark.extra_info["floor only"] = True
+        print(f"\n8 x 1000 holds, no cap: median hold {median_hold * 1e3:.2f} ms, longest "
+              f"{max_hold * 1e3:.2f} ms ({max_hold / median_hold:.2f}x the median: the host's "
+              f"stretch in this run); vCPU steal during the run: {steal} ms")  # fmt: skip
+        return
+    waits = [got - asked for asked, got, _, _ in spans]
+    max_wait = max(waits)
     ratio = max_wait / median_hold
     behind, grants = _behind(spans)
     p99 = statistics.quantiles(waits, n=100)[98]
-    benchmark.extra_info["median hold ms"] = round(median_hold * 1e3, 3)
-    benchmark.extra_info["max hold / median hold"] = round(max_hold / median_hold, 2)
     benchmark.extra_info["max wait ms"] = round(max_wait * 1e3, 3)
     benchmark.extra_info["p99 wait ms"] = round(p99 * 1e3, 3)
     benchmark.extra_info["max wait / median hold"] = round(ratio, 2)
     benchmark.extra_info["max wait / longest hold waited behind"] = round(behind, 2)
     benchmark.extra_info["max grants of the slot while waiting"] = grants
-    benchmark.extra_info["vCPU steal during the run ms"] = steal
-    if impl == "no cap":
-        benchmark.extra_info["floor only"] = True
-        print(f"\n8 x 1000 holds, no cap: median hold {median_hold * 1e3:.2f} ms, longest "
-              f"{max_hold * 1e3:.2f} ms ({max_hold / median_hold:.2f}x the median: the host's "
-              f"own stretch); vCPU steal during the run: {steal} ms")  # fmt: skip
-        return
     print(f"\n8 x 1000 acquisitions, {impl}: median hold {median_hold * 1e3:.2f} ms, "
           f"longest hold {max_hold * 1e3:.2f} ms ({max_hold / median_hold:.2f}x the median); "
           f"max wait {max_wait * 1e3:.2f} ms ({ratio:.2f}x the median hold; target <= 4x), "

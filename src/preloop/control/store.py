@@ -921,7 +921,7 @@ class Store:
                         # `RETRY_GROUP_LOCK_WAIT` outlasts a batch or a
                         # cancellation; a holder that outlasts every try
                         # leaves the group to the reaper.
-                        runs = tx.execute(Q["retry_groups_select_runs"], (name,) * 9)
+                        runs = tx.execute(Q["retry_groups_select_runs"], (name,))
                         if not tx.lock_runs_within(
                             [int(r["run_id"]) for r in runs], RETRY_GROUP_LOCK_WAIT
                         ):

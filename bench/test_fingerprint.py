@@ -195,6 +195,13 @@ import fcntl, json, os, sys, time
 from contextlib import contextmanager
 directory, holds, hold, done_fd, impl = sys.argv[1:6]
 hold = float(hold)
+
+
+class Held:
+    def __init__(self, index):
+        self.index = index
+
+
 if impl == "preloop":
     from preloop.fingerprint import HostSlots
     slots = HostSlots(directory)
@@ -204,10 +211,6 @@ if impl == "preloop":
         warm.release()
 elif impl == "flock race":
     fds = [os.open(os.path.join(directory, f"slot-{i}"), os.O_RDONLY) for i in range(4)]
-
-    class Held:
-        def __init__(self, index):
-            self.index = index
 
     @contextmanager
     def acquire():
@@ -225,12 +228,9 @@ elif impl == "flock race":
         finally:
             fcntl.flock(fds[i], fcntl.LOCK_UN)
 else:
-    class Held:
-        index = 0
-
     @contextmanager
     def acquire():
-        yield Held()
+        yield Held(0)
 sys.stdout.write("r")
 sys.stdout.flush()
 assert sys.stdin.read(1) == ""  # start together when the gate closes

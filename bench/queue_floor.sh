@@ -7,7 +7,12 @@
 #   bare     a 3-index table, one statement a call;
 #   indexes  our index shape: (run_id, id TEXT) key, (run_id, status), the
 #            leases index, uuid lease tokens;
-#   counters the same plus the unit's and the run's counters, one plpgsql call.
+#   counters the same plus the unit's and the run's counters, one plpgsql call;
+#   ranges   a matrix's legs claimed as ranges of one cohort row: the call ends
+#            the client's running batch (one row for its 32 legs, their
+#            outcomes an array), moves the cohort's cursor by 32 and writes
+#            the next batch's row with its lease, plus the counters: the row
+#            writes per job a range model would leave (not what preloop does).
 # Compare with bench/control_load.py's completions/s (issue 17: what a 2.5x
 # margin over PgQueuer would need). Usage: bench/queue_floor.sh [URL]
 # (default $PRELOOP_TEST_PG_URL); the scratch schema is dropped at the end.
@@ -90,6 +95,37 @@ BEGIN
     SELECT (SELECT count(*) FROM d), (SELECT json_agg(c)::TEXT FROM c) INTO n, v;
     UPDATE $schema.units SET remaining = remaining - n, n_success = n_success + n
      WHERE run_id = 1 AND base_id = 'leg';
+    UPDATE $schema.runs SET remaining = remaining - n WHERE id = 1;
+    RETURN v;
+END \$fn\$;" "SELECT $schema.complete_claim(:client_id::TEXT);"
+
+run ranges "
+CREATE TABLE runs (id BIGINT PRIMARY KEY, remaining BIGINT NOT NULL);
+INSERT INTO runs VALUES (1, 200000);
+CREATE TABLE cohorts (run_id BIGINT, base_id TEXT COLLATE \"C\", next_leg BIGINT NOT NULL,
+    legs BIGINT NOT NULL, remaining BIGINT NOT NULL, n_success BIGINT NOT NULL,
+    PRIMARY KEY (run_id, base_id));
+INSERT INTO cohorts VALUES (1, 'leg', 0, 200000, 200000, 0);
+CREATE TABLE leg_batches (run_id BIGINT NOT NULL, base_id TEXT COLLATE \"C\" NOT NULL,
+    first_leg BIGINT NOT NULL, last_leg BIGINT NOT NULL, status TEXT NOT NULL, runner TEXT,
+    token TEXT, lease_expires DOUBLE PRECISION, outcomes SMALLINT[],
+    PRIMARY KEY (run_id, base_id, first_leg));
+CREATE INDEX leg_batches_leases ON leg_batches (lease_expires) WHERE status = 'running';
+CREATE FUNCTION complete_claim(p_runner TEXT) RETURNS TEXT LANGUAGE plpgsql AS \$fn\$
+DECLARE n BIGINT; first BIGINT; v TEXT;
+BEGIN
+    UPDATE $schema.leg_batches SET status = 'completed', token = NULL,
+           outcomes = array_fill(0::SMALLINT, ARRAY[(last_leg - first_leg + 1)::INT])
+     WHERE run_id = 1 AND status = 'running' AND runner = p_runner
+    RETURNING last_leg - first_leg + 1 INTO n;
+    n := coalesce(n, 0);
+    UPDATE $schema.cohorts SET next_leg = next_leg + 32,
+           remaining = remaining - n, n_success = n_success + n
+     WHERE run_id = 1 AND base_id = 'leg' RETURNING next_leg - 32 INTO first;
+    INSERT INTO $schema.leg_batches
+    VALUES (1, 'leg', first, first + 31, 'running', p_runner,
+            replace(gen_random_uuid()::TEXT, '-', ''), 1)
+    RETURNING json_build_object('first', first_leg, 'last', last_leg, 'token', token)::TEXT INTO v;
     UPDATE $schema.runs SET remaining = remaining - n WHERE id = 1;
     RETURN v;
 END \$fn\$;" "SELECT $schema.complete_claim(:client_id::TEXT);"

@@ -534,6 +534,14 @@ def test_cli_file_and_errors(repo: Path) -> None:
     ]
     res = run_cli(repo, "-f", "missing.yml")
     assert res.returncode == 1 and "missing.yml:1:1: cannot read workflow" in res.stderr
+    # A file given with -f that the event does not trigger: named, with what to do.
+    write(repo, "release.yml", "on: release\njobs:\n  r:\n    runs-on: x\n    steps: [{run: b}]\n")
+    res = run_cli(repo, "-f", ".github/workflows/release.yml")
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [
+        "preloop: error: .github/workflows/release.yml: not triggered by 'push' (its events: "
+        "release); plan another event with --event EVENT"
+    ]
 
 
 def git(cwd: Path, *args: str) -> str:

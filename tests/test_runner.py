@@ -322,6 +322,83 @@ def test_checkout_is_satisfied_and_unfetchable_actions_fail_naming_the_step(tmp_
     assert msg and "--action actions/setup-node=DIR" in msg[0]
 
 
+def _git_workspace(tmp_path: Path) -> str:
+    """A workspace that is a git checkout with one commit; its commit id."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "hello.txt").write_text("hi\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    subprocess.run([*git, "init", "-q", str(ws)], check=True)
+    subprocess.run([*git, "-C", str(ws), "add", "-A"], check=True)
+    subprocess.run([*git, "-C", str(ws), "commit", "-qm", "one"], check=True)
+    out = subprocess.run(["git", "-C", str(ws), "rev-parse", "HEAD"], capture_output=True)
+    return out.stdout.decode().strip()
+
+
+def test_checkout_path_gets_its_own_checkout_and_notes_what_is_not_honoured(
+    tmp_path: Path,
+) -> None:
+    commit = _git_workspace(tmp_path)
+    result, lines = run_job(
+        tmp_path,
+        [
+            {
+                "uses": "actions/checkout@v4",
+                "with": {"path": "sub/src", "ref": "gh-pages", "fetch-depth": 0},
+            },
+            {"run": "cat hello.txt && git rev-parse HEAD", "working-directory": "sub/src"},
+            {"uses": "actions/checkout@v4", "with": {"path": "sub/src", "ref": "main"}},
+        ],
+        contexts={"github": {"event_name": "push", "repository": "acme/tool", "ref_name": "main"}},
+    )
+    assert result.conclusion == "success", lines
+    assert "hi" in lines and commit in lines
+    assert any("ref 'gh-pages' is not checked out" in line for line in lines)
+    assert any("no tags" in line for line in lines)
+    # `ref:` naming the run's own branch is no news; a second checkout to the
+    # same path leaves the first one.
+    assert not any("ref 'main'" in line for line in lines)
+    assert any("sub/src already holds a checkout" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "error"),
+    [
+        ({"repository": "other/lib", "path": "lib"}, "of repository 'other/lib': preloop checks"),
+        ({"path": "../outside"}, "path '../outside' is not under the workspace"),
+        ({"path": "taken"}, "path 'taken' exists and is not empty"),
+    ],
+)
+def test_checkout_inputs_it_cannot_honour_fail_the_step_in_one_line(
+    tmp_path: Path, inputs: dict[str, str], error: str
+) -> None:
+    _git_workspace(tmp_path)
+    (tmp_path / "ws" / "taken").mkdir()
+    (tmp_path / "ws" / "taken" / "file").write_text("x")
+    result, lines = run_job(
+        tmp_path,
+        [{"name": "Checkout", "uses": "actions/checkout@v4", "with": inputs}],
+        contexts={"github": {"event_name": "push", "repository": "acme/tool"}},
+    )
+    assert result.conclusion == "failure"
+    failures = [line for line in lines if line.startswith("✖ Checkout: actions/checkout")]
+    assert len(failures) == 1 and error in failures[0], lines
+    assert not (tmp_path / "outside").exists() and not (tmp_path / "ws" / "lib").exists()
+
+
+def test_checkout_of_the_runs_own_repository_is_satisfied(tmp_path: Path) -> None:
+    _git_workspace(tmp_path)
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"uses": "actions/checkout@v4", "with": {"repository": "ACME/Tool"}},
+            {"uses": "actions/checkout@v4", "with": {"repository": "someone/tool"}},
+        ],
+        contexts={"github": {"event_name": "push", "repository": "local/tool"}},
+    )
+    assert result.conclusion == "success", lines
+
+
 def test_composite_action_inputs_outputs(tmp_path: Path) -> None:
     action = """\
         name: greet

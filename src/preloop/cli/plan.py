@@ -152,6 +152,8 @@ def plan_command(
     invalid = WorkflowError(problems) if problems else None
     if invalid is not None and not plans:
         raise invalid
+    if not plans and explicit and skipped:
+        raise UsageError(f"{skipped[0][0]}: {skipped[0][1]}; plan another event with --event EVENT")
     if not plans:
         detail = "; ".join(f"{p}: {r}" for p, r in skipped)
         raise UsageError(f"no workflow in .github/workflows is triggered by '{event}': {detail}")

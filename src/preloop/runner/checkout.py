@@ -25,6 +25,7 @@ import shutil
 import socket
 import threading
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,7 @@ __all__ = [
     "CheckoutTemplates",
     "SnapshotLocation",
     "checkout_snapshot",
+    "checkout_step",
     "sweep_work_dir",
     "work_dir",
 ]
@@ -133,6 +135,93 @@ async def checkout_snapshot(location: SnapshotLocation, dest: Path, where: str) 
         )
     except CommandFailed as exc:
         raise CheckoutError(f"{where}: checkout of the run's snapshot failed: {exc}") from None
+
+
+# actions/checkout inputs that change what is checked out and that preloop
+# cannot honour: the snapshot has the run's files, not a ref's or with its tags.
+_REF_INPUT_NOTE = (
+    "actions/checkout: ref {ref!r} is not checked out: preloop runs the job on the "
+    "run's snapshot (the working tree as submitted)"
+)
+_TAGS_NOTE = (
+    "actions/checkout: the snapshot's checkout has its history but no tags: "
+    "`git describe --tags` and versions from git (setuptools-scm, hatch-vcs) find none"
+)
+
+
+async def checkout_step(
+    inputs: Mapping[str, str],
+    workspace: Path,
+    github: Mapping[str, Any],
+    log: Callable[[str], None],
+) -> None:
+    """`uses: actions/checkout`: the workspace already holds the run's
+    snapshot. `path:` gets a checkout of its own (a `--shared` clone of the
+    workspace's repository) under the workspace, as GitHub's would; another
+    `repository:` is refused (the snapshot has only the run's files); `ref:`
+    and the inputs that would fetch tags are noted in the log, not honoured.
+    Raises `CheckoutError` with a one-line message (the caller names the step)."""
+    repository = inputs.get("repository", "").strip()
+    if repository and not _same_repository(repository, str(github.get("repository") or "")):
+        raise CheckoutError(
+            f"actions/checkout of repository {repository!r}: preloop checks out only "
+            f"the run's own repository ({github.get('repository')}); check that repository "
+            "out in a `run:` step (`git clone`) or skip the step with `if:`"
+        )
+    ref = inputs.get("ref", "").strip()
+    if ref and ref not in _current_refs(github):
+        log(_REF_INPUT_NOTE.format(ref=ref))
+    if inputs.get("fetch-depth", "").strip() == "0" or inputs.get("fetch-tags", "") == "true":
+        log(_TAGS_NOTE)
+    path = inputs.get("path", "").strip()
+    dest = (workspace / path).resolve() if path else workspace.resolve()
+    root = workspace.resolve()
+    if dest != root and root not in dest.parents:
+        raise CheckoutError(f"actions/checkout path {path!r} is not under the workspace {root}")
+    if dest == root:
+        log("actions/checkout: satisfied by the snapshot checkout in the workspace")
+        return
+    if (dest / ".git").exists():
+        log(f"actions/checkout: {path} already holds a checkout; left as it is")
+        return
+    if dest.exists() and any(dest.iterdir()):
+        raise CheckoutError(
+            f"actions/checkout path {path!r} exists and is not empty: remove it "
+            "first or check out to another path"
+        )
+    if not (root / ".git").exists():
+        raise CheckoutError(f"actions/checkout: the workspace {root} holds no git checkout to copy")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        dest.rmdir()  # an empty directory: git clone makes its own
+    try:
+        clone = ["git", "-c", "advice.detachedHead=false", "clone", "-q", "--shared",
+                 "--no-tags", "--template=", str(root), str(dest)]  # fmt: skip
+        await run_command(clone, timeout=_CHECKOUT_TIMEOUT)
+    except CommandFailed as exc:
+        raise CheckoutError(f"actions/checkout into {path!r} failed: {exc}") from None
+    log(f"actions/checkout: the snapshot checked out into {path}")
+
+
+def _same_repository(wanted: str, current: str) -> bool:
+    """Whether `owner/name` (any case, an optional `.git`) is the run's
+    repository. A run without a GitHub remote is `local/<directory>`: then
+    only the names can be compared."""
+    wanted = wanted.lower().removesuffix(".git")
+    current = current.lower()
+    if wanted == current:
+        return True
+    return current.startswith("local/") and wanted.rsplit("/", 1)[-1] == current[6:]
+
+
+def _current_refs(github: Mapping[str, Any]) -> set[str]:
+    """The refs an `actions/checkout` `ref:` may name and still mean the
+    run's own commit."""
+    refs = {str(github.get(k) or "") for k in ("ref", "ref_name", "sha", "head_ref")}
+    ref_name = str(github.get("ref_name") or "")
+    if ref_name:
+        refs |= {f"refs/heads/{ref_name}", f"refs/tags/{ref_name}"}
+    return refs - {""}
 
 
 _KEEP_TEMPLATES = 4

@@ -16,7 +16,8 @@ data) one after another and returns a `JobResult`:
   and `GITHUB_PATH` (effective from the next step on), `GITHUB_STEP_SUMMARY`
   (collected into the job summary), `GITHUB_STATE`; workflow commands and
   masking (`preloop.runner.commands`).
-- `uses: actions/checkout@...` is satisfied by the snapshot checkout; every
+- `uses: actions/checkout@...` is satisfied by the snapshot checkout (its
+  `path:` gets a clone of it; see `checkout_step`); every
   other `uses:` (local `./path` read when the step runs, `owner/repo@ref`
   from the action cache, `docker://image`) runs through `preloop.actions`:
   JavaScript actions with pre/main/post, composite actions as nested steps
@@ -47,6 +48,7 @@ from preloop.actions.reference import UsesError, is_checkout
 from preloop.actions.steps import POST_STEPS_TIMEOUT, ActionSource, ActionStepError, ActionSteps
 from preloop.errors import PreloopError
 from preloop.process import CommandTimeout
+from preloop.runner.checkout import CheckoutError, checkout_step
 from preloop.runner.commands import (
     Annotation,
     EnvFileError,
@@ -693,7 +695,15 @@ class _Execution:
     ) -> tuple[dict[str, str], str]:
         uses = str(step["uses"]).strip()
         if is_checkout(uses):
-            self.log("actions/checkout: satisfied by the snapshot checkout in the workspace")
+            try:
+                await checkout_step(
+                    self.with_inputs(step, ctx),
+                    self.host.workspace,
+                    self.github,
+                    self.log,
+                )
+            except CheckoutError as exc:
+                raise _StepFailure(str(exc)) from None
             return {}, "success"
         return await self.actions.run_main(step, name, env, ctx, scope, timeout)
 

@@ -2,7 +2,7 @@
 # The floor of a queue that writes one row per job, on this PostgreSQL, with a
 # client that costs nothing (pgbench, C): each call completes the client's
 # running jobs and claims the next 32 (UPDATE ... FOR UPDATE SKIP LOCKED), the
-# work of one `preloop_complete_claim` batch without its semantics. Three
+# work of one `preloop_complete_claim` batch without its semantics. Four
 # shapes, each 2 clients for 5 s, printed as jobs/s:
 #   bare     a 3-index table, one statement a call;
 #   indexes  our index shape: (run_id, id TEXT) key, (run_id, status), the
@@ -46,7 +46,7 @@ CREATE TABLE jobs (id BIGINT PRIMARY KEY, seq BIGINT NOT NULL, status TEXT NOT N
     runner TEXT, token TEXT, started DOUBLE PRECISION, done DOUBLE PRECISION);
 CREATE INDEX jobs_queued ON jobs (seq) WHERE status = 'queued';
 CREATE INDEX jobs_running ON jobs (id) WHERE status = 'running';
-INSERT INTO jobs SELECT g, g, 'queued' FROM generate_series(1, 200000) g;" "
+INSERT INTO jobs SELECT g, g, 'queued' FROM generate_series(1, 600000) g;" "
 WITH d AS (
     UPDATE $schema.jobs SET status = 'completed', done = 1
      WHERE status = 'running' AND runner = :client_id::TEXT RETURNING id
@@ -65,7 +65,7 @@ CREATE TABLE jobs (run_id BIGINT NOT NULL, id TEXT COLLATE \"C\" NOT NULL, seq B
 CREATE INDEX jobs_queued ON jobs (run_id, seq) WHERE status = 'queued';
 CREATE INDEX jobs_leases ON jobs (lease_expires) WHERE status = 'running';
 CREATE INDEX jobs_run_status ON jobs (run_id, status);
-INSERT INTO jobs SELECT 1, 'leg#' || g, g, 'queued' FROM generate_series(1, 200000) g;"
+INSERT INTO jobs SELECT 1, 'leg#' || g, g, 'queued' FROM generate_series(1, 600000) g;"
 SETTLE="
 WITH d AS (
     UPDATE $schema.jobs SET status = 'completed', done = 1, token = NULL
@@ -84,10 +84,10 @@ SELECT (SELECT count(*) FROM d), (SELECT json_agg(c) FROM c);"
 
 run counters "$INDEXED
 CREATE TABLE runs (id BIGINT PRIMARY KEY, remaining BIGINT NOT NULL);
-INSERT INTO runs VALUES (1, 200000);
+INSERT INTO runs VALUES (1, 600000);
 CREATE TABLE units (run_id BIGINT, base_id TEXT, remaining BIGINT NOT NULL,
     n_success BIGINT NOT NULL, PRIMARY KEY (run_id, base_id));
-INSERT INTO units VALUES (1, 'leg', 200000, 0);
+INSERT INTO units VALUES (1, 'leg', 600000, 0);
 CREATE FUNCTION complete_claim(p_runner TEXT) RETURNS TEXT LANGUAGE plpgsql AS \$fn\$
 DECLARE n INT; v TEXT;
 BEGIN
@@ -101,11 +101,11 @@ END \$fn\$;" "SELECT $schema.complete_claim(:client_id::TEXT);"
 
 run ranges "
 CREATE TABLE runs (id BIGINT PRIMARY KEY, remaining BIGINT NOT NULL);
-INSERT INTO runs VALUES (1, 200000);
+INSERT INTO runs VALUES (1, 600000);
 CREATE TABLE cohorts (run_id BIGINT, base_id TEXT COLLATE \"C\", next_leg BIGINT NOT NULL,
     legs BIGINT NOT NULL, remaining BIGINT NOT NULL, n_success BIGINT NOT NULL,
     PRIMARY KEY (run_id, base_id));
-INSERT INTO cohorts VALUES (1, 'leg', 0, 200000, 200000, 0);
+INSERT INTO cohorts VALUES (1, 'leg', 0, 600000, 600000, 0);
 CREATE TABLE leg_batches (run_id BIGINT NOT NULL, base_id TEXT COLLATE \"C\" NOT NULL,
     first_leg BIGINT NOT NULL, last_leg BIGINT NOT NULL, status TEXT NOT NULL, runner TEXT,
     token TEXT, lease_expires DOUBLE PRECISION, outcomes SMALLINT[],

@@ -366,7 +366,9 @@ def test_checkout_path_gets_its_own_checkout_and_notes_what_is_not_honoured(
     [
         ({"repository": "other/lib", "path": "lib"}, "of repository 'other/lib': preloop checks"),
         ({"path": "../outside"}, "path '../outside' is not under the workspace"),
-        ({"path": "taken"}, "path 'taken' exists and is not empty"),
+        ({"path": "taken"}, "path 'taken' exists and is not an empty directory"),
+        ({"path": "hello.txt"}, "path 'hello.txt' exists and is not an empty directory"),
+        ({"path": "hello.txt/sub"}, "actions/checkout into 'hello.txt/sub' failed: "),
     ],
 )
 def test_checkout_inputs_it_cannot_honour_fail_the_step_in_one_line(
@@ -388,15 +390,23 @@ def test_checkout_inputs_it_cannot_honour_fail_the_step_in_one_line(
 
 def test_checkout_of_the_runs_own_repository_is_satisfied(tmp_path: Path) -> None:
     _git_workspace(tmp_path)
-    result, lines = run_job(
-        tmp_path,
-        [
-            {"uses": "actions/checkout@v4", "with": {"repository": "ACME/Tool"}},
-            {"uses": "actions/checkout@v4", "with": {"repository": "someone/tool"}},
-        ],
-        contexts={"github": {"event_name": "push", "repository": "local/tool"}},
-    )
+    steps = [
+        {"uses": "actions/checkout@v4", "with": {"repository": "ACME/Tool.git"}},
+        {"uses": "actions/checkout@v4", "with": {"repository": "someone/tool"}},
+        {"uses": "actions/checkout@v4", "with": {"repository": "pallets/markupsafe"}},
+    ]
+    pushed = {"after": "0123abc", "pull_request": {"head": {"sha": "4567def", "ref": "fix"}}}
+    github = {"event_name": "push", "repository": "local/tool", "event": pushed}
+    for ref in ("0123abc", "4567def", "fix"):
+        steps.append({"uses": "actions/checkout@v4", "with": {"ref": ref, "fetch-tags": "True"}})
+    result, lines = run_job(tmp_path, steps, contexts={"github": github})
     assert result.conclusion == "success", lines
+    # Without a GitHub remote the run's repository's real name is unknown: a
+    # note, not a failure; the submitted HEAD's refs are the run's own.
+    notes = [line for line in lines if line.startswith("actions/checkout: cannot tell")]
+    assert len(notes) == 1 and "'pallets/markupsafe'" in notes[0]
+    assert not any("is not checked out" in line for line in lines)
+    assert sum("no tags" in line for line in lines) == 3
 
 
 def test_composite_action_inputs_outputs(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from preloop.errors import PreloopError
-from preloop.process import CommandFailed, run_command
+from preloop.process import CommandFailed, CommandTimeout, run_command
 from preloop.snapshot.bundles import SnapshotBundles
 from preloop.snapshot.gitcmd import git, git_env
 from preloop.snapshot.holders import release_run_repository
@@ -162,65 +162,104 @@ async def checkout_step(
     and the inputs that would fetch tags are noted in the log, not honoured.
     Raises `CheckoutError` with a one-line message (the caller names the step)."""
     repository = inputs.get("repository", "").strip()
-    if repository and not _same_repository(repository, str(github.get("repository") or "")):
-        raise CheckoutError(
-            f"actions/checkout of repository {repository!r}: preloop checks out only "
-            f"the run's own repository ({github.get('repository')}); check that repository "
-            "out in a `run:` step (`git clone`) or skip the step with `if:`"
-        )
+    current = str(github.get("repository") or "")
+    if repository and not _same_name(repository, current):
+        if current.startswith("local/"):  # no GitHub remote: the name may differ
+            log(
+                f"actions/checkout: cannot tell whether {repository!r} is this repository "
+                "(it has no GitHub remote); the run's snapshot is what is checked out"
+            )
+        else:
+            raise CheckoutError(
+                f"actions/checkout of repository {repository!r}: preloop checks out only the "
+                f"run's own repository ({current}); check that one out in a `run:` step "
+                "(`git clone`) or skip the step with `if:`"
+            )
     ref = inputs.get("ref", "").strip()
     if ref and ref not in _current_refs(github):
         log(_REF_INPUT_NOTE.format(ref=ref))
-    if inputs.get("fetch-depth", "").strip() == "0" or inputs.get("fetch-tags", "") == "true":
+    fetch_tags = inputs.get("fetch-tags", "").strip().lower() == "true"
+    if inputs.get("fetch-depth", "").strip() == "0" or fetch_tags:
         log(_TAGS_NOTE)
     path = inputs.get("path", "").strip()
-    dest = (workspace / path).resolve() if path else workspace.resolve()
+    try:
+        await _checkout_into(path, workspace, log)
+    except CommandTimeout:
+        raise CheckoutError(
+            f"actions/checkout into {path!r} timed out after {_CHECKOUT_TIMEOUT:g} s"
+        ) from None
+    except OSError as exc:
+        raise CheckoutError(
+            f"actions/checkout into {path!r} failed: {exc.strerror or exc} "
+            f"({exc.filename or path}); check the step's `path:`"
+        ) from None
+
+
+async def _checkout_into(path: str, workspace: Path, log: Callable[[str], None]) -> None:
+    """`path:` of `checkout_step`: the workspace itself, or a clone of its
+    checkout (its HEAD when the step runs) at `path` under it."""
     root = workspace.resolve()
+    dest = (workspace / path).resolve() if path else root
     if dest != root and root not in dest.parents:
-        raise CheckoutError(f"actions/checkout path {path!r} is not under the workspace {root}")
+        raise CheckoutError(
+            f"actions/checkout path {path!r} is not under the workspace {root}: give a "
+            "path relative to it"
+        )
     if dest == root:
         log("actions/checkout: satisfied by the snapshot checkout in the workspace")
         return
     if (dest / ".git").exists():
         log(f"actions/checkout: {path} already holds a checkout; left as it is")
         return
-    if dest.exists() and any(dest.iterdir()):
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise CheckoutError(
-            f"actions/checkout path {path!r} exists and is not empty: remove it "
-            "first or check out to another path"
+            f"actions/checkout path {path!r} exists and is not an empty directory: remove "
+            "it first or check out to another path"
         )
     if not (root / ".git").exists():
-        raise CheckoutError(f"actions/checkout: the workspace {root} holds no git checkout to copy")
+        raise CheckoutError(
+            f"actions/checkout: the workspace {root} holds no git checkout to clone into "
+            f"{path!r}; drop the step's `path:`"
+        )
     dest.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         dest.rmdir()  # an empty directory: git clone makes its own
+    clone = ["git", "-c", "advice.detachedHead=false", "clone", "-q", "--shared",
+             "--no-tags", "--template=", str(root), str(dest)]  # fmt: skip
     try:
-        clone = ["git", "-c", "advice.detachedHead=false", "clone", "-q", "--shared",
-                 "--no-tags", "--template=", str(root), str(dest)]  # fmt: skip
         await run_command(clone, timeout=_CHECKOUT_TIMEOUT)
     except CommandFailed as exc:
         raise CheckoutError(f"actions/checkout into {path!r} failed: {exc}") from None
     log(f"actions/checkout: the snapshot checked out into {path}")
 
 
-def _same_repository(wanted: str, current: str) -> bool:
-    """Whether `owner/name` (any case, an optional `.git`) is the run's
-    repository. A run without a GitHub remote is `local/<directory>`: then
-    only the names can be compared."""
-    wanted = wanted.lower().removesuffix(".git")
-    current = current.lower()
-    if wanted == current:
-        return True
-    return current.startswith("local/") and wanted.rsplit("/", 1)[-1] == current[6:]
+def _same_name(wanted: str, current: str) -> bool:
+    """Whether `owner/name` names the run's repository `current`. Only the
+    names are compared (any case, an optional `.git`): `github.repository`
+    is read from the origin remote's last two path parts, so its owner part
+    is a guess for a remote that is not GitHub's."""
+
+    def name(repository: str) -> str:
+        return repository.strip().lower().removesuffix(".git").rsplit("/", 1)[-1]
+
+    return name(wanted) == name(current)
 
 
 def _current_refs(github: Mapping[str, Any]) -> set[str]:
     """The refs an `actions/checkout` `ref:` may name and still mean the
-    run's own commit."""
+    run's own commit: the run's ref, its snapshot commit, and the submitted
+    HEAD as the event payload gives it (`after`, a pull request's head)."""
     refs = {str(github.get(k) or "") for k in ("ref", "ref_name", "sha", "head_ref")}
-    ref_name = str(github.get("ref_name") or "")
-    if ref_name:
-        refs |= {f"refs/heads/{ref_name}", f"refs/tags/{ref_name}"}
+    for name in ("ref_name", "head_ref"):
+        if value := str(github.get(name) or ""):
+            refs |= {f"refs/heads/{value}", f"refs/tags/{value}"}
+    event = github.get("event")
+    if isinstance(event, dict):
+        refs.add(str(event.get("after") or ""))
+        pull_request = event.get("pull_request")
+        head = pull_request.get("head") if isinstance(pull_request, dict) else None
+        if isinstance(head, dict):
+            refs |= {str(head.get("sha") or ""), str(head.get("ref") or "")}
     return refs - {""}
 
 

@@ -284,6 +284,58 @@ def test_dirty_tree_visible_and_source_untouched(tmp_path: Path, store_url: str)
     assert git(repo, "rev-parse", "HEAD") == head_before
 
 
+def test_checkout_has_the_pushed_branch_and_the_tags_of_its_history(
+    tmp_path: Path, store_url: str
+) -> None:
+    # On PostgreSQL the runner fetches the snapshot from the store's bundles:
+    # the tags must name commits those brought.
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              version:
+                runs-on: ubuntu-latest
+                steps:
+                  - uses: actions/checkout@v4
+                    with:
+                      fetch-depth: 0
+                  - run: |
+                      echo "describe $(git describe --tags)"
+                      echo "branch $(git rev-parse --abbrev-ref HEAD)"
+                      echo "upstream $(git rev-parse --abbrev-ref @{u})"
+                      echo "remotes $(git branch -r | tr -d ' ' | tr '\\n' ,)"
+                      echo "tags $(git tag -l | tr '\\n' ,)"
+                  - uses: actions/checkout@v4
+                    with:
+                      path: again
+                  - run: echo "again $(git describe --tags)"
+                    working-directory: again
+            """
+        ),
+    )
+    git(repo, "tag", "v1.0")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "two")
+    git(repo, "tag", "-a", "v1.1", "-m", "release 1.1")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "three")
+    git(repo, "checkout", "-q", "-b", "elsewhere")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "not in main")
+    git(repo, "tag", "v9-elsewhere")
+    git(repo, "checkout", "-q", "-b", "feature/fast", "main")
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "success", h.lines
+    lines = h.lines["version"]
+    # The snapshot commit sits on HEAD: one commit past v1.1, HEAD's own
+    # one past it. Only tags in HEAD's history; the annotated one lightweight.
+    describe = next(line for line in lines if line.startswith("describe "))
+    assert describe.startswith("describe v1.1-2-g")
+    assert "branch feature/fast" in lines and "upstream origin/feature/fast" in lines
+    assert "remotes origin/feature/fast," in lines
+    assert "tags v1.0,v1.1," in lines
+    assert any(line.startswith("again v1.1-2-g") for line in lines)
+
+
 def test_secret_never_in_logs(tmp_path: Path, store_url: str) -> None:
     repo = make_repo(
         tmp_path / "repo",

@@ -65,6 +65,7 @@ from preloop.runner.checkout import (
     SNAPSHOT_CONTEXT_KEY,
     CheckoutTemplates,
     SnapshotLocation,
+    snapshot_tags,
     sweep_work_dir,
     work_dir,
 )
@@ -650,10 +651,20 @@ class Engine:
                 holder.unlink(missing_ok=True)
                 raise
             held = True
-            location = SnapshotLocation(str(snap.repository), "snapshot", snap.commit)
+            ref = str(selection.github.get("ref") or "")
+            # The checkout's names as GitHub's has them: the pushed branch, and
+            # the tags in the submitted HEAD's history (versions from git).
+            names: dict[str, Any] = {
+                "tags": await anyio.to_thread.run_sync(snapshot_tags, root, snap.parents[0])
+                if snap.parents
+                else (),
+                "head_branch": ref.removeprefix("refs/heads/")
+                if ref.startswith("refs/heads/")
+                else "",
+            }
+            location = SnapshotLocation(str(snap.repository), "snapshot", snap.commit, **names)
             # The cache scope of the run's jobs, for remote runners' services too.
             default_ref = await anyio.to_thread.run_sync(default_branch_ref, root)
-            ref = str(selection.github.get("ref") or "")
             base = str(selection.github.get("base_ref") or "")
             base_ref = f"refs/heads/{base}" if base else ""  # pull requests only
             if store.dialect == "pg":
@@ -671,6 +682,7 @@ class Engine:
                     "store",
                     snap.cache_key,
                     self.published.chain,
+                    **names,
                 )
             labels: set[str] = set()
             for planned in selection.plans:

@@ -23,6 +23,7 @@ import contextlib
 import os
 import shutil
 import socket
+import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -67,7 +68,12 @@ class CheckoutError(PreloopError):
 class SnapshotLocation:
     """Where a run's snapshot lives: a bare repository path, its branch,
     commit; with the `store` transport also the object-cache key of the
-    submitter's repository and the chain of bundle digests (root first)."""
+    submitter's repository and the chain of bundle digests (root first).
+
+    What the job's checkout is given besides, as GitHub's would have it:
+    `tags`, the submitted repository's tags in the snapshot's history as
+    (name, commit) pairs (`snapshot_tags`), and `head_branch`, the branch
+    pushed (the checkout's branch is named after it; "" keeps `branch`)."""
 
     repository: str
     branch: str
@@ -75,6 +81,8 @@ class SnapshotLocation:
     transport: str = "path"
     repo_key: str = ""
     bundles: tuple[str, ...] = ()
+    tags: tuple[tuple[str, str], ...] = ()
+    head_branch: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -86,6 +94,10 @@ class SnapshotLocation:
         if self.transport == "store":
             out["repo_key"] = self.repo_key
             out["bundles"] = list(self.bundles)
+        if self.tags:
+            out["tags"] = [list(tag) for tag in self.tags]
+        if self.head_branch:
+            out["head_branch"] = self.head_branch
         return out
 
     @classmethod
@@ -97,6 +109,7 @@ class SnapshotLocation:
                 "`preloop run` (resubmit it with `preloop run`)"
             )
         bundles = data.get("bundles") or []
+        tags = data.get("tags") or []
         return cls(
             str(data["repository"]),
             str(data["branch"]),
@@ -104,7 +117,49 @@ class SnapshotLocation:
             str(data.get("transport") or "path"),
             str(data.get("repo_key") or ""),
             tuple(str(d) for d in bundles) if isinstance(bundles, list) else (),
+            tuple(
+                (str(t[0]), str(t[1]))
+                for t in (tags if isinstance(tags, list) else [])
+                if isinstance(t, list) and len(t) == 2
+            ),
+            str(data.get("head_branch") or ""),
         )
+
+
+# A run's context carries them (~60 bytes each); `git describe` wants the
+# nearest, which is among the newest. A repository with more keeps its newest.
+_MAX_TAGS = 1_000
+
+
+def snapshot_tags(root: Path, commit: str) -> tuple[tuple[str, str], ...]:
+    """The tags of the repository at `root` whose commit `commit` contains
+    (newest first, at most `_MAX_TAGS`), each as (name, the commit it
+    points to): the job's checkout gets them as lightweight tags, which is
+    what `git describe --tags`, setuptools-scm and hatch-vcs read. () when
+    git cannot list them (no repository, an unborn HEAD)."""
+    listed = subprocess.run(
+        [
+            "git",
+            "for-each-ref",
+            f"--merged={commit}",
+            "--sort=-creatordate",
+            f"--count={_MAX_TAGS}",
+            "--format=%(refname:lstrip=2) %(objectname) %(*objectname)",
+            "refs/tags",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if listed.returncode != 0:
+        return ()
+    tags = []
+    for line in listed.stdout.splitlines():
+        parts = line.split(" ")  # refnames hold no spaces; "" unless annotated
+        if len(parts) == 3:
+            tags.append((parts[0], parts[2] or parts[1]))
+    return tuple(tags)
 
 
 async def checkout_snapshot(location: SnapshotLocation, dest: Path, where: str) -> None:
@@ -137,15 +192,11 @@ async def checkout_snapshot(location: SnapshotLocation, dest: Path, where: str) 
         raise CheckoutError(f"{where}: checkout of the run's snapshot failed: {exc}") from None
 
 
-# actions/checkout inputs that change what is checked out and that preloop
-# cannot honour: the snapshot has the run's files, not a ref's or with its tags.
+# An actions/checkout input that changes what is checked out and that preloop
+# cannot honour: the snapshot has the run's files, not a ref's.
 _REF_INPUT_NOTE = (
     "actions/checkout: ref {ref!r} is not checked out: preloop runs the job on the "
     "run's snapshot (the working tree as submitted)"
-)
-_TAGS_NOTE = (
-    "actions/checkout: the snapshot's checkout has its history but no tags: "
-    "`git describe --tags` and versions from git (setuptools-scm, hatch-vcs) find none"
 )
 
 
@@ -159,7 +210,8 @@ async def checkout_step(
     snapshot. `path:` gets a checkout of its own (a `--shared` clone of the
     workspace's repository) under the workspace, as GitHub's would; another
     `repository:` is refused (the snapshot has only the run's files); `ref:`
-    and the inputs that would fetch tags are noted in the log, not honoured.
+    is noted in the log, not honoured. The checkout always has the history
+    and tags `fetch-depth: 0` would fetch (`name_refs`).
     Raises `CheckoutError` with a one-line message (the caller names the step)."""
     repository = inputs.get("repository", "").strip()
     current = str(github.get("repository") or "")
@@ -178,9 +230,6 @@ async def checkout_step(
     ref = inputs.get("ref", "").strip()
     if ref and ref not in _current_refs(github):
         log(_REF_INPUT_NOTE.format(ref=ref))
-    fetch_tags = inputs.get("fetch-tags", "").strip().lower() == "true"
-    if inputs.get("fetch-depth", "").strip() == "0" or fetch_tags:
-        log(_TAGS_NOTE)
     path = inputs.get("path", "").strip()
     try:
         await _checkout_into(path, workspace, log)
@@ -225,7 +274,7 @@ async def _checkout_into(path: str, workspace: Path, log: Callable[[str], None])
     with contextlib.suppress(FileNotFoundError):
         dest.rmdir()  # an empty directory: git clone makes its own
     clone = ["git", "-c", "advice.detachedHead=false", "clone", "-q", "--shared",
-             "--no-tags", "--template=", str(root), str(dest)]  # fmt: skip
+             "--template=", str(root), str(dest)]  # fmt: skip
     try:
         await run_command(clone, timeout=_CHECKOUT_TIMEOUT)
     except CommandFailed as exc:
@@ -261,6 +310,73 @@ def _current_refs(github: Mapping[str, Any]) -> set[str]:
         if isinstance(head, dict):
             refs |= {str(head.get("sha") or ""), str(head.get("ref") or "")}
     return refs - {""}
+
+
+async def name_refs(checkout: Path, location: SnapshotLocation, where: str) -> None:
+    """Gives a fresh clone of the snapshot the names GitHub's checkout has:
+    the pushed branch's name for its branch, with `origin/<branch>`, and the
+    tags in its history (`SnapshotLocation.tags`) whose commits it has. The
+    refs go into `packed-refs`, one file rather than one per tag (each job
+    copies the checkout)."""
+    git_dir = checkout / ".git"
+    env = git_env({"GIT_DIR": str(git_dir)})
+    refs: dict[str, str] = {}
+    try:
+        branch = location.head_branch
+        drop: set[str] = set()
+        if branch and branch != location.branch:
+            await git(["branch", "-m", location.branch, branch], env=env)
+            await git(["config", f"branch.{branch}.merge", f"refs/heads/{branch}"], env=env)
+            refs[f"refs/remotes/origin/{branch}"] = location.commit
+            # GitHub's checkout fetches the one branch: no origin/HEAD, and
+            # the run repository's own branch name is no branch of the user's.
+            drop = {"refs/remotes/origin/HEAD", f"refs/remotes/origin/{location.branch}"}
+            with contextlib.suppress(FileNotFoundError):
+                (git_dir / "refs/remotes/origin/HEAD").unlink()
+        if location.tags:
+            wanted = "".join(f"{commit}\n" for _, commit in location.tags).encode()
+            found = await git(["cat-file", "--batch-check=%(objectname) %(objecttype)"],
+                              env=env, stdin=wanted)  # fmt: skip
+            commits = {
+                line.split(" ")[0]
+                for line in found.stdout_text().splitlines()
+                if line.endswith(" commit")
+            }
+            for name, commit in location.tags:
+                if commit in commits:
+                    refs.setdefault(f"refs/tags/{name}", commit)
+        if refs:
+            await anyio.to_thread.run_sync(_add_packed_refs, git_dir, refs, drop)
+    except (CommandFailed, OSError) as exc:
+        raise CheckoutError(
+            f"{where}: naming the checkout's branch and tags failed: {exc}"
+        ) from None
+
+
+def _add_packed_refs(git_dir: Path, refs: dict[str, str], drop: set[str]) -> None:
+    """Adds `refs` (name -> object id) to `git_dir`'s `packed-refs`, kept
+    sorted as its header says (a ref already there is left as it is), and
+    removes the packed refs named in `drop`."""
+    path = git_dir / "packed-refs"
+    entries: dict[str, list[str]] = {}
+    last = ""
+    with contextlib.suppress(FileNotFoundError):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.startswith("^") and last:
+                entries[last].append(line)  # the peeled line of the ref above
+            elif line and not line.startswith("#"):
+                last = line.split(" ", 1)[1]
+                entries[last] = [line]
+    for name in drop:
+        entries.pop(name, None)
+    for name, oid in refs.items():
+        entries.setdefault(name, [f"{oid} {name}"])
+    body = "".join(
+        "\n".join(entries[name]) + "\n" for name in sorted(entries, key=lambda n: n.encode())
+    )
+    tmp = git_dir / "packed-refs.preloop-tmp"
+    tmp.write_text("# pack-refs with: peeled fully-peeled sorted \n" + body, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 _KEEP_TEMPLATES = 4
@@ -325,6 +441,7 @@ class CheckoutTemplates:
                 source, fetched = await self._source(location, where)
                 try:
                     await checkout_snapshot(source, template, where)
+                    await name_refs(template, location, where)
                 except BaseException:
                     if fetched is not None:
                         self._release(fetched)

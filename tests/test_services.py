@@ -669,3 +669,67 @@ def test_the_real_setup_python_finds_the_hosts_python(
     hint = next(ln for ln in lines if "has no Python matching '2.0'" in ln)
     assert all(v in hint for v in host) and str(state / "toolcache") in hint
     assert "matching '3.x'" not in text
+
+
+@pytest.mark.skipif(
+    not (SETUP_PYTHON_MIRROR / "actions+setup-python" / "repo").is_dir(),
+    reason="no offline copy of actions/setup-python (set PRELOOP_TEST_ACTION_MIRRORS)",
+)
+def test_uv_takes_the_python_setup_python_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tool cache's Python is a venv, which uv passes over when it needs
+    an interpreter: told through UV_PYTHON, `uv venv` makes the version
+    setup-python set up, not the next Python on PATH; a UV_PYTHON a step
+    chose itself is kept through a later setup-python."""
+    from uv import find_uv_bin
+
+    from preloop.services.toolcache import refresh_tool_cache
+
+    mirrors = tmp_path / "mirrors" / "actions"
+    mirrors.mkdir(parents=True)
+    (mirrors / "setup-python").symlink_to(SETUP_PYTHON_MIRROR / "actions+setup-python" / "repo")
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path / 'mirrors'}")
+    # A host Python other than the one uv would find on PATH without the fix.
+    on_path = subprocess.run(
+        ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    host = [e.version for e in refresh_tool_cache(tmp_path / "probe") if e.tool == "Python"]
+    others = sorted(
+        {".".join(v.split(".")[:2]) for v in host if v.startswith("3.")} - {on_path},
+        key=lambda v: tuple(int(x) for x in v.split(".")),
+    )
+    assert others, f"this test needs a host Python 3.x other than {on_path}: {host}"
+    wanted = others[-1]  # the newest: uv supports it for longest
+    jobs = f"""
+  uv:
+    runs-on: ubuntu-latest
+    env:
+      UV_PYTHON_DOWNLOADS: never
+      UV_CACHE_DIR: {tmp_path / "uv-cache"}
+    steps:
+      - uses: actions/setup-python@v5
+        with:
+          python-version: "{wanted}"
+      - run: |
+          {find_uv_bin()} venv -q "$RUNNER_TEMP/v"
+          "$RUNNER_TEMP/v/bin/python" -c "import sys; print('uv made %d.%d' % sys.version_info[:2])"
+          echo "uv python is $UV_PYTHON"
+      - run: echo "UV_PYTHON=/a/choice/of/its/own" >> "$GITHUB_ENV"
+      - uses: actions/setup-python@v5
+        with:
+          python-version: "{on_path}"
+      - run: echo "then $UV_PYTHON"
+"""
+    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    outcome, h = run_engine(repo, f"sqlite:///{tmp_path / 'p.db'}", tmp_path / "state")
+    text = h.all_text()
+    assert results(outcome) == {"uv": "success"}, text
+    lines = [ln.strip() for ln in text.splitlines()]
+    assert f"uv made {wanted}" in lines, text
+    uv_python = next(ln for ln in lines if ln.startswith("uv python is ")).split()[-1]
+    assert uv_python.endswith("/x64/bin/python") and f"/Python/{wanted}." in uv_python, text
+    assert "then /a/choice/of/its/own" in lines, text

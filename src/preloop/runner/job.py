@@ -256,6 +256,7 @@ class _Execution:
         self.step_results: list[StepResult] = []
         self.path_prepend: list[str] = []
         self.env_from_files: dict[str, str] = {}
+        self.uv_python: str | None = None  # the UV_PYTHON `point_uv_at` set
         self.status = "success"  # the job status the next step's `if` sees
         # GitHub's runner marks every step process with RUNNER_TRACKING_ID and
         # kills what still carries it when the job ends (orphans, daemons
@@ -671,6 +672,7 @@ class _Execution:
         outputs.update(parse_env_file(files["GITHUB_OUTPUT"], f"{name}: GITHUB_OUTPUT"))
         new_env = parse_env_file(files["GITHUB_ENV"], f"{name}: GITHUB_ENV")
         self.env_from_files.update(new_env)
+        self.point_uv_at(new_env)
         self.path_prepend.extend(parse_path_file(files["GITHUB_PATH"]))
         if state is not None:
             state.update(parse_env_file(files["GITHUB_STATE"], f"{name}: GITHUB_STATE"))
@@ -678,6 +680,27 @@ class _Execution:
         if summary.strip():
             self.summary_parts.append(self.masker.mask(summary))
         return outputs, outcome
+
+    def point_uv_at(self, new_env: Mapping[str, str]) -> None:
+        """The tool cache's Pythons are virtual environments over the host's
+        (so a job's installs stay its own), and uv, wanting an interpreter that
+        is not one (`uv venv`, `uv sync`, `uv pip install --system`), passes
+        over them to the next Python on PATH, where GitHub's uv would take the
+        one setup-python put first. So when a step sets `pythonLocation` to a
+        Python of this job's tool cache, `UV_PYTHON` names it (uv then uses
+        that venv's base, the version asked for, or installs into it), unless
+        the workflow, or an action such as setup-uv, set `UV_PYTHON` itself."""
+        location = new_env.get("pythonLocation")
+        if not location or "UV_PYTHON" in new_env or "UV_PYTHON" in self.job_env:
+            return
+        if self.env_from_files.get("UV_PYTHON", self.uv_python) != self.uv_python:
+            return  # an earlier step's own choice
+        venv = Path(location)
+        if not venv.is_relative_to(self.runner_ctx["tool_cache"]):
+            return
+        if (venv / "pyvenv.cfg").is_file() and (venv / "bin/python").exists():
+            self.uv_python = str(venv / "bin/python")
+            self.env_from_files["UV_PYTHON"] = self.uv_python
 
     def kill_leftovers(self) -> None:
         """Kills processes steps left behind (GitHub's orphan cleanup)."""

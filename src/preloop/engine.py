@@ -44,6 +44,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -643,6 +644,11 @@ class Engine:
             # Held before the capture, released after the removal: a crash in
             # between leaves a dead holder that the next sweep or prune cleans.
             holder = hold_run_repository(self.state_dir, run_key)
+            # The tags of HEAD's history (the snapshot's parent) for the jobs'
+            # checkouts, listed beside the capture: `--merged` walks the history.
+            listing = ThreadPoolExecutor(1, thread_name_prefix="preloop-tags")
+            tags = listing.submit(snapshot_tags, root, "HEAD")
+            listing.shutdown(wait=False)
             try:
                 snap = await capture_workspace(self.state_dir, root, run_key)
             except BaseException:
@@ -654,13 +660,10 @@ class Engine:
             ref = str(selection.github.get("ref") or "")
             # The checkout's names as GitHub's has them: the pushed branch, and
             # the tags in the submitted HEAD's history (versions from git).
+            branch = ref.removeprefix("refs/heads/") if ref.startswith("refs/heads/") else ""
             names: dict[str, Any] = {
-                "tags": await anyio.to_thread.run_sync(snapshot_tags, root, snap.parents[0])
-                if snap.parents
-                else (),
-                "head_branch": ref.removeprefix("refs/heads/")
-                if ref.startswith("refs/heads/")
-                else "",
+                "tags": await anyio.to_thread.run_sync(tags.result) if snap.parents else (),
+                "head_branch": branch,
             }
             location = SnapshotLocation(str(snap.repository), "snapshot", snap.commit, **names)
             # The cache scope of the run's jobs, for remote runners' services too.

@@ -211,7 +211,7 @@ async def checkout_step(
     workspace's repository) under the workspace, as GitHub's would; another
     `repository:` is refused (the snapshot has only the run's files); `ref:`
     is noted in the log, not honoured. The checkout always has the history
-    and tags `fetch-depth: 0` would fetch (`name_refs`).
+    and tags `fetch-depth: 0` would fetch (`_name_refs`).
     Raises `CheckoutError` with a one-line message (the caller names the step)."""
     repository = inputs.get("repository", "").strip()
     current = str(github.get("repository") or "")
@@ -312,7 +312,7 @@ def _current_refs(github: Mapping[str, Any]) -> set[str]:
     return refs - {""}
 
 
-async def name_refs(checkout: Path, location: SnapshotLocation, where: str) -> None:
+async def _name_refs(checkout: Path, location: SnapshotLocation, where: str) -> None:
     """Gives a fresh clone of the snapshot the names GitHub's checkout has:
     the pushed branch's name for its branch, with `origin/<branch>`, and the
     tags in its history (`SnapshotLocation.tags`) whose commits it has. The
@@ -441,7 +441,7 @@ class CheckoutTemplates:
                 source, fetched = await self._source(location, where)
                 try:
                     await checkout_snapshot(source, template, where)
-                    await name_refs(template, location, where)
+                    await _name_refs(template, location, where)
                 except BaseException:
                     if fetched is not None:
                         self._release(fetched)

@@ -302,7 +302,8 @@ def test_checkout_has_the_pushed_branch_and_the_tags_of_its_history(
                     with:
                       fetch-depth: 0
                   - run: |
-                      echo "describe $(git describe --tags)"
+                      head=$(git rev-parse HEAD)
+                      echo "describe $(git describe --tags) sha $GITHUB_SHA head $head"
                       echo "branch $(git rev-parse --abbrev-ref HEAD)"
                       echo "upstream $(git rev-parse --abbrev-ref @{u})"
                       echo "remotes $(git branch -r | tr -d ' ' | tr '\\n' ,)"
@@ -326,14 +327,21 @@ def test_checkout_has_the_pushed_branch_and_the_tags_of_its_history(
     outcome, h = run_engine(repo, store_url, tmp_path / "state")
     assert outcome.conclusion == "success", h.lines
     lines = h.lines["version"]
-    # The snapshot commit sits on HEAD: one commit past v1.1, HEAD's own
-    # one past it. Only tags in HEAD's history; the annotated one lightweight.
-    describe = next(line for line in lines if line.startswith("describe "))
-    assert describe.startswith("describe v1.1-2-g")
+    # A clean work tree: the job is at HEAD itself (not a snapshot commit on
+    # top), as on GitHub; only tags in HEAD's history, the annotated one
+    # lightweight.
+    head = git(repo, "rev-parse", "HEAD").strip()
+    assert f"describe {git(repo, 'describe', '--tags').strip()} sha {head} head {head}" in lines
+    assert git(repo, "describe", "--tags").startswith("v1.1-1-g")
     assert "branch feature/fast" in lines and "upstream origin/feature/fast" in lines
     assert "remotes origin/feature/fast," in lines
     assert "tags v1.0,v1.1," in lines
-    assert any(line.startswith("again v1.1-2-g") for line in lines)
+    assert any(line.startswith("again v1.1-1-g") for line in lines)
+    # A dirty work tree: the snapshot commit on top of HEAD is checked out.
+    (repo / "dirty.txt").write_text("local edit\n")
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "success", h.lines
+    assert any(line.startswith("describe v1.1-2-g") for line in h.lines["version"])
 
 
 def test_secret_never_in_logs(tmp_path: Path, store_url: str) -> None:

@@ -680,8 +680,9 @@ def test_uv_takes_the_python_setup_python_chose(
 ) -> None:
     """The tool cache's Python is a venv, which uv passes over when it needs
     an interpreter: told through UV_PYTHON, `uv venv` makes the version
-    setup-python set up, not the next Python on PATH; a UV_PYTHON a step
-    chose itself is kept through a later setup-python."""
+    setup-python set up, not the next Python on PATH, and so does `uv venv
+    -p X.Y` (the base's pythonX.Y is on PATH after the venv's); a UV_PYTHON
+    a step chose itself is kept through a later setup-python."""
     from uv import find_uv_bin
 
     from preloop.services.toolcache import refresh_tool_cache
@@ -718,6 +719,10 @@ def test_uv_takes_the_python_setup_python_chose(
           {find_uv_bin()} venv -q "$RUNNER_TEMP/v"
           "$RUNNER_TEMP/v/bin/python" -c "import sys; print('uv made %d.%d' % sys.version_info[:2])"
           echo "uv python is $UV_PYTHON"
+          {find_uv_bin()} venv -q -p {wanted} "$RUNNER_TEMP/w"  # as tox-uv asks
+          made=$("$RUNNER_TEMP/w/bin/python" -c "import sys; print('%d.%d' % sys.version_info[:2])")
+          echo "uv -p made $made"
+          echo "python{wanted} is $(command -v python{wanted})"
       - run: echo "UV_PYTHON=/a/choice/of/its/own" >> "$GITHUB_ENV"
       - uses: actions/setup-python@v5
         with:
@@ -729,7 +734,9 @@ def test_uv_takes_the_python_setup_python_chose(
     text = h.all_text()
     assert results(outcome) == {"uv": "success"}, text
     lines = [ln.strip() for ln in text.splitlines()]
-    assert f"uv made {wanted}" in lines, text
+    assert f"uv made {wanted}" in lines and f"uv -p made {wanted}" in lines, text
     uv_python = next(ln for ln in lines if ln.startswith("uv python is ")).split()[-1]
     assert uv_python.endswith("/x64/bin/python") and f"/Python/{wanted}." in uv_python, text
+    # the shell still finds the venv's own pythonX.Y first
+    assert f"python{wanted} is {uv_python}{wanted}" in lines, text
     assert "then /a/choice/of/its/own" in lines, text

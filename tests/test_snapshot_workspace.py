@@ -204,6 +204,14 @@ def test_same_tree_gives_the_same_commit(tmp_path: Path) -> None:
     assert first.repository != second.repository
 
 
+def test_a_clean_work_tree_is_on_head(tmp_path: Path) -> None:
+    ws = make_repo(tmp_path / "ws", {"f.txt": "f\n"})
+    clean = capture(tmp_path / "state", ws, "clean")
+    assert clean.on_head and clean.tree == git("rev-parse", "HEAD^{tree}", cwd=ws).strip()
+    (ws / "u.txt").write_text("u\n")
+    assert not capture(tmp_path / "state", ws, "dirty").on_head
+
+
 def test_unborn_head(tmp_path: Path) -> None:
     ws = make_repo(tmp_path / "ws", {"a.txt": "a\n", "b/c.txt": "c\n"}, commit=False)
     git("add", "a.txt", cwd=ws)

@@ -664,6 +664,7 @@ class Engine:
             names: dict[str, Any] = {
                 "tags": await anyio.to_thread.run_sync(tags.result) if snap.parents else (),
                 "head_branch": branch,
+                "checkout": snap.parents[0] if snap.on_head else "",
             }
             location = SnapshotLocation(str(snap.repository), "snapshot", snap.commit, **names)
             # The cache scope of the run's jobs, for remote runners' services too.
@@ -693,7 +694,7 @@ class Engine:
                     break
                 gh = {
                     **selection.github,
-                    "sha": snap.commit,
+                    "sha": location.checked_out,
                     SNAPSHOT_CONTEXT_KEY: location.to_dict(),
                     SERVICES_CONTEXT_KEY: services_scope(str(root), ref, default_ref, base_ref),
                     ENGINE_CONTEXT_KEY: {

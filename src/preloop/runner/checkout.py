@@ -72,8 +72,12 @@ class SnapshotLocation:
 
     What the job's checkout is given besides, as GitHub's would have it:
     `tags`, the submitted repository's tags in the snapshot's history as
-    (name, commit) pairs (`snapshot_tags`), and `head_branch`, the branch
-    pushed (the checkout's branch is named after it; "" keeps `branch`)."""
+    (name, commit) pairs (`snapshot_tags`); `head_branch`, the branch
+    pushed (the checkout's branch is named after it; "" keeps `branch`);
+    `checkout`, the commit the job's branch is moved to when it is not
+    `commit`: the submitted HEAD, when the snapshot's tree is HEAD's (a
+    clean work tree), so that `git describe` and versions from git see the
+    commit itself, not a snapshot commit on top of it."""
 
     repository: str
     branch: str
@@ -83,6 +87,12 @@ class SnapshotLocation:
     bundles: tuple[str, ...] = ()
     tags: tuple[tuple[str, str], ...] = ()
     head_branch: str = ""
+    checkout: str = ""
+
+    @property
+    def checked_out(self) -> str:
+        """The commit a job's checkout is at."""
+        return self.checkout or self.commit
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -98,6 +108,8 @@ class SnapshotLocation:
             out["tags"] = [list(tag) for tag in self.tags]
         if self.head_branch:
             out["head_branch"] = self.head_branch
+        if self.checkout:
+            out["checkout"] = self.checkout
         return out
 
     @classmethod
@@ -123,6 +135,7 @@ class SnapshotLocation:
                 if isinstance(t, list) and len(t) == 2
             ),
             str(data.get("head_branch") or ""),
+            str(data.get("checkout") or ""),
         )
 
 
@@ -279,6 +292,8 @@ async def _checkout_into(path: str, workspace: Path, log: Callable[[str], None])
         await run_command(clone, timeout=_CHECKOUT_TIMEOUT)
     except CommandFailed as exc:
         raise CheckoutError(f"actions/checkout into {path!r} failed: {exc}") from None
+    with contextlib.suppress(FileNotFoundError):
+        (dest / ".git/refs/remotes/origin/HEAD").unlink()  # as in the workspace's
     log(f"actions/checkout: the snapshot checked out into {path}")
 
 
@@ -313,21 +328,25 @@ def _current_refs(github: Mapping[str, Any]) -> set[str]:
 
 
 async def _name_refs(checkout: Path, location: SnapshotLocation, where: str) -> None:
-    """Gives a fresh clone of the snapshot the names GitHub's checkout has:
-    the pushed branch's name for its branch, with `origin/<branch>`, and the
-    tags in its history (`SnapshotLocation.tags`) whose commits it has. The
-    refs go into `packed-refs`, one file rather than one per tag (each job
-    copies the checkout)."""
+    """Gives a fresh clone of the snapshot what GitHub's checkout has: its
+    branch at the submitted HEAD when the snapshot's tree is HEAD's
+    (`SnapshotLocation.checkout`), named after the pushed branch, with
+    `origin/<branch>`, and the tags in its history (`SnapshotLocation.tags`)
+    whose commits it has. The refs go into `packed-refs`, one file rather
+    than one per tag (each job copies the checkout)."""
     git_dir = checkout / ".git"
     env = git_env({"GIT_DIR": str(git_dir)})
     refs: dict[str, str] = {}
     try:
         branch = location.head_branch
         drop: set[str] = set()
+        if location.checkout and location.checkout != location.commit:
+            # The same tree: the index and the files already match it.
+            await git(["update-ref", f"refs/heads/{location.branch}", location.checkout], env=env)
         if branch and branch != location.branch:
             await git(["branch", "-m", location.branch, branch], env=env)
             await git(["config", f"branch.{branch}.merge", f"refs/heads/{branch}"], env=env)
-            refs[f"refs/remotes/origin/{branch}"] = location.commit
+            refs[f"refs/remotes/origin/{branch}"] = location.checked_out
             # GitHub's checkout fetches the one branch: no origin/HEAD, and
             # the run repository's own branch name is no branch of the user's.
             drop = {"refs/remotes/origin/HEAD", f"refs/remotes/origin/{location.branch}"}

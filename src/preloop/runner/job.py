@@ -60,7 +60,7 @@ from preloop.runner.limits import explain_e2big, limit_job_outputs
 from preloop.runner.masking import Masker, mask_json
 from preloop.runner.stream import run_streaming
 from preloop.runner.watchdog import kill_tracked_ids
-from preloop.services.toolcache import setup_action_hint
+from preloop.services.toolcache import setup_action_hint, uv_view
 from preloop.workflow import expressions as ex
 from preloop.workflow.hashfiles import hash_files
 from preloop.workflow.templates import mapping_items
@@ -672,8 +672,9 @@ class _Execution:
         outputs.update(parse_env_file(files["GITHUB_OUTPUT"], f"{name}: GITHUB_OUTPUT"))
         new_env = parse_env_file(files["GITHUB_ENV"], f"{name}: GITHUB_ENV")
         self.env_from_files.update(new_env)
-        self.point_uv_at(new_env)
-        self.path_prepend.extend(parse_path_file(files["GITHUB_PATH"]))
+        new_paths = parse_path_file(files["GITHUB_PATH"])
+        self.path_prepend.extend(new_paths)
+        self.point_uv_at(new_env, new_paths)
         if state is not None:
             state.update(parse_env_file(files["GITHUB_STATE"], f"{name}: GITHUB_STATE"))
         summary = files["GITHUB_STEP_SUMMARY"].read_text(encoding="utf-8", errors="replace")
@@ -681,26 +682,28 @@ class _Execution:
             self.summary_parts.append(self.masker.mask(summary))
         return outputs, outcome
 
-    def point_uv_at(self, new_env: Mapping[str, str]) -> None:
+    def point_uv_at(self, new_env: Mapping[str, str], new_paths: list[str]) -> None:
         """The tool cache's Pythons are virtual environments over the host's
         (so a job's installs stay its own), and uv, wanting an interpreter that
-        is not one (`uv venv`, `uv sync`, `uv pip install --system`), passes
-        over them to the next Python on PATH, where GitHub's uv would take the
-        one setup-python put first. So when a step sets `pythonLocation` to a
-        Python of this job's tool cache, `UV_PYTHON` names it (uv then uses
-        that venv's base, the version asked for, or installs into it), unless
-        the workflow, or an action such as setup-uv, set `UV_PYTHON` itself."""
+        is not one, passes over them to the next Python on PATH, where GitHub's
+        uv takes the one setup-python put first. So when a step sets
+        `pythonLocation` to a Python of this job's tool cache (`uv_view`):
+        `UV_PYTHON` names it, unless the workflow or an action (setup-uv's
+        `python-version`) set one (`uv venv`, `uv sync` then use its base, the
+        version asked for; `uv pip install --system` installs into it, not the
+        host's); and its base's `pythonX.Y` goes on PATH right after the
+        step's own entries, for a uv told the version (`uv venv -p 3.12`,
+        tox-uv), which looks the name up on PATH."""
         location = new_env.get("pythonLocation")
-        if not location or "UV_PYTHON" in new_env or "UV_PYTHON" in self.job_env:
+        view = uv_view(location, self.runner_ctx["tool_cache"]) if location else None
+        if view is None:
             return
-        if self.env_from_files.get("UV_PYTHON", self.uv_python) != self.uv_python:
-            return  # an earlier step's own choice
-        venv = Path(location)
-        if not venv.is_relative_to(self.runner_ctx["tool_cache"]):
+        python, base_bin = view
+        self.path_prepend.insert(len(self.path_prepend) - len(new_paths), base_bin)
+        if "UV_PYTHON" in new_env or "UV_PYTHON" in self.job_env:
             return
-        if (venv / "pyvenv.cfg").is_file() and (venv / "bin/python").exists():
-            self.uv_python = str(venv / "bin/python")
-            self.env_from_files["UV_PYTHON"] = self.uv_python
+        if self.env_from_files.get("UV_PYTHON", self.uv_python) == self.uv_python:
+            self.uv_python = self.env_from_files["UV_PYTHON"] = python  # not another's choice
 
     def kill_leftovers(self) -> None:
         """Kills processes steps left behind (GitHub's orphan cleanup)."""

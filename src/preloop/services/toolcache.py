@@ -634,6 +634,35 @@ def _python_venv(entry: str, dest: str, version: str, arch: str) -> bool:
     return True
 
 
+def uv_view(location: str, tool_cache: str) -> tuple[str, str] | None:
+    """What uv needs to take the tool cache Python at `location` (a
+    `pythonLocation` setup-python set) of the job's tool cache `tool_cache`,
+    which is a venv uv passes over: (its python, for `UV_PYTHON`; a directory
+    holding only `pythonX.Y` linked to its base interpreter, for PATH after
+    the venv's own `bin`). None when `location` is not such a venv."""
+    venv = Path(location)
+    if not venv.is_relative_to(tool_cache) or not (venv / "bin/python").exists():
+        return None
+    try:
+        cfg = dict(
+            line.split(" = ", 1)
+            for line in (venv / "pyvenv.cfg").read_text(encoding="utf-8").splitlines()
+            if " = " in line
+        )
+    except OSError:
+        return None
+    exe, m = cfg.get("executable", ""), re.match(r"(\d+\.\d+)", cfg.get("version", ""))
+    if not os.path.isabs(exe) or m is None:
+        return None
+    # Under the job's tool cache (removed with the job), beside the tools.
+    base_bin = Path(tool_cache) / ".uv-base" / f"{venv.parent.name}-{venv.name}"
+    base_bin.mkdir(parents=True, exist_ok=True)
+    for name in {f"python{m[1]}", os.path.basename(exe)} - {"python", "python3"}:
+        with contextlib.suppress(FileExistsError):
+            os.symlink(exe, base_bin / name)
+    return str(venv / "bin/python"), str(base_bin)
+
+
 def job_tool_cache(shared: Path, dest: Path) -> Path:
     """Lays out a job's own tool cache at `dest` (a new directory, removed
     with the job) over the shared tool cache `shared`, and returns `dest`.

@@ -70,7 +70,9 @@ CAPTURE_FILE = "preloop-capture"
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """A published run repository: `commit` is at `refs/heads/snapshot` of the
-    bare repository `repository`, whose objects live in cache entry `cache_key`."""
+    bare repository `repository`, whose objects live in cache entry `cache_key`.
+    `on_head`: the tree is that of the workspace's HEAD (`parents[0]`): the
+    work tree was clean, and HEAD itself is what was submitted."""
 
     run_id: str
     kind: CaptureKind
@@ -82,6 +84,7 @@ class Snapshot:
     namespace: str
     source: str
     ref: str = SNAPSHOT_REF
+    on_head: bool = False
 
 
 @dataclass(frozen=True, slots=True)

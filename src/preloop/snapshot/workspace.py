@@ -786,6 +786,7 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
         cache_key=key,
         namespace=cap.namespace,
         source=str(repo.toplevel),
+        on_head=bool(parents) and tree == repo.head_tree,
     )
 
 

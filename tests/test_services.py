@@ -137,6 +137,46 @@ def test_artifacts_upload_then_download_in_a_dependent_job(tmp_path: Path, store
     assert not any((run_dir / ".uploads").iterdir())
 
 
+def test_artifact_client_v6_zipped_and_as_it_is(tmp_path: Path, store_url: str) -> None:
+    """@actions/artifact 6.x (upload-artifact v6+, download-artifact v7+)
+    unzips only a download served with a zip type: a zipped artifact comes
+    back extracted, a file uploaded as it is (`archive: false`) as that file."""
+    jobs = """
+  up:
+    runs-on: ubuntu-latest
+    steps:
+      - run: node $JS/artifacts_v6.mjs up
+  down:
+    needs: up
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          node $JS/artifacts_v6.mjs down
+          echo "zipped: $(cat got/zipped/sub/a.txt)"
+          echo "as it is: $(cat got/report.html/report.html)"
+"""
+    repo = make_repo(tmp_path / "repo", _workflow(jobs))
+    state = tmp_path / "state"
+    outcome, h = run_engine(repo, store_url, state)
+    text = h.all_text()
+    assert results(outcome) == {"up": "success", "down": "success"}, text
+    lines = [ln.strip() for ln in text.splitlines()]
+    assert "zipped: zipped" in lines and "as it is: <p>as it is</p>" in lines, text
+    assert "downloaded report.html digestMismatch=false" in lines, text
+    listed = _preloop(state, "artifacts", str(outcome.run_id), "--json", store=store_url)
+    assert listed.returncode == 0, listed.stderr
+    types = {a["name"]: a["mime_type"] for a in json.loads(listed.stdout)["artifacts"]}
+    assert types == {"zipped": "application/zip", "report.html": "text/html"}
+    # `preloop artifacts --download` gives the file as it is, too
+    out = tmp_path / "downloaded"
+    got = _preloop(
+        state, "artifacts", str(outcome.run_id), "--download", "report.html", str(out),
+        store=store_url,
+    )  # fmt: skip
+    assert got.returncode == 0, got.stderr
+    assert (out / "report.html").read_text() == "<p>as it is</p>\n"
+
+
 def test_run_ids_repeating_across_stores_keep_their_own_artifacts(tmp_path: Path) -> None:
     """Two stores sharing one state directory (another --store, a lite store
     reset) both have a run 1: each run's artifacts are its own, the second

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import shutil
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,12 @@ from preloop import config
 from preloop.cli.app import cli, emit_json, make_console, state_dir_option
 from preloop.control import UnknownRun
 from preloop.errors import PreloopError, UsageError
-from preloop.services.storage import LocalStorage, ServiceStorage, artifact_run_name
+from preloop.services.storage import (
+    ARTIFACT_ZIP,
+    LocalStorage,
+    ServiceStorage,
+    artifact_run_name,
+)
 from preloop.services.toolcache import default_tool_cache, list_tool_cache, refresh_tool_cache
 
 __all__ = ["actions_cache_document", "print_actions_cache", "service_storage", "store_option"]
@@ -184,7 +190,12 @@ def _artifacts(
     archive = storage.blob_path("artifact", f"{name}/{record.id}")
     if not archive.is_file():  # removed (retention, a delete) since it was listed
         raise UsageError(f"run {run_id}'s artifact {download!r} is no longer in {where}")
-    extracted = _extract(archive, dest)
+    if record.mime_type == ARTIFACT_ZIP:
+        extracted = _extract(archive, dest)
+    else:  # uploaded as it is (`archive: false`): the file, named as the artifact
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(archive, dest / Path(record.name).name)
+        extracted = 1
     if as_json:
         emit_json({"run_id": run_id, "name": download, "directory": str(dest), "files": extracted})
     else:
@@ -214,7 +225,11 @@ def _extract(archive: Path, dest: Path) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     root = dest.resolve()
     count = 0
-    with zipfile.ZipFile(archive) as zf:
+    try:
+        zf = zipfile.ZipFile(archive)
+    except zipfile.BadZipFile:
+        raise UsageError(f"{archive}: the artifact is not a zip archive") from None
+    with zf:
         for info in zf.infolist():
             target = (root / info.filename).resolve()
             if not target.is_relative_to(root):

@@ -2399,6 +2399,12 @@ _V27_EARLY_GROUPS: list[Statement] = [
     {"pg": _complete_claim_v27(), "lite": None},
 ]
 
+# What an artifact's client said it uploaded (@actions/artifact 6.x sends a
+# file as it is with `archive: false`): its downloads are served with it.
+_V28_ARTIFACT_TYPE: list[Statement] = [
+    "ALTER TABLE preloop_artifacts ADD COLUMN mime_type TEXT NOT NULL DEFAULT 'application/zip'"
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -2432,6 +2438,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V25_EARLY_HAND_OVER,
     _V26_WARM_SETTLE,
     _V27_EARLY_GROUPS,
+    _V28_ARTIFACT_TYPE,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -41,7 +41,12 @@ from urllib.parse import quote
 from aiohttp import web
 
 from preloop.services.listener import BACKLOG
-from preloop.services.storage import ServiceStorage, StorageConflict, StorageError
+from preloop.services.storage import (
+    ARTIFACT_ZIP,
+    ServiceStorage,
+    StorageConflict,
+    StorageError,
+)
 from preloop.services.tokens import Claims, TokenError, verify
 
 __all__ = ["ServiceServer"]
@@ -63,6 +68,10 @@ class _TwirpError(Exception):
     def __init__(self, status: int, code: str, msg: str) -> None:
         super().__init__(msg)
         self.status, self.code, self.msg = status, code, msg
+
+
+# A media type as a client may name it (`type/subtype`, no parameters).
+_MIME = re.compile(r"[A-Za-z0-9][\w.+-]*/[A-Za-z0-9][\w.+-]*")
 
 
 def _field(body: dict[str, Any], name: str) -> Any:
@@ -256,12 +265,17 @@ class ServiceServer:
     async def _create_artifact(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
         self._same_run(c, body)
         expires = _field(body, "expiresAt")
+        mime = _field(body, "mimeType")  # a StringValue: the string, or {"value": ...}
+        if isinstance(mime, dict):
+            mime = mime.get("value")
+        mime = str(mime) if mime and _MIME.fullmatch(str(mime)) else ARTIFACT_ZIP
         upload = await self._call(
             self.storage.create_artifact,
             c.run,
             c.job,
             self._name(body),
             str(expires) if expires else None,
+            mime,
         )
         return {"ok": True, "signedUploadUrl": self.signed(f"upload/{upload}")}
 
@@ -403,7 +417,24 @@ class ServiceServer:
             raise web.HTTPNotFound() from None
         if not path.is_file():
             raise web.HTTPNotFound(text="gone")
-        return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+        headers = {"Content-Type": "application/octet-stream"}
+        if kind == "artifact":
+            headers = await self._call(self._artifact_headers, ref.replace("%2F", "/"))
+        return web.FileResponse(path, headers=headers)
+
+    def _artifact_headers(self, ref: str) -> dict[str, str]:
+        """An artifact download's type as its client uploaded it: @actions/artifact
+        6.x unzips only a zip type, and names a file served as it is after
+        Content-Disposition (else `artifact`)."""
+        run, _, ident = ref.partition("/")
+        found = self.storage.list_artifacts(run, id=int(ident))
+        mime = found[0].mime_type if found else ARTIFACT_ZIP
+        headers = {"Content-Type": mime}
+        if found and mime != ARTIFACT_ZIP:
+            headers["Content-Disposition"] = (
+                f"attachment; filename*=UTF-8''{quote(found[0].name, safe='')}"
+            )
+        return headers
 
     # -- legacy cache REST (actions/cache v3) --------------------------------------
     def _rest_claims(self, request: web.Request) -> Claims:

@@ -75,6 +75,9 @@ class StorageConflict(StorageError):
     """The thing already exists (an artifact name in a run, a cache key)."""
 
 
+ARTIFACT_ZIP = "application/zip"
+
+
 @dataclass(frozen=True, slots=True)
 class ArtifactRecord:
     run: str
@@ -85,6 +88,10 @@ class ArtifactRecord:
     digest: str
     created_at: str
     expires_at: str | None
+    # What the client said it uploads (@actions/artifact 2.x always a zip; 6.x
+    # a file as it is with upload-artifact's `archive: false`); served as the
+    # download's Content-Type, which decides whether the client unzips it.
+    mime_type: str = ARTIFACT_ZIP
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -150,7 +157,9 @@ class ServiceStorage(Protocol):
     def blob_path(self, kind: str, ref: str) -> Path: ...
 
     # artifacts
-    def create_artifact(self, run: str, job: str, name: str, expires_at: str | None) -> str: ...
+    def create_artifact(
+        self, run: str, job: str, name: str, expires_at: str | None, mime_type: str = ARTIFACT_ZIP
+    ) -> str: ...
     def finalize_artifact(
         self, run: str, job: str, name: str, size: int, digest: str
     ) -> ArtifactRecord: ...
@@ -438,7 +447,9 @@ class LocalStorage(StagedUploads):
             tmp.write_text(self.run_key, encoding="utf-8")
             os.replace(tmp, directory / RUN_KEY_MARKER)
 
-    def create_artifact(self, run: str, job: str, name: str, expires_at: str | None) -> str:
+    def create_artifact(
+        self, run: str, job: str, name: str, expires_at: str | None, mime_type: str = ARTIFACT_ZIP
+    ) -> str:
         self._claim_run_dir(run)
         directory = self._run_dir(run)
         with _RunLock(directory).hold():
@@ -455,7 +466,9 @@ class LocalStorage(StagedUploads):
             uploads.mkdir(parents=True, exist_ok=True)
             upload = self._new_upload(uploads, uploads / f"{_safe(name)}.zip")
             (uploads / f"{upload}.meta").write_text(
-                json.dumps({"job": job, "name": name, "expires_at": expires_at})
+                json.dumps(
+                    {"job": job, "name": name, "expires_at": expires_at, "mime_type": mime_type}
+                )
             )
             return upload
 
@@ -498,6 +511,7 @@ class LocalStorage(StagedUploads):
                 digest=digest,
                 created_at=_now_iso(),
                 expires_at=meta.get("expires_at"),
+                mime_type=str(meta.get("mime_type") or ARTIFACT_ZIP),
             )
             tmp = directory / f".{ident}.json.tmp"
             tmp.write_text(json.dumps(record.to_dict()), encoding="utf-8")

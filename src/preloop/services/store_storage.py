@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 
 from preloop.control.blobs import BlobMissing, BlobStore
 from preloop.services.storage import (
+    ARTIFACT_ZIP,
     ArtifactRecord,
     CacheEntry,
     CacheMatch,
@@ -70,7 +71,7 @@ __all__ = ["StoreStorage"]
 _STALE_RESERVATION = 3600.0
 #: Materialised blobs of one service beyond this many bytes go, oldest first.
 _LOCAL_BLOB_BYTES = 2 * 1024**3
-_ARTIFACT_COLS = "id, run, job, name, size, digest, created_at, expires_at"
+_ARTIFACT_COLS = "id, run, job, name, size, digest, created_at, expires_at, mime_type"
 _CACHE_COLS = "id, repo, ref, key, version, size, created, last_used"
 
 
@@ -88,6 +89,7 @@ def _record(row: Row) -> ArtifactRecord:
         digest=str(row["digest"]),
         created_at=str(row["created_at"]),
         expires_at=None if row["expires_at"] is None else str(row["expires_at"]),
+        mime_type=str(row["mime_type"]),
     )
 
 
@@ -124,7 +126,8 @@ class StoreStorage(StagedUploads):
         self.materialised = self.state_dir / "service-blobs" / instance
         # upload id -> (run, job, name, expires_at) of an artifact upload; the
         # server calls from worker threads, so the bookkeeping takes the lock.
-        self._artifact_uploads: dict[str, tuple[str, str, str, str | None]] = {}
+        # upload -> (run, job, name, expires_at, mime_type)
+        self._artifact_uploads: dict[str, tuple[str, str, str, str | None, str]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -181,7 +184,9 @@ class StoreStorage(StagedUploads):
         raise StorageError("the upload's blob was evicted from the store three times; retry")
 
     # -- artifacts ---------------------------------------------------------------
-    def create_artifact(self, run: str, job: str, name: str, expires_at: str | None) -> str:
+    def create_artifact(
+        self, run: str, job: str, name: str, expires_at: str | None, mime_type: str = ARTIFACT_ZIP
+    ) -> str:
         exists = self._db.transaction(
             "artifact_exists",
             lambda tx: tx.one(
@@ -200,7 +205,7 @@ class StoreStorage(StagedUploads):
             self._abandon(up)
         upload = self._stage()
         with self._lock:
-            self._artifact_uploads[upload] = (run, job, name, expires_at)
+            self._artifact_uploads[upload] = (run, job, name, expires_at, mime_type)
         return upload
 
     def finalize_artifact(
@@ -212,7 +217,7 @@ class StoreStorage(StagedUploads):
                 raise StorageError(f"no upload of artifact {name!r} is in progress in run {run}")
             upload = match[0]
             # taken: a second finalize of the same upload finds none in progress
-            _, _, _, expires_at = self._artifact_uploads.pop(upload)
+            _, _, _, expires_at, mime_type = self._artifact_uploads.pop(upload)
         try:
             actual = self._staged_size(upload)
             if actual < 0:
@@ -226,9 +231,21 @@ class StoreStorage(StagedUploads):
             def insert(tx: Tx, blob: str) -> Row:
                 row = tx.one(
                     "INSERT INTO preloop_artifacts (run, job, name, size, digest, blob, "
-                    "created_at, created, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    "created_at, created, expires_at, mime_type) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                     f"ON CONFLICT (run, name) DO NOTHING RETURNING {_ARTIFACT_COLS}",
-                    (run, job, name, actual, digest, blob, _now_iso(), time.time(), expires_at),
+                    (
+                        run,
+                        job,
+                        name,
+                        actual,
+                        digest,
+                        blob,
+                        _now_iso(),
+                        time.time(),
+                        expires_at,
+                        mime_type,
+                    ),
                 )
                 if row is None:
                     # Another runner's job finalized the name first (or this

@@ -762,6 +762,7 @@ def test_uv_takes_the_python_setup_python_chose(
           {find_uv_bin()} venv -q -p {wanted} "$RUNNER_TEMP/w"  # as tox-uv asks
           made=$("$RUNNER_TEMP/w/bin/python" -c "import sys; print('%d.%d' % sys.version_info[:2])")
           echo "uv -p made $made"
+          grep '^home = ' "$RUNNER_TEMP/w/pyvenv.cfg"
           echo "python{wanted} is $(command -v python{wanted})"
       - run: echo "UV_PYTHON=/a/choice/of/its/own" >> "$GITHUB_ENV"
       - uses: actions/setup-python@v5
@@ -777,6 +778,10 @@ def test_uv_takes_the_python_setup_python_chose(
     assert f"uv made {wanted}" in lines and f"uv -p made {wanted}" in lines, text
     uv_python = next(ln for ln in lines if ln.startswith("uv python is ")).split()[-1]
     assert uv_python.endswith("/x64/bin/python") and f"/Python/{wanted}." in uv_python, text
+    # A venv uv made outlives the job (actions/cache): its home is no job's.
+    home = Path(next(ln for ln in lines if ln.startswith("home = ")).split(" = ")[1])
+    assert home.is_relative_to(tmp_path / "state" / "toolcache"), text
+    assert not home.is_relative_to(work_dir(tmp_path / "state")), text
     # the shell still finds the venv's own pythonX.Y first
     assert f"python{wanted} is {uv_python}{wanted}" in lines, text
     assert "then /a/choice/of/its/own" in lines, text

@@ -639,7 +639,8 @@ def uv_view(location: str, tool_cache: str) -> tuple[str, str] | None:
     `pythonLocation` setup-python set) of the job's tool cache `tool_cache`,
     which is a venv uv passes over: (its python, for `UV_PYTHON`; a directory
     holding only `pythonX.Y` linked to its base interpreter, for PATH after
-    the venv's own `bin`). None when `location` is not such a venv."""
+    the venv's own `bin`; kept in the shared tool cache). None when
+    `location` is not such a venv."""
     venv = Path(location)
     if not venv.is_relative_to(tool_cache) or not (venv / "bin/python").exists():
         return None
@@ -654,8 +655,10 @@ def uv_view(location: str, tool_cache: str) -> tuple[str, str] | None:
     exe, m = cfg.get("executable", ""), re.match(r"(\d+\.\d+)", cfg.get("version", ""))
     if not os.path.isabs(exe) or m is None:
         return None
-    # Under the job's tool cache (removed with the job), beside the tools.
-    base_bin = Path(tool_cache) / ".uv-base" / f"{venv.parent.name}-{venv.name}"
+    # In the shared tool cache, not the job's: a venv uv makes from it names
+    # this directory as its `home`, and one kept beyond the job (actions/cache)
+    # must still find it, as one made on GitHub finds its tool cache's Python.
+    base_bin = shared_tool_cache(Path(tool_cache)) / ".uv-base" / f"{venv.parent.name}-{venv.name}"
     base_bin.mkdir(parents=True, exist_ok=True)
     for name in {f"python{m[1]}", os.path.basename(exe)} - {"python", "python3"}:
         with contextlib.suppress(FileExistsError):

@@ -308,6 +308,8 @@ def test_checkout_has_the_pushed_branch_and_the_tags_of_its_history(
                       echo "upstream $(git rev-parse --abbrev-ref @{u})"
                       echo "remotes $(git branch -r | tr -d ' ' | tr '\\n' ,)"
                       echo "tags $(git tag -l | tr '\\n' ,)"
+                      echo "annotated $(git describe 2>&1 | head -1)"
+                      echo "status $(git status -sb | head -1)"
                   - uses: actions/checkout@v4
                     with:
                       path: again
@@ -336,6 +338,12 @@ def test_checkout_has_the_pushed_branch_and_the_tags_of_its_history(
     assert "branch feature/fast" in lines and "upstream origin/feature/fast" in lines
     assert "remotes origin/feature/fast," in lines
     assert "tags v1.0,v1.1," in lines
+    # Nothing to pull or push: the branch is where its upstream is.
+    assert "status ## feature/fast...origin/feature/fast" in lines
+    if not store_url.startswith("postgresql"):
+        # The tag object is in the object cache here (the store's bundles carry
+        # commits only: there the tag arrives lightweight).
+        assert any(line.startswith("annotated v1.1-1-g") for line in lines), lines
     assert any(line.startswith("again v1.1-1-g") for line in lines)
     # A dirty work tree: the snapshot commit on top of HEAD is checked out.
     (repo / "dirty.txt").write_text("local edit\n")

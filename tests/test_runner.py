@@ -649,3 +649,24 @@ def test_debug_lines_only_with_step_debug_logging(tmp_path: Path, debug: bool) -
     )
     assert ("debug: tool cache probe" in lines) is debug
     assert f"runner debug={1 if debug else 0}" in lines
+
+
+def test_snapshot_tags_lists_those_of_heads_history_and_skips_names_json_cannot_carry(
+    tmp_path: Path,
+) -> None:
+    from preloop.runner.checkout import snapshot_tags
+
+    commit = _git_workspace(tmp_path)
+    ws = tmp_path / "ws"
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-C", str(ws)]
+    subprocess.run([*git, "tag", "light"], check=True)
+    subprocess.run([*git, "tag", "-a", "heavy", "-m", "annotated"], check=True)
+    subprocess.run([*git, "tag", b"bad\xff"], check=True)  # a refname git takes, not UTF-8
+    subprocess.run([*git, "checkout", "-q", "-b", "side"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "side"], check=True)
+    subprocess.run([*git, "tag", "elsewhere"], check=True)
+    subprocess.run([*git, "checkout", "-q", "-"], check=True)
+    heavy = subprocess.run([*git, "rev-parse", "heavy"], capture_output=True, text=True)
+    tags = {name: (obj, peeled) for name, obj, peeled in snapshot_tags(ws, "HEAD")}
+    assert tags == {"light": (commit, commit), "heavy": (heavy.stdout.strip(), commit)}
+    assert snapshot_tags(tmp_path, "HEAD") == ()  # not a repository

@@ -175,6 +175,13 @@ def test_artifact_client_v6_zipped_and_as_it_is(tmp_path: Path, store_url: str) 
     )  # fmt: skip
     assert got.returncode == 0, got.stderr
     assert (out / "report.html").read_text() == "<p>as it is</p>\n"
+    again = _preloop(
+        state, "artifacts", str(outcome.run_id), "--download", "report.html", str(out),
+        store=store_url,
+    )  # fmt: skip
+    assert again.returncode == 2 and again.stderr.splitlines() == [
+        f"preloop: error: {out / 'report.html'} exists: remove it or pass another DIR"
+    ], again.stderr
 
 
 def test_run_ids_repeating_across_stores_keep_their_own_artifacts(tmp_path: Path) -> None:

@@ -23,10 +23,10 @@ from preloop.cli.app import cli, emit_json, make_console, state_dir_option
 from preloop.control import UnknownRun
 from preloop.errors import PreloopError, UsageError
 from preloop.services.storage import (
-    ARTIFACT_ZIP,
     LocalStorage,
     ServiceStorage,
     artifact_run_name,
+    is_zip_type,
 )
 from preloop.services.toolcache import default_tool_cache, list_tool_cache, refresh_tool_cache
 
@@ -127,7 +127,8 @@ def toolcache_command(state_dir: Path | None, as_json: bool, no_refresh: bool) -
     "download",
     metavar="NAME",
     default=None,
-    help="Extract artifact NAME into DIR (default: ./NAME), file modes kept.",
+    help="Extract artifact NAME into DIR (default: ./NAME), file modes kept; an artifact "
+    "uploaded as it is (archive: false) is copied into DIR (default: .) as its file.",
 )
 @click.argument("directory", required=False, type=click.Path(path_type=Path, file_okay=False))
 @state_dir_option
@@ -186,15 +187,22 @@ def _artifacts(
         names = ", ".join(r.name for r in records) or "none"
         raise UsageError(f"run {run_id} has no artifact named {download!r} (it has: {names})")
     record = match[0]
-    dest = (directory if directory is not None else Path(download)).absolute()
     archive = storage.blob_path("artifact", f"{name}/{record.id}")
     if not archive.is_file():  # removed (retention, a delete) since it was listed
         raise UsageError(f"run {run_id}'s artifact {download!r} is no longer in {where}")
-    if record.mime_type == ARTIFACT_ZIP:
+    if is_zip_type(record.mime_type):
+        dest = (directory if directory is not None else Path(download)).absolute()
         extracted = _extract(archive, dest)
     else:  # uploaded as it is (`archive: false`): the file, named as the artifact
-        dest.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(archive, dest / Path(record.name).name)
+        dest = (directory if directory is not None else Path.cwd()).absolute()
+        target = dest / Path(record.name).name
+        if target.exists():
+            raise UsageError(f"{target} exists: remove it or pass another DIR")
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(archive, target)
+        except OSError as exc:
+            raise UsageError(f"cannot write {target}: {exc.strerror or exc}") from None
         extracted = 1
     if as_json:
         emit_json({"run_id": run_id, "name": download, "directory": str(dest), "files": extracted})

@@ -72,7 +72,7 @@ class SnapshotLocation:
 
     What the job's checkout is given besides, as GitHub's would have it:
     `tags`, the submitted repository's tags in the snapshot's history as
-    (name, commit) pairs (`snapshot_tags`); `head_branch`, the branch
+    (name, object, commit) (`snapshot_tags`); `head_branch`, the branch
     pushed (the checkout's branch is named after it; "" keeps `branch`);
     `checkout`, the commit the job's branch is moved to when it is not
     `commit`: the submitted HEAD, when the snapshot's tree is HEAD's (a
@@ -85,7 +85,7 @@ class SnapshotLocation:
     transport: str = "path"
     repo_key: str = ""
     bundles: tuple[str, ...] = ()
-    tags: tuple[tuple[str, str], ...] = ()
+    tags: tuple[tuple[str, str, str], ...] = ()
     head_branch: str = ""
     checkout: str = ""
 
@@ -130,9 +130,9 @@ class SnapshotLocation:
             str(data.get("repo_key") or ""),
             tuple(str(d) for d in bundles) if isinstance(bundles, list) else (),
             tuple(
-                (str(t[0]), str(t[1]))
+                (str(t[0]), str(t[1]), str(t[2]))
                 for t in (tags if isinstance(tags, list) else [])
-                if isinstance(t, list) and len(t) == 2
+                if isinstance(t, list) and len(t) == 3
             ),
             str(data.get("head_branch") or ""),
             str(data.get("checkout") or ""),
@@ -144,34 +144,44 @@ class SnapshotLocation:
 _MAX_TAGS = 1_000
 
 
-def snapshot_tags(root: Path, commit: str) -> tuple[tuple[str, str], ...]:
+def snapshot_tags(root: Path, commit: str) -> tuple[tuple[str, str, str], ...]:
     """The tags of the repository at `root` whose commit `commit` contains
-    (newest first, at most `_MAX_TAGS`), each as (name, the commit it
-    points to): the job's checkout gets them as lightweight tags, which is
-    what `git describe --tags`, setuptools-scm and hatch-vcs read. () when
-    git cannot list them (no repository, an unborn HEAD)."""
-    listed = subprocess.run(
-        [
-            "git",
-            "for-each-ref",
-            f"--merged={commit}",
-            "--sort=-creatordate",
-            f"--count={_MAX_TAGS}",
-            "--format=%(refname:lstrip=2) %(objectname) %(*objectname)",
-            "refs/tags",
-        ],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    (newest first, at most `_MAX_TAGS`), each as (name, its object: an
+    annotated tag's own, else the commit; the commit), for the job's
+    checkout (`git describe`, setuptools-scm and hatch-vcs read them). ()
+    when git cannot list them (no repository, an unborn HEAD); a name that
+    is not UTF-8 (the run's context is JSON) is left out."""
+    try:
+        listed = subprocess.run(
+            [
+                "git",
+                "for-each-ref",
+                f"--merged={commit}",
+                "--sort=-creatordate",
+                f"--count={_MAX_TAGS}",
+                "--format=%(objectname) %(*objectname) %(refname)",
+                "refs/tags",
+            ],
+            cwd=root,
+            env=git_env(),
+            capture_output=True,
+            check=False,
+            timeout=_CHECKOUT_TIMEOUT,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ()
     if listed.returncode != 0:
         return ()
     tags = []
-    for line in listed.stdout.splitlines():
-        parts = line.split(" ")  # refnames hold no spaces; "" unless annotated
-        if len(parts) == 3:
-            tags.append((parts[0], parts[2] or parts[1]))
+    for raw in listed.stdout.splitlines():
+        try:
+            line = raw.decode()
+        except UnicodeDecodeError:
+            continue
+        parts = line.split(" ", 2)  # "" peeled unless annotated; a refname has no spaces
+        if len(parts) == 3 and parts[2].startswith("refs/tags/"):
+            oid, peeled, ref = parts
+            tags.append((ref.removeprefix("refs/tags/"), oid, peeled or oid))
     return tuple(tags)
 
 
@@ -336,35 +346,44 @@ async def _name_refs(checkout: Path, location: SnapshotLocation, where: str) -> 
     than one per tag (each job copies the checkout)."""
     git_dir = checkout / ".git"
     env = git_env({"GIT_DIR": str(git_dir)})
-    refs: dict[str, str] = {}
+    refs: dict[str, list[str]] = {}  # name -> [object id, the commit a tag peels to]
     try:
         branch = location.head_branch
         drop: set[str] = set()
         if location.checkout and location.checkout != location.commit:
             # The same tree: the index and the files already match it.
             await git(["update-ref", f"refs/heads/{location.branch}", location.checkout], env=env)
+            # and the branch it came from is there too: not "behind 1"
+            refs[f"refs/remotes/origin/{location.branch}"] = [location.checkout]
         if branch and branch != location.branch:
             await git(["branch", "-m", location.branch, branch], env=env)
             await git(["config", f"branch.{branch}.merge", f"refs/heads/{branch}"], env=env)
-            refs[f"refs/remotes/origin/{branch}"] = location.checked_out
+            refs[f"refs/remotes/origin/{branch}"] = [location.checked_out]
             # GitHub's checkout fetches the one branch: no origin/HEAD, and
             # the run repository's own branch name is no branch of the user's.
             drop = {"refs/remotes/origin/HEAD", f"refs/remotes/origin/{location.branch}"}
+            refs.pop(f"refs/remotes/origin/{location.branch}", None)
             with contextlib.suppress(FileNotFoundError):
                 (git_dir / "refs/remotes/origin/HEAD").unlink()
         if location.tags:
-            wanted = "".join(f"{commit}\n" for _, commit in location.tags).encode()
+            oids = {oid for _, obj, commit in location.tags for oid in (obj, commit)}
+            wanted = "".join(f"{oid}\n" for oid in oids).encode()
             found = await git(["cat-file", "--batch-check=%(objectname) %(objecttype)"],
                               env=env, stdin=wanted)  # fmt: skip
-            commits = {
-                line.split(" ")[0]
-                for line in found.stdout_text().splitlines()
-                if line.endswith(" commit")
-            }
-            for name, commit in location.tags:
-                if commit in commits:
-                    refs.setdefault(f"refs/tags/{name}", commit)
-        if refs:
+            have = dict(line.split(" ", 1) for line in found.stdout_text().splitlines())
+            for name, obj, commit in location.tags:
+                # An annotated tag whose object this clone lacks (a tag made
+                # after the object cache's first copy, a store snapshot's
+                # bundles) stays a tag, lightweight.
+                if have.get(obj) == "tag" and have.get(commit) == "commit":
+                    refs.setdefault(f"refs/tags/{name}", [obj, commit])
+                elif have.get(commit) == "commit":
+                    refs.setdefault(f"refs/tags/{name}", [commit])
+        if (git_dir / "reftable").is_dir():  # git's reftable format: through git
+            lines = [f"delete {name}\n" for name in drop]
+            lines += [f"update {name} {value[0]}\n" for name, value in refs.items()]
+            await git(["update-ref", "--stdin"], env=env, stdin="".join(lines).encode())
+        elif refs or drop:
             await anyio.to_thread.run_sync(_add_packed_refs, git_dir, refs, drop)
     except (CommandFailed, OSError) as exc:
         raise CheckoutError(
@@ -372,10 +391,11 @@ async def _name_refs(checkout: Path, location: SnapshotLocation, where: str) -> 
         ) from None
 
 
-def _add_packed_refs(git_dir: Path, refs: dict[str, str], drop: set[str]) -> None:
-    """Adds `refs` (name -> object id) to `git_dir`'s `packed-refs`, kept
-    sorted as its header says (a ref already there is left as it is), and
-    removes the packed refs named in `drop`."""
+def _add_packed_refs(git_dir: Path, refs: dict[str, list[str]], drop: set[str]) -> None:
+    """Writes `refs` (name -> [object id, and for an annotated tag the commit
+    it peels to]) into `git_dir`'s `packed-refs`, replacing a packed ref of
+    the same name, kept sorted as its header says, and removes the packed
+    refs named in `drop`."""
     path = git_dir / "packed-refs"
     entries: dict[str, list[str]] = {}
     last = ""
@@ -388,8 +408,8 @@ def _add_packed_refs(git_dir: Path, refs: dict[str, str], drop: set[str]) -> Non
                 entries[last] = [line]
     for name in drop:
         entries.pop(name, None)
-    for name, oid in refs.items():
-        entries.setdefault(name, [f"{oid} {name}"])
+    for name, value in refs.items():
+        entries[name] = [f"{value[0]} {name}"] + [f"^{peeled}" for peeled in value[1:]]
     body = "".join(
         "\n".join(entries[name]) + "\n" for name in sorted(entries, key=lambda n: n.encode())
     )

@@ -695,15 +695,28 @@ class _Execution:
         step's own entries, for a uv told the version (`uv venv -p 3.12`,
         tox-uv), which looks the name up on PATH."""
         location = new_env.get("pythonLocation")
-        view = uv_view(location, self.runner_ctx["tool_cache"]) if location else None
-        if view is None:
+        if not location:
+            return
+        view = uv_view(location, self.runner_ctx["tool_cache"])
+        # Ours to change only while no one else named one: not this step, not
+        # the job's env (in a composite action, the calling step's, which may
+        # hold ours), not an earlier step's GITHUB_ENV.
+        ours = (
+            "UV_PYTHON" not in new_env
+            and self.job_env.get("UV_PYTHON", self.uv_python) == self.uv_python
+            and self.env_from_files.get("UV_PYTHON", self.uv_python) == self.uv_python
+        )
+        if view is None:  # PyPy, GraalPy, a Python 2 entry: no venv of ours
+            if ours and self.uv_python is not None:
+                self.env_from_files.pop("UV_PYTHON", None)
+                self.uv_python = None
             return
         python, base_bin = view
-        self.path_prepend.insert(len(self.path_prepend) - len(new_paths), base_bin)
-        if "UV_PYTHON" in new_env or "UV_PYTHON" in self.job_env:
-            return
-        if self.env_from_files.get("UV_PYTHON", self.uv_python) == self.uv_python:
-            self.uv_python = self.env_from_files["UV_PYTHON"] = python  # not another's choice
+        venv_bin = str(Path(python).parent)
+        if venv_bin in new_paths:  # right after it, as PATH reads (reversed)
+            self.path_prepend.insert(len(self.path_prepend) - len(new_paths), base_bin)
+        if ours:
+            self.uv_python = self.env_from_files["UV_PYTHON"] = python
 
     def kill_leftovers(self) -> None:
         """Kills processes steps left behind (GitHub's orphan cleanup)."""

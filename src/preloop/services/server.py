@@ -46,6 +46,7 @@ from preloop.services.storage import (
     ServiceStorage,
     StorageConflict,
     StorageError,
+    is_zip_type,
 )
 from preloop.services.tokens import Claims, TokenError, verify
 
@@ -71,7 +72,7 @@ class _TwirpError(Exception):
 
 
 # A media type as a client may name it (`type/subtype`, no parameters).
-_MIME = re.compile(r"[A-Za-z0-9][\w.+-]*/[A-Za-z0-9][\w.+-]*")
+_MIME = re.compile(r"[A-Za-z0-9][\w.+-]*/[A-Za-z0-9][\w.+-]*", re.ASCII)
 
 
 def _field(body: dict[str, Any], name: str) -> Any:
@@ -268,7 +269,11 @@ class ServiceServer:
         mime = _field(body, "mimeType")  # a StringValue: the string, or {"value": ...}
         if isinstance(mime, dict):
             mime = mime.get("value")
-        mime = str(mime) if mime and _MIME.fullmatch(str(mime)) else ARTIFACT_ZIP
+        # None from a client before 6.x, which always uploads a zip.
+        if mime is None or mime == "":
+            mime = ARTIFACT_ZIP
+        elif not _MIME.fullmatch(str(mime)):
+            mime = "application/octet-stream"  # served as it is, never unzipped
         upload = await self._call(
             self.storage.create_artifact,
             c.run,
@@ -430,7 +435,7 @@ class ServiceServer:
         found = self.storage.list_artifacts(run, id=int(ident))
         mime = found[0].mime_type if found else ARTIFACT_ZIP
         headers = {"Content-Type": mime}
-        if found and mime != ARTIFACT_ZIP:
+        if found and not is_zip_type(mime):
             headers["Content-Disposition"] = (
                 f"attachment; filename*=UTF-8''{quote(found[0].name, safe='')}"
             )

@@ -78,6 +78,13 @@ class StorageConflict(StorageError):
 ARTIFACT_ZIP = "application/zip"
 
 
+def is_zip_type(mime: str) -> bool:
+    """Whether an artifact of media type `mime` is a zip, as @actions/artifact
+    6.x decides whether to unzip a download (any case, no parameters)."""
+    base = mime.split(";", 1)[0].strip().lower()
+    return base in ("application/zip", "application/x-zip-compressed", "application/zip-compressed")
+
+
 @dataclass(frozen=True, slots=True)
 class ArtifactRecord:
     run: str

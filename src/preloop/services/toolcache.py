@@ -661,8 +661,17 @@ def uv_view(location: str, tool_cache: str) -> tuple[str, str] | None:
     base_bin = shared_tool_cache(Path(tool_cache)) / ".uv-base" / f"{venv.parent.name}-{venv.name}"
     base_bin.mkdir(parents=True, exist_ok=True)
     for name in {f"python{m[1]}", os.path.basename(exe)} - {"python", "python3"}:
-        with contextlib.suppress(FileExistsError):
-            os.symlink(exe, base_bin / name)
+        link = base_bin / name
+        with contextlib.suppress(OSError):
+            if os.readlink(link) == exe:
+                continue
+        # Missing, dangling or another interpreter's (a state directory shared
+        # by hosts, a re-pointed entry): replaced at once, never absent.
+        tmp = base_bin / f".{name}.{os.getpid()}.{threading.get_ident()}"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        os.symlink(exe, tmp)
+        os.replace(tmp, link)
     return str(venv / "bin/python"), str(base_bin)
 
 

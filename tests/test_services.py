@@ -643,12 +643,21 @@ def test_a_download_in_a_jobs_tool_cache_is_there_for_the_job_after(tmp_path: Pa
 #: Where an offline copy of actions/setup-python may be: a bare repository at
 #: `<dir>/actions+setup-python/repo` (the layout of this machine's mirrors).
 SETUP_PYTHON_MIRROR = Path(os.environ.get("PRELOOP_TEST_ACTION_MIRRORS", "/work/.mirror"))
-
-
-@pytest.mark.skipif(
+needs_setup_python = pytest.mark.skipif(
     not (SETUP_PYTHON_MIRROR / "actions+setup-python" / "repo").is_dir(),
     reason="no offline copy of actions/setup-python (set PRELOOP_TEST_ACTION_MIRRORS)",
 )
+
+
+def _serve_setup_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`uses: actions/setup-python@...` from the offline copy (PRELOOP_ACTIONS_URL)."""
+    mirrors = tmp_path / "mirrors" / "actions"
+    mirrors.mkdir(parents=True)
+    (mirrors / "setup-python").symlink_to(SETUP_PYTHON_MIRROR / "actions+setup-python" / "repo")
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path / 'mirrors'}")
+
+
+@needs_setup_python
 def test_the_real_setup_python_finds_the_hosts_python(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -657,10 +666,7 @@ def test_the_real_setup_python_finds_the_hosts_python(
     and puts the host's newest 3.x on PATH, as the job's own venv over it
     (with `cache: pip`, which runs that venv's `pip cache dir`); `2.0` fails
     and the log names the versions the host has."""
-    mirrors = tmp_path / "mirrors" / "actions"
-    mirrors.mkdir(parents=True)
-    (mirrors / "setup-python").symlink_to(SETUP_PYTHON_MIRROR / "actions+setup-python" / "repo")
-    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path / 'mirrors'}")
+    _serve_setup_python(tmp_path, monkeypatch)
     jobs = """
   setup:
     runs-on: ubuntu-latest
@@ -718,10 +724,7 @@ def test_the_real_setup_python_finds_the_hosts_python(
     assert "matching '3.x'" not in text
 
 
-@pytest.mark.skipif(
-    not (SETUP_PYTHON_MIRROR / "actions+setup-python" / "repo").is_dir(),
-    reason="no offline copy of actions/setup-python (set PRELOOP_TEST_ACTION_MIRRORS)",
-)
+@needs_setup_python
 def test_uv_takes_the_python_setup_python_chose(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -734,10 +737,7 @@ def test_uv_takes_the_python_setup_python_chose(
 
     from preloop.services.toolcache import refresh_tool_cache
 
-    mirrors = tmp_path / "mirrors" / "actions"
-    mirrors.mkdir(parents=True)
-    (mirrors / "setup-python").symlink_to(SETUP_PYTHON_MIRROR / "actions+setup-python" / "repo")
-    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path / 'mirrors'}")
+    _serve_setup_python(tmp_path, monkeypatch)
     # A host Python other than the one uv would find on PATH without the fix.
     on_path = subprocess.run(
         ["python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],

@@ -729,10 +729,10 @@ def test_uv_takes_the_python_setup_python_chose(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The tool cache's Python is a venv, which uv passes over when it needs
-    an interpreter: told through UV_PYTHON, `uv venv` makes the version
-    setup-python set up, not the next Python on PATH, and so does `uv venv
-    -p X.Y` (the base's pythonX.Y is on PATH after the venv's); a UV_PYTHON
-    a step chose itself is kept through a later setup-python."""
+    an interpreter: with the base's python, python3 and pythonX.Y on PATH
+    right after the venv's bin, `uv venv` and `uv venv -p X.Y` make the
+    version setup-python set up, not the next Python on PATH, and `uv pip`
+    in a project still uses the project's .venv."""
     from uv import find_uv_bin
 
     from preloop.services.toolcache import refresh_tool_cache
@@ -765,17 +765,16 @@ def test_uv_takes_the_python_setup_python_chose(
       - run: |
           {find_uv_bin()} venv -q "$RUNNER_TEMP/v"
           "$RUNNER_TEMP/v/bin/python" -c "import sys; print('uv made %d.%d' % sys.version_info[:2])"
-          echo "uv python is $UV_PYTHON"
+          echo "UV_PYTHON [${{UV_PYTHON-}}]"
           {find_uv_bin()} venv -q -p {wanted} "$RUNNER_TEMP/w"  # as tox-uv asks
           made=$("$RUNNER_TEMP/w/bin/python" -c "import sys; print('%d.%d' % sys.version_info[:2])")
           echo "uv -p made $made"
           grep '^home = ' "$RUNNER_TEMP/w/pyvenv.cfg"
           echo "python{wanted} is $(command -v python{wanted})"
-      - run: echo "UV_PYTHON=/a/choice/of/its/own" >> "$GITHUB_ENV"
-      - uses: actions/setup-python@v5
-        with:
-          python-version: "{on_path}"
-      - run: echo "then $UV_PYTHON"
+          echo "python is $(command -v python)"
+          # `uv pip` in a project with its own .venv uses that one
+          mkdir "$RUNNER_TEMP/project" && cd "$RUNNER_TEMP/project" && {find_uv_bin()} venv -q
+          echo "uv pip uses $({find_uv_bin()} python find)"
 """
     repo = make_repo(tmp_path / "repo", _workflow(jobs))
     outcome, h = run_engine(repo, f"sqlite:///{tmp_path / 'p.db'}", tmp_path / "state")
@@ -783,12 +782,14 @@ def test_uv_takes_the_python_setup_python_chose(
     assert results(outcome) == {"uv": "success"}, text
     lines = [ln.strip() for ln in text.splitlines()]
     assert f"uv made {wanted}" in lines and f"uv -p made {wanted}" in lines, text
-    uv_python = next(ln for ln in lines if ln.startswith("uv python is ")).split()[-1]
-    assert uv_python.endswith("/x64/bin/python") and f"/Python/{wanted}." in uv_python, text
+    assert "UV_PYTHON []" in lines, text  # it would outrank a project's .venv
     # A venv uv made outlives the job (actions/cache): its home is no job's.
     home = Path(next(ln for ln in lines if ln.startswith("home = ")).split(" = ")[1])
     assert home.is_relative_to(tmp_path / "state" / "toolcache"), text
     assert not home.is_relative_to(work_dir(tmp_path / "state")), text
-    # the shell still finds the venv's own pythonX.Y first
-    assert f"python{wanted} is {uv_python}{wanted}" in lines, text
-    assert "then /a/choice/of/its/own" in lines, text
+    # the shell still finds the venv's own python and pythonX.Y first
+    venv_python = next(ln for ln in lines if ln.startswith("python is ")).split()[-1]
+    assert venv_python.endswith("/x64/bin/python") and f"/Python/{wanted}." in venv_python, text
+    assert f"python{wanted} is {venv_python}{wanted}" in lines, text
+    temp = venv_python.split("/tool/Python/")[0] + "/temp"
+    assert f"uv pip uses {temp}/project/.venv/bin/python" in lines, text

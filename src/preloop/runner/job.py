@@ -60,7 +60,7 @@ from preloop.runner.limits import explain_e2big, limit_job_outputs
 from preloop.runner.masking import Masker, mask_json
 from preloop.runner.stream import run_streaming
 from preloop.runner.watchdog import kill_tracked_ids
-from preloop.services.toolcache import setup_action_hint, uv_view
+from preloop.services.toolcache import setup_action_hint, uv_base_bin
 from preloop.workflow import expressions as ex
 from preloop.workflow.hashfiles import hash_files
 from preloop.workflow.templates import mapping_items
@@ -256,7 +256,6 @@ class _Execution:
         self.step_results: list[StepResult] = []
         self.path_prepend: list[str] = []
         self.env_from_files: dict[str, str] = {}
-        self.uv_python: str | None = None  # the UV_PYTHON `point_uv_at` set
         self.status = "success"  # the job status the next step's `if` sees
         # GitHub's runner marks every step process with RUNNER_TRACKING_ID and
         # kills what still carries it when the job ends (orphans, daemons
@@ -674,7 +673,7 @@ class _Execution:
         self.env_from_files.update(new_env)
         new_paths = parse_path_file(files["GITHUB_PATH"])
         self.path_prepend.extend(new_paths)
-        self.point_uv_at(new_env, new_paths)
+        self.show_uv_the_base(new_env, new_paths)
         if state is not None:
             state.update(parse_env_file(files["GITHUB_STATE"], f"{name}: GITHUB_STATE"))
         summary = files["GITHUB_STEP_SUMMARY"].read_text(encoding="utf-8", errors="replace")
@@ -682,41 +681,22 @@ class _Execution:
             self.summary_parts.append(self.masker.mask(summary))
         return outputs, outcome
 
-    def point_uv_at(self, new_env: Mapping[str, str], new_paths: list[str]) -> None:
+    def show_uv_the_base(self, new_env: Mapping[str, str], new_paths: list[str]) -> None:
         """The tool cache's Pythons are virtual environments over the host's
         (so a job's installs stay its own), and uv, wanting an interpreter that
-        is not one, passes over them to the next Python on PATH, where GitHub's
-        uv takes the one setup-python put first. So when a step sets
-        `pythonLocation` to a Python of this job's tool cache (`uv_view`):
-        `UV_PYTHON` names it, unless the workflow or an action (setup-uv's
-        `python-version`) set one (`uv venv`, `uv sync` then use its base, the
-        version asked for; `uv pip install --system` installs into it, not the
-        host's); and its base's `pythonX.Y` goes on PATH right after the
-        step's own entries, for a uv told the version (`uv venv -p 3.12`,
-        tox-uv), which looks the name up on PATH."""
+        is not one (`uv venv`, `uv sync`, tox-uv's `uv venv -p 3.12`), passes
+        over them to the next Python on PATH, where GitHub's uv takes the one
+        setup-python put first. So when a step sets `pythonLocation` to a
+        Python of this job's tool cache and puts its `bin` on PATH, a directory
+        of the venv's base interpreter under its names (`uv_base_bin`) goes
+        right after the step's entries: the shell still finds the venv's
+        python first, uv the base, the version asked for. (Not `UV_PYTHON`: it
+        outranks the project's `.venv` for `uv pip`.)"""
         location = new_env.get("pythonLocation")
-        if not location:
-            return
-        view = uv_view(location, self.runner_ctx["tool_cache"])
-        # Ours to change only while no one else named one: not this step, not
-        # the job's env (in a composite action, the calling step's, which may
-        # hold ours), not an earlier step's GITHUB_ENV.
-        ours = (
-            "UV_PYTHON" not in new_env
-            and self.job_env.get("UV_PYTHON", self.uv_python) == self.uv_python
-            and self.env_from_files.get("UV_PYTHON", self.uv_python) == self.uv_python
-        )
-        if view is None:  # PyPy, GraalPy, a Python 2 entry: no venv of ours
-            if ours and self.uv_python is not None:
-                self.env_from_files.pop("UV_PYTHON", None)
-                self.uv_python = None
-            return
-        python, base_bin = view
-        venv_bin = str(Path(python).parent)
-        if venv_bin in new_paths:  # right after it, as PATH reads (reversed)
+        base_bin = uv_base_bin(location, self.runner_ctx["tool_cache"]) if location else None
+        if base_bin is not None and str(Path(location or "") / "bin") in new_paths:
+            # PATH reads path_prepend reversed: before this step's entries is after them
             self.path_prepend.insert(len(self.path_prepend) - len(new_paths), base_bin)
-        if ours:
-            self.uv_python = self.env_from_files["UV_PYTHON"] = python
 
     def kill_leftovers(self) -> None:
         """Kills processes steps left behind (GitHub's orphan cleanup)."""

@@ -634,13 +634,14 @@ def _python_venv(entry: str, dest: str, version: str, arch: str) -> bool:
     return True
 
 
-def uv_view(location: str, tool_cache: str) -> tuple[str, str] | None:
-    """What uv needs to take the tool cache Python at `location` (a
-    `pythonLocation` setup-python set) of the job's tool cache `tool_cache`,
-    which is a venv uv passes over: (its python, for `UV_PYTHON`; a directory
-    holding only `pythonX.Y` linked to its base interpreter, for PATH after
-    the venv's own `bin`; kept in the shared tool cache). None when
-    `location` is not such a venv."""
+def uv_base_bin(location: str, tool_cache: str) -> str | None:
+    """For the tool cache Python at `location` (a `pythonLocation` set by
+    setup-python) of the job's tool cache `tool_cache`, a venv uv passes over:
+    a directory holding its base interpreter under `python`, `python3` and
+    `pythonX.Y`, for PATH after the venv's own `bin`. It is kept in the shared
+    tool cache: a venv uv makes from it names it as its `home`, and one kept
+    beyond the job (actions/cache) must still find it, as one made on GitHub
+    finds its tool cache's Python. None when `location` is not such a venv."""
     venv = Path(location)
     if not venv.is_relative_to(tool_cache) or not (venv / "bin/python").exists():
         return None
@@ -652,27 +653,24 @@ def uv_view(location: str, tool_cache: str) -> tuple[str, str] | None:
         )
     except OSError:
         return None
-    exe, m = cfg.get("executable", ""), re.match(r"(\d+\.\d+)", cfg.get("version", ""))
+    exe, m = cfg.get("executable", ""), re.match(r"(\d+)\.(\d+)", cfg.get("version", ""))
     if not os.path.isabs(exe) or m is None:
         return None
-    # In the shared tool cache, not the job's: a venv uv makes from it names
-    # this directory as its `home`, and one kept beyond the job (actions/cache)
-    # must still find it, as one made on GitHub finds its tool cache's Python.
     base_bin = shared_tool_cache(Path(tool_cache)) / ".uv-base" / f"{venv.parent.name}-{venv.name}"
     base_bin.mkdir(parents=True, exist_ok=True)
-    for name in {f"python{m[1]}", os.path.basename(exe)} - {"python", "python3"}:
-        link = base_bin / name
+    for alias in {"python", f"python{m[1]}", f"python{m[1]}.{m[2]}", os.path.basename(exe)}:
+        link = base_bin / alias
         with contextlib.suppress(OSError):
             if os.readlink(link) == exe:
                 continue
         # Missing, dangling or another interpreter's (a state directory shared
         # by hosts, a re-pointed entry): replaced at once, never absent.
-        tmp = base_bin / f".{name}.{os.getpid()}.{threading.get_ident()}"
+        tmp = base_bin / f".{alias}.{os.getpid()}.{threading.get_ident()}"
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         os.symlink(exe, tmp)
         os.replace(tmp, link)
-    return str(venv / "bin/python"), str(base_bin)
+    return str(base_bin)
 
 
 def job_tool_cache(shared: Path, dest: Path) -> Path:

@@ -254,6 +254,26 @@ def test_variables_and_contexts(tmp_path: Path) -> None:
     assert f"gw={tmp_path / 'ws'}" in lines
 
 
+def test_githubs_default_variables_are_set_even_when_empty(tmp_path: Path) -> None:
+    names = ["GITHUB_BASE_REF", "GITHUB_HEAD_REF", "GITHUB_REF_TYPE", "GITHUB_REPOSITORY_OWNER",
+             "GITHUB_API_URL", "RUNNER_ENVIRONMENT"]  # fmt: skip
+    show = "".join(f'echo "{n}=${{{n}-unset}}"\n' for n in names)
+    github = {"event_name": "pull_request", "base_ref": "main", "head_ref": "fix",
+              "ref_type": "branch", "repository_owner": "acme"}  # fmt: skip
+    result, lines = run_job(tmp_path, [{"run": show}], contexts={"github": github})
+    assert result.conclusion == "success", lines
+    assert [line for line in lines if "=" in line and not line.startswith("▶")] == [
+        "GITHUB_BASE_REF=main",
+        "GITHUB_HEAD_REF=fix",
+        "GITHUB_REF_TYPE=branch",
+        "GITHUB_REPOSITORY_OWNER=acme",
+        "GITHUB_API_URL=https://api.github.com",
+        "RUNNER_ENVIRONMENT=self-hosted",
+    ]
+    result, lines = run_job(tmp_path, [{"run": show}])  # a push: set, and empty
+    assert "GITHUB_BASE_REF=" in lines and "GITHUB_HEAD_REF=" in lines, lines
+
+
 def test_workflow_commands_mask_group_annotations(tmp_path: Path) -> None:
     result, lines = run_job(
         tmp_path,

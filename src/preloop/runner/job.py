@@ -403,6 +403,16 @@ class _Execution:
             "GITHUB_SHA": _str(gh.get("sha", "")),
             "GITHUB_REF": _str(gh.get("ref", "")),
             "GITHUB_REF_NAME": _str(gh.get("ref_name", "")),
+            "GITHUB_REF_TYPE": _str(gh.get("ref_type", "")),
+            "GITHUB_REF_PROTECTED": "false",
+            # Empty outside pull requests, as on GitHub (set, not missing).
+            "GITHUB_BASE_REF": _str(gh.get("base_ref", "")),
+            "GITHUB_HEAD_REF": _str(gh.get("head_ref", "")),
+            "GITHUB_REPOSITORY_OWNER": _str(gh.get("repository_owner", "")),
+            "GITHUB_TRIGGERING_ACTOR": _str(gh.get("triggering_actor") or gh.get("actor", "")),
+            "GITHUB_API_URL": _str(gh.get("api_url") or "https://api.github.com"),
+            "GITHUB_GRAPHQL_URL": _str(gh.get("graphql_url") or "https://api.github.com/graphql"),
+            "GITHUB_RETENTION_DAYS": _str(gh.get("retention_days") or "90"),
             "GITHUB_REPOSITORY": _str(gh.get("repository", "")),
             "GITHUB_ACTOR": _str(gh.get("actor", "")),
             "GITHUB_SERVER_URL": _str(gh.get("server_url", "")),
@@ -413,6 +423,7 @@ class _Execution:
             "RUNNER_NAME": self.host.runner_name,
             "RUNNER_TEMP": str(self.host.temp),
             "RUNNER_TOOL_CACHE": self.runner_ctx["tool_cache"],
+            "RUNNER_ENVIRONMENT": self.runner_ctx["environment"],
             "RUNNER_WORKSPACE": str(self.host.workspace.parent),
         }
         if scope.action_path is not None:

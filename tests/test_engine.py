@@ -336,7 +336,8 @@ def test_checkout_has_the_pushed_branch_and_the_tags_of_its_history(
     assert f"describe {git(repo, 'describe', '--tags').strip()} sha {head} head {head}" in lines
     assert git(repo, "describe", "--tags").startswith("v1.1-1-g")
     assert "branch feature/fast" in lines and "upstream origin/feature/fast" in lines
-    assert "remotes origin/feature/fast," in lines
+    # every branch, as `fetch-depth: 0` fetches them: `git diff origin/main...` works
+    assert "remotes origin/elsewhere,origin/feature/fast,origin/main," in lines
     assert "tags v1.0,v1.1," in lines
     # Nothing to pull or push: the branch is where its upstream is.
     assert "status ## feature/fast...origin/feature/fast" in lines

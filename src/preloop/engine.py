@@ -66,6 +66,7 @@ from preloop.runner.checkout import (
     SNAPSHOT_CONTEXT_KEY,
     CheckoutTemplates,
     SnapshotLocation,
+    snapshot_branches,
     snapshot_tags,
     sweep_work_dir,
     work_dir,
@@ -644,10 +645,12 @@ class Engine:
             # Held before the capture, released after the removal: a crash in
             # between leaves a dead holder that the next sweep or prune cleans.
             holder = hold_run_repository(self.state_dir, run_key)
-            # The tags of HEAD's history (the snapshot's parent) for the jobs'
-            # checkouts, listed beside the capture: `--merged` walks the history.
+            # The tags of HEAD's history (the snapshot's parent) and the
+            # branches for the jobs' checkouts, listed beside the capture:
+            # `--merged` walks the history.
             listing = ThreadPoolExecutor(1, thread_name_prefix="preloop-tags")
             tags = listing.submit(snapshot_tags, root, "HEAD")
+            branches = listing.submit(snapshot_branches, root)
             listing.shutdown(wait=False)
             try:
                 snap = await capture_workspace(self.state_dir, root, run_key)
@@ -665,6 +668,7 @@ class Engine:
                 "tags": await anyio.to_thread.run_sync(tags.result) if snap.parents else (),
                 "head_branch": branch,
                 "checkout": snap.parents[0] if snap.on_head else "",
+                "branches": await anyio.to_thread.run_sync(branches.result),
             }
             location = SnapshotLocation(str(snap.repository), "snapshot", snap.commit, **names)
             # The cache scope of the run's jobs, for remote runners' services too.

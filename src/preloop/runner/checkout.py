@@ -77,7 +77,9 @@ class SnapshotLocation:
     `checkout`, the commit the job's branch is moved to when it is not
     `commit`: the submitted HEAD, when the snapshot's tree is HEAD's (a
     clean work tree), so that `git describe` and versions from git see the
-    commit itself, not a snapshot commit on top of it."""
+    commit itself, not a snapshot commit on top of it; `branches`, the
+    submitted repository's branches as (name, commit), for `origin/<name>`
+    as `fetch-depth: 0` fetches them (`snapshot_branches`)."""
 
     repository: str
     branch: str
@@ -88,6 +90,7 @@ class SnapshotLocation:
     tags: tuple[tuple[str, str, str], ...] = ()
     head_branch: str = ""
     checkout: str = ""
+    branches: tuple[tuple[str, str], ...] = ()
 
     @property
     def checked_out(self) -> str:
@@ -110,6 +113,8 @@ class SnapshotLocation:
             out["head_branch"] = self.head_branch
         if self.checkout:
             out["checkout"] = self.checkout
+        if self.branches:
+            out["branches"] = [list(b) for b in self.branches]
         return out
 
     @classmethod
@@ -122,6 +127,7 @@ class SnapshotLocation:
             )
         bundles = data.get("bundles") or []
         tags = data.get("tags") or []
+        branches = data.get("branches") or []
         return cls(
             str(data["repository"]),
             str(data["branch"]),
@@ -136,6 +142,11 @@ class SnapshotLocation:
             ),
             str(data.get("head_branch") or ""),
             str(data.get("checkout") or ""),
+            tuple(
+                (str(b[0]), str(b[1]))
+                for b in (branches if isinstance(branches, list) else [])
+                if isinstance(b, list) and len(b) == 2
+            ),
         )
 
 
@@ -183,6 +194,50 @@ def snapshot_tags(root: Path, commit: str) -> tuple[tuple[str, str, str], ...]:
             oid, peeled, ref = parts
             tags.append((ref.removeprefix("refs/tags/"), oid, peeled or oid))
     return tuple(tags)
+
+
+def snapshot_branches(root: Path) -> tuple[tuple[str, str], ...]:
+    """The branches of the repository at `root` as its origin has them
+    (`refs/remotes/origin/*`), then its local ones origin lacks, each as
+    (name, commit), at most `_MAX_TAGS` of each: what a checkout with
+    `fetch-depth: 0` has as `origin/<name>` (a pull request's base, for
+    `git diff origin/main...`). () when git cannot list them."""
+    try:
+        listed = subprocess.run(
+            [
+                "git",
+                "for-each-ref",
+                f"--count={2 * _MAX_TAGS}",
+                "--sort=-committerdate",
+                "--format=%(objectname) %(objecttype) %(refname)",
+                "refs/remotes/origin",
+                "refs/heads",
+            ],
+            cwd=root,
+            env=git_env(),
+            capture_output=True,
+            check=False,
+            timeout=_CHECKOUT_TIMEOUT,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    if listed.returncode != 0:
+        return ()
+    remote: dict[str, str] = {}
+    local: dict[str, str] = {}
+    for raw in listed.stdout.splitlines():
+        try:
+            oid, kind, ref = raw.decode().split(" ", 2)
+        except (UnicodeDecodeError, ValueError):
+            continue
+        if kind != "commit":
+            continue
+        if ref.startswith("refs/remotes/origin/") and ref != "refs/remotes/origin/HEAD":
+            remote.setdefault(ref.removeprefix("refs/remotes/origin/"), oid)
+        elif ref.startswith("refs/heads/"):
+            local.setdefault(ref.removeprefix("refs/heads/"), oid)
+    names = list(remote)[:_MAX_TAGS] + [n for n in local if n not in remote][:_MAX_TAGS]
+    return tuple((n, remote.get(n) or local[n]) for n in names)
 
 
 async def checkout_snapshot(location: SnapshotLocation, dest: Path, where: str) -> None:
@@ -359,14 +414,15 @@ async def _name_refs(checkout: Path, location: SnapshotLocation, where: str) -> 
             await git(["branch", "-m", location.branch, branch], env=env)
             await git(["config", f"branch.{branch}.merge", f"refs/heads/{branch}"], env=env)
             refs[f"refs/remotes/origin/{branch}"] = [location.checked_out]
-            # GitHub's checkout fetches the one branch: no origin/HEAD, and
-            # the run repository's own branch name is no branch of the user's.
+            # GitHub's checkout sets no origin/HEAD, and the run repository's
+            # own branch name is no branch of the user's.
             drop = {"refs/remotes/origin/HEAD", f"refs/remotes/origin/{location.branch}"}
             refs.pop(f"refs/remotes/origin/{location.branch}", None)
             with contextlib.suppress(FileNotFoundError):
                 (git_dir / "refs/remotes/origin/HEAD").unlink()
-        if location.tags:
+        if location.tags or location.branches:
             oids = {oid for _, obj, commit in location.tags for oid in (obj, commit)}
+            oids |= {commit for _, commit in location.branches}
             wanted = "".join(f"{oid}\n" for oid in oids).encode()
             found = await git(["cat-file", "--batch-check=%(objectname) %(objecttype)"],
                               env=env, stdin=wanted)  # fmt: skip
@@ -379,6 +435,12 @@ async def _name_refs(checkout: Path, location: SnapshotLocation, where: str) -> 
                     refs.setdefault(f"refs/tags/{name}", [obj, commit])
                 elif have.get(commit) == "commit":
                     refs.setdefault(f"refs/tags/{name}", [commit])
+            # The run's own branch keeps the commit checked out; the others
+            # as origin has them, when this clone has their commits.
+            for name, commit in location.branches:
+                ref = f"refs/remotes/origin/{name}"
+                if have.get(commit) == "commit" and ref not in drop and name != branch:
+                    refs.setdefault(ref, [commit])
         if (git_dir / "reftable").is_dir():  # git's reftable format: through git
             lines = [f"delete {name}\n" for name in drop]
             lines += [f"update {name} {value[0]}\n" for name, value in refs.items()]

@@ -151,28 +151,18 @@ class SnapshotLocation:
 
 
 # A run's context carries them (~60 bytes each); `git describe` wants the
-# nearest, which is among the newest. A repository with more keeps its newest.
-_MAX_TAGS = 1_000
+# nearest tag, which is among the newest. A repository with more keeps its newest.
+_MAX_REFS = 1_000
 
 
-def snapshot_tags(root: Path, commit: str) -> tuple[tuple[str, str, str], ...]:
-    """The tags of the repository at `root` whose commit `commit` contains
-    (newest first, at most `_MAX_TAGS`), each as (name, its object: an
-    annotated tag's own, else the commit; the commit), for the job's
-    checkout (`git describe`, setuptools-scm and hatch-vcs read them). ()
-    when git cannot list them (no repository, an unborn HEAD); a name that
-    is not UTF-8 (the run's context is JSON) is left out."""
+def _for_each_ref(root: Path, args: list[str]) -> list[list[str]]:
+    """`git for-each-ref ARGS` in `root` with a three-field `--format`, each
+    line split in three; [] when git cannot list them (no repository, an
+    unborn HEAD). A line that is not UTF-8 (the run's context is JSON) is
+    left out; a refname holds no spaces."""
     try:
         listed = subprocess.run(
-            [
-                "git",
-                "for-each-ref",
-                f"--merged={commit}",
-                "--sort=-creatordate",
-                f"--count={_MAX_TAGS}",
-                "--format=%(objectname) %(*objectname) %(refname)",
-                "refs/tags",
-            ],
+            ["git", "for-each-ref", *args],
             cwd=root,
             env=git_env(),
             capture_output=True,
@@ -180,63 +170,56 @@ def snapshot_tags(root: Path, commit: str) -> tuple[tuple[str, str, str], ...]:
             timeout=_CHECKOUT_TIMEOUT,
         )
     except (OSError, subprocess.SubprocessError):
-        return ()
+        return []
     if listed.returncode != 0:
-        return ()
-    tags = []
+        return []
+    lines = []
     for raw in listed.stdout.splitlines():
-        try:
-            line = raw.decode()
-        except UnicodeDecodeError:
-            continue
-        parts = line.split(" ", 2)  # "" peeled unless annotated; a refname has no spaces
-        if len(parts) == 3 and parts[2].startswith("refs/tags/"):
-            oid, peeled, ref = parts
-            tags.append((ref.removeprefix("refs/tags/"), oid, peeled or oid))
-    return tuple(tags)
+        with contextlib.suppress(UnicodeDecodeError):
+            parts = raw.decode().split(" ", 2)
+            if len(parts) == 3:
+                lines.append(parts)
+    return lines
+
+
+def snapshot_tags(root: Path, commit: str) -> tuple[tuple[str, str, str], ...]:
+    """The tags of the repository at `root` whose commit `commit` contains
+    (newest first, at most `_MAX_REFS`), each as (name, its object: an
+    annotated tag's own, else the commit; the commit), for the job's
+    checkout (`git describe`, setuptools-scm and hatch-vcs read them)."""
+    listed = _for_each_ref(
+        root,
+        [f"--merged={commit}", "--sort=-creatordate", f"--count={_MAX_REFS}",
+         "--format=%(objectname) %(*objectname) %(refname)", "refs/tags"],
+    )  # fmt: skip
+    return tuple(
+        (ref.removeprefix("refs/tags/"), oid, peeled or oid)  # "" peeled unless annotated
+        for oid, peeled, ref in listed
+        if ref.startswith("refs/tags/")
+    )
 
 
 def snapshot_branches(root: Path) -> tuple[tuple[str, str], ...]:
     """The branches of the repository at `root` as its origin has them
     (`refs/remotes/origin/*`), then its local ones origin lacks, each as
-    (name, commit), at most `_MAX_TAGS` of each: what a checkout with
+    (name, commit), at most `_MAX_REFS` of each: what a checkout with
     `fetch-depth: 0` has as `origin/<name>` (a pull request's base, for
-    `git diff origin/main...`). () when git cannot list them."""
-    try:
-        listed = subprocess.run(
-            [
-                "git",
-                "for-each-ref",
-                f"--count={2 * _MAX_TAGS}",
-                "--sort=-committerdate",
-                "--format=%(objectname) %(objecttype) %(refname)",
-                "refs/remotes/origin",
-                "refs/heads",
-            ],
-            cwd=root,
-            env=git_env(),
-            capture_output=True,
-            check=False,
-            timeout=_CHECKOUT_TIMEOUT,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return ()
-    if listed.returncode != 0:
-        return ()
+    `git diff origin/main...`)."""
+    listed = _for_each_ref(
+        root,
+        [f"--count={2 * _MAX_REFS}", "--sort=-committerdate",
+         "--format=%(objectname) %(objecttype) %(refname)", "refs/remotes/origin", "refs/heads"],
+    )  # fmt: skip
     remote: dict[str, str] = {}
     local: dict[str, str] = {}
-    for raw in listed.stdout.splitlines():
-        try:
-            oid, kind, ref = raw.decode().split(" ", 2)
-        except (UnicodeDecodeError, ValueError):
-            continue
+    for oid, kind, ref in listed:
         if kind != "commit":
             continue
         if ref.startswith("refs/remotes/origin/") and ref != "refs/remotes/origin/HEAD":
             remote.setdefault(ref.removeprefix("refs/remotes/origin/"), oid)
         elif ref.startswith("refs/heads/"):
             local.setdefault(ref.removeprefix("refs/heads/"), oid)
-    names = list(remote)[:_MAX_TAGS] + [n for n in local if n not in remote][:_MAX_TAGS]
+    names = list(remote)[:_MAX_REFS] + [n for n in local if n not in remote][:_MAX_REFS]
     return tuple((n, remote.get(n) or local[n]) for n in names)
 
 

@@ -326,6 +326,9 @@ def test_checkout_has_the_pushed_branch_and_the_tags_of_its_history(
     git(repo, "commit", "-q", "--allow-empty", "-m", "not in main")
     git(repo, "tag", "v9-elsewhere")
     git(repo, "checkout", "-q", "-b", "feature/fast", "main")
+    # origin's `feature` next to the pushed `feature/fast`: one ref would be
+    # the other's directory; it is left out
+    git(repo, "update-ref", "refs/remotes/origin/feature", "main")
     outcome, h = run_engine(repo, store_url, tmp_path / "state")
     assert outcome.conclusion == "success", h.lines
     lines = h.lines["version"]

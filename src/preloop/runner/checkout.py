@@ -379,9 +379,11 @@ async def _name_refs(checkout: Path, location: SnapshotLocation, where: str) -> 
     """Gives a fresh clone of the snapshot what GitHub's checkout has: its
     branch at the submitted HEAD when the snapshot's tree is HEAD's
     (`SnapshotLocation.checkout`), named after the pushed branch, with
-    `origin/<branch>`, and the tags in its history (`SnapshotLocation.tags`)
-    whose commits it has. The refs go into `packed-refs`, one file rather
-    than one per tag (each job copies the checkout)."""
+    `origin/<branch>`, the tags in its history (`SnapshotLocation.tags`)
+    and the repository's other branches as `origin/<name>`
+    (`SnapshotLocation.branches`), those whose commits it has. The refs go
+    into `packed-refs`, one file rather than one per ref (each job copies
+    the checkout)."""
     git_dir = checkout / ".git"
     env = git_env({"GIT_DIR": str(git_dir)})
     refs: dict[str, list[str]] = {}  # name -> [object id, the commit a tag peels to]
@@ -419,11 +421,26 @@ async def _name_refs(checkout: Path, location: SnapshotLocation, where: str) -> 
                 elif have.get(commit) == "commit":
                     refs.setdefault(f"refs/tags/{name}", [commit])
             # The run's own branch keeps the commit checked out; the others
-            # as origin has them, when this clone has their commits.
+            # as origin has them, when this clone has their commits, and
+            # none where a ref is a directory of another (origin `a` and a
+            # local `a/b`: no remote has both).
+            files = set(refs)
+            dirs = {ref.rsplit("/", i)[0] for ref in files for i in range(1, ref.count("/"))}
             for name, commit in location.branches:
                 ref = f"refs/remotes/origin/{name}"
-                if have.get(commit) == "commit" and ref not in drop and name != branch:
-                    refs.setdefault(ref, [commit])
+                parents = {ref.rsplit("/", i)[0] for i in range(1, ref.count("/"))}
+                if (
+                    have.get(commit) != "commit"
+                    or ref in drop
+                    or name == branch
+                    or ref in files
+                    or ref in dirs
+                    or parents & files
+                ):
+                    continue
+                refs[ref] = [commit]
+                files.add(ref)
+                dirs |= parents
         if (git_dir / "reftable").is_dir():  # git's reftable format: through git
             lines = [f"delete {name}\n" for name in drop]
             lines += [f"update {name} {value[0]}\n" for name, value in refs.items()]

@@ -424,7 +424,9 @@ async def _name_refs(checkout: Path, location: SnapshotLocation, where: str) -> 
             # as origin has them, when this clone has their commits, and
             # none where a ref is a directory of another (origin `a` and a
             # local `a/b`: no remote has both).
-            files = set(refs)
+            # (the clone's own origin refs count: a user's `snapshot`, `HEAD`)
+            own = {f"refs/remotes/origin/{location.branch}", "refs/remotes/origin/HEAD"}
+            files = set(refs) | (own - drop)
             dirs = {ref.rsplit("/", i)[0] for ref in files for i in range(1, ref.count("/"))}
             for name, commit in location.branches:
                 ref = f"refs/remotes/origin/{name}"

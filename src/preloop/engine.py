@@ -45,7 +45,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -664,13 +664,15 @@ class Engine:
             # The checkout's names as GitHub's has them: the pushed branch, and
             # the tags in the submitted HEAD's history (versions from git).
             branch = ref.removeprefix("refs/heads/") if ref.startswith("refs/heads/") else ""
-            names: dict[str, Any] = {
-                "tags": await anyio.to_thread.run_sync(tags.result) if snap.parents else (),
-                "head_branch": branch,
-                "checkout": snap.parents[0] if snap.on_head else "",
-                "branches": await anyio.to_thread.run_sync(branches.result),
-            }
-            location = SnapshotLocation(str(snap.repository), "snapshot", snap.commit, **names)
+            location = SnapshotLocation(
+                str(snap.repository),
+                "snapshot",
+                snap.commit,
+                tags=await anyio.to_thread.run_sync(tags.result) if snap.parents else (),
+                head_branch=branch,
+                checkout=snap.parents[0] if snap.on_head else "",
+                branches=await anyio.to_thread.run_sync(branches.result),
+            )
             # The cache scope of the run's jobs, for remote runners' services too.
             default_ref = await anyio.to_thread.run_sync(default_branch_ref, root)
             base = str(selection.github.get("base_ref") or "")
@@ -683,14 +685,11 @@ class Engine:
                 self.published = await publish_snapshot(
                     bundles, snap.repository, snap.cache_key, snap.commit, run_key
                 )
-                location = SnapshotLocation(
-                    str(snap.repository),
-                    "snapshot",
-                    snap.commit,
-                    "store",
-                    snap.cache_key,
-                    self.published.chain,
-                    **names,
+                location = replace(
+                    location,
+                    transport="store",
+                    repo_key=snap.cache_key,
+                    bundles=self.published.chain,
                 )
             labels: set[str] = set()
             for planned in selection.plans:

@@ -384,102 +384,73 @@ async def _name_refs(checkout: Path, location: SnapshotLocation, where: str) -> 
     (`SnapshotLocation.branches`), those whose commits it has. The refs go
     into `packed-refs`, one file rather than one per ref (each job copies
     the checkout)."""
-    git_dir = checkout / ".git"
-    env = git_env({"GIT_DIR": str(git_dir)})
-    refs: dict[str, list[str]] = {}  # name -> [object id, the commit a tag peels to]
+    env = git_env({"GIT_DIR": str(checkout / ".git")})
+    refs: dict[str, str] = {}  # name -> object id
+    drop: set[str] = set()
+    branch = location.head_branch
+    renamed = bool(branch) and branch != location.branch
     try:
-        branch = location.head_branch
-        drop: set[str] = set()
         if location.checkout and location.checkout != location.commit:
             # The same tree: the index and the files already match it.
             await git(["update-ref", f"refs/heads/{location.branch}", location.checkout], env=env)
-            # and the branch it came from is there too: not "behind 1"
-            refs[f"refs/remotes/origin/{location.branch}"] = [location.checkout]
-        if branch and branch != location.branch:
+        if renamed:
             await git(["branch", "-m", location.branch, branch], env=env)
             await git(["config", f"branch.{branch}.merge", f"refs/heads/{branch}"], env=env)
-            refs[f"refs/remotes/origin/{branch}"] = [location.checked_out]
+            refs[f"refs/remotes/origin/{branch}"] = location.checked_out
             # GitHub's checkout sets no origin/HEAD, and the run repository's
             # own branch name is no branch of the user's.
             drop = {"refs/remotes/origin/HEAD", f"refs/remotes/origin/{location.branch}"}
-            refs.pop(f"refs/remotes/origin/{location.branch}", None)
-            with contextlib.suppress(FileNotFoundError):
-                (git_dir / "refs/remotes/origin/HEAD").unlink()
+        else:  # its upstream where it is: not "behind 1"
+            refs[f"refs/remotes/origin/{location.branch}"] = location.checked_out
         if location.tags or location.branches:
-            oids = {oid for _, obj, commit in location.tags for oid in (obj, commit)}
-            oids |= {commit for _, commit in location.branches}
-            wanted = "".join(f"{oid}\n" for oid in oids).encode()
-            found = await git(["cat-file", "--batch-check=%(objectname) %(objecttype)"],
-                              env=env, stdin=wanted)  # fmt: skip
-            have = dict(line.split(" ", 1) for line in found.stdout_text().splitlines())
+            have = await _object_types(
+                env, {o for _, obj, commit in location.tags for o in (obj, commit)}
+                | {commit for _, commit in location.branches},
+            )  # fmt: skip
             for name, obj, commit in location.tags:
                 # An annotated tag whose object this clone lacks (a tag made
                 # after the object cache's first copy, a store snapshot's
                 # bundles) stays a tag, lightweight.
-                if have.get(obj) == "tag" and have.get(commit) == "commit":
-                    refs.setdefault(f"refs/tags/{name}", [obj, commit])
-                elif have.get(commit) == "commit":
-                    refs.setdefault(f"refs/tags/{name}", [commit])
-            # The run's own branch keeps the commit checked out; the others
-            # as origin has them, when this clone has their commits, and
-            # none where a ref is a directory of another (origin `a` and a
-            # local `a/b`: no remote has both).
-            # (the clone's own origin refs count: a user's `snapshot`, `HEAD`)
-            own = {f"refs/remotes/origin/{location.branch}", "refs/remotes/origin/HEAD"}
-            files = set(refs) | (own - drop)
-            dirs = {ref.rsplit("/", i)[0] for ref in files for i in range(1, ref.count("/"))}
+                if have.get(commit) == "commit":
+                    refs.setdefault(f"refs/tags/{name}", obj if have.get(obj) == "tag" else commit)
+            # The others as origin has them, when this clone has their
+            # commits, and none where a ref would be a directory of another
+            # (origin's `a` beside a local `a/b`, a user's `snapshot/x`
+            # beside the clone's own `origin/snapshot`): no remote has both.
+            files = set(refs) | {
+                "refs/remotes/origin/HEAD",
+                f"refs/remotes/origin/{location.branch}",
+            }
+            dirs = {d for ref in files for d in _ref_dirs(ref)}
             for name, commit in location.branches:
                 ref = f"refs/remotes/origin/{name}"
-                parents = {ref.rsplit("/", i)[0] for i in range(1, ref.count("/"))}
-                if (
-                    have.get(commit) != "commit"
-                    or ref in drop
-                    or name == branch
-                    or ref in files
-                    or ref in dirs
-                    or parents & files
-                ):
-                    continue
-                refs[ref] = [commit]
-                files.add(ref)
-                dirs |= parents
-        if (git_dir / "reftable").is_dir():  # git's reftable format: through git
-            lines = [f"delete {name}\n" for name in drop]
-            lines += [f"update {name} {value[0]}\n" for name, value in refs.items()]
-            await git(["update-ref", "--stdin"], env=env, stdin="".join(lines).encode())
-        elif refs or drop:
-            await anyio.to_thread.run_sync(_add_packed_refs, git_dir, refs, drop)
+                parents = _ref_dirs(ref)
+                if have.get(commit) == "commit" and ref not in files | dirs and not parents & files:
+                    refs[ref] = commit
+                    files.add(ref)
+                    dirs |= parents
+        # One transaction, then packed: each job copies the checkout, and a
+        # thousand tags are one file rather than a thousand.
+        lines = [f"delete {name}\n" for name in drop]
+        lines += [f"update {name} {oid}\n" for name, oid in refs.items()]
+        await git(["update-ref", "--no-deref", "--stdin"], env=env, stdin="".join(lines).encode())
+        await git(["pack-refs", "--all"], env=env)
     except (CommandFailed, OSError) as exc:
         raise CheckoutError(
             f"{where}: naming the checkout's branch and tags failed: {exc}"
         ) from None
 
 
-def _add_packed_refs(git_dir: Path, refs: dict[str, list[str]], drop: set[str]) -> None:
-    """Writes `refs` (name -> [object id, and for an annotated tag the commit
-    it peels to]) into `git_dir`'s `packed-refs`, replacing a packed ref of
-    the same name, kept sorted as its header says, and removes the packed
-    refs named in `drop`."""
-    path = git_dir / "packed-refs"
-    entries: dict[str, list[str]] = {}
-    last = ""
-    with contextlib.suppress(FileNotFoundError):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.startswith("^") and last:
-                entries[last].append(line)  # the peeled line of the ref above
-            elif line and not line.startswith("#"):
-                last = line.split(" ", 1)[1]
-                entries[last] = [line]
-    for name in drop:
-        entries.pop(name, None)
-    for name, value in refs.items():
-        entries[name] = [f"{value[0]} {name}"] + [f"^{peeled}" for peeled in value[1:]]
-    body = "".join(
-        "\n".join(entries[name]) + "\n" for name in sorted(entries, key=lambda n: n.encode())
-    )
-    tmp = git_dir / "packed-refs.preloop-tmp"
-    tmp.write_text("# pack-refs with: peeled fully-peeled sorted \n" + body, encoding="utf-8")
-    os.replace(tmp, path)
+async def _object_types(env: dict[str, str], oids: set[str]) -> dict[str, str]:
+    """The type of each of `oids` the repository of `env` has (`commit`, `tag`...)."""
+    found = await git(["cat-file", "--batch-check=%(objectname) %(objecttype)"],
+                      env=env, stdin="".join(f"{oid}\n" for oid in oids).encode())  # fmt: skip
+    return dict(line.split(" ", 1) for line in found.stdout_text().splitlines())
+
+
+def _ref_dirs(ref: str) -> set[str]:
+    """The directories `ref` is under (`refs`, `refs/remotes`, ...)."""
+    return {ref.rsplit("/", i)[0] for i in range(1, ref.count("/") + 1)}
 
 
 _KEEP_TEMPLATES = 4

@@ -124,9 +124,9 @@ class StoreStorage(StagedUploads):
         instance = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.staging = self.state_dir / "service-uploads" / instance
         self.materialised = self.state_dir / "service-blobs" / instance
-        # upload id -> (run, job, name, expires_at) of an artifact upload; the
-        # server calls from worker threads, so the bookkeeping takes the lock.
-        # upload -> (run, job, name, expires_at, mime_type)
+        # upload id -> (run, job, name, expires_at, mime_type) of an artifact
+        # upload; the server calls from worker threads, so the bookkeeping
+        # takes the lock.
         self._artifact_uploads: dict[str, tuple[str, str, str, str | None, str]] = {}
         self._lock = threading.Lock()
 

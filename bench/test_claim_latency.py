@@ -73,7 +73,7 @@ def _measure(store: Store, tmp_path: Path, mode: str, submits: list[float]) -> l
             state_dir=tmp_path / mode,
             idle_poll=POLL,
             listen_poll=60.0,
-            skip=lambda lease: "bench",
+            skip=lambda lease, contexts: "bench",
         ),
         JobEvents(on_start=start, on_end=lambda lease, result: ended.set()),
     )

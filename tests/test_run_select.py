@@ -312,6 +312,90 @@ def test_other_platforms_are_skipped_with_a_reason(tmp_path: Path, store_url: st
     assert jobs["build (macos-14)"].conclusion == "skipped"
 
 
+RESOLVED_RUNS_ON = """on: push
+jobs:
+  pick:
+    runs-on: ubuntu-latest
+    outputs:
+      windows: ${{ steps.p.outputs.windows }}
+      linux: ${{ steps.p.outputs.linux }}
+    steps:
+      - id: p
+        run: |
+          echo windows=windows-2022 >> "$GITHUB_OUTPUT"
+          echo linux=ubuntu-22.04 >> "$GITHUB_OUTPUT"
+  on-windows:
+    needs: pick
+    uses: ./.github/workflows/callee.yml
+    with:
+      os: ${{ needs.pick.outputs.windows }}
+  on-linux:
+    needs: pick
+    uses: ./.github/workflows/callee.yml
+    with:
+      os: ${{ needs.pick.outputs.linux }}
+  top-level:
+    needs: pick
+    runs-on: ${{ needs.pick.outputs.windows }}
+    steps:
+      - run: echo "top-level ran"
+"""
+
+CALLEE_RUNS_ON = """on:
+  workflow_call:
+    inputs:
+      os:
+        type: string
+        required: true
+jobs:
+  build:
+    name: build on ${{ inputs.os }}
+    runs-on: ${{ inputs.os }}
+    steps:
+      - run: echo "built on ${{ inputs.os }}"
+"""
+
+
+def test_runs_on_known_only_at_run_time_is_run_or_skipped_by_its_value(
+    tmp_path: Path, store_url: str
+) -> None:
+    # A label that no workflow writes out (`ubuntu-22.04`, from a job's
+    # outputs through a reusable workflow's input) is still this run's to
+    # take, and another OS known only then is skipped rather than run here
+    # or left queued forever. A name that waited for the inputs is evaluated
+    # with them.
+    repo = make_repo(
+        tmp_path / "repo",
+        {WF + "ci.yml": RESOLVED_RUNS_ON, WF + "callee.yml": CALLEE_RUNS_ON},
+    )
+    h = Harness()
+    request = RunRequest(
+        workspace=repo, store_url=store_url, state_dir=tmp_path / "state", local_runners=2
+    )
+
+    async def bounded() -> RunsOutcome:
+        with anyio.fail_after(120):  # the bug left the run queued for ever
+            return await Engine(request, h.events()).run_all()
+
+    out = anyio.run(bounded)
+    jobs = {j.id: j for j in out.runs[0].jobs}
+    assert jobs["on-linux/build"].conclusion == "success"
+    assert jobs["on-linux/build"].name == "on-linux / build on ubuntu-22.04"
+    assert jobs["on-windows/build"].name == "on-windows / build on windows-2022"
+    assert "built on ubuntu-22.04" in h.all_text()
+    windows = (
+        "runs-on windows-2022 is a Windows runner; this host runs Linux "
+        "(run it here anyway with --platform windows-2022=host)"
+    )
+    assert jobs["on-windows/build"].conclusion == "skipped"
+    assert jobs["on-windows/build"].reason == windows
+    assert jobs["top-level"].conclusion == "skipped"
+    assert jobs["top-level"].reason == windows
+    assert "built on windows-2022" not in h.all_text()
+    assert "top-level ran" not in h.all_text()
+    assert out.ok
+
+
 # --- the command line ------------------------------------------------------------
 
 

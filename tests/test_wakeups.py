@@ -77,7 +77,7 @@ def _runner(store: Store, tmp_path: Path, capacity: int) -> Runner:
             max_jobs=1,
             capacity=capacity,
             # Completed `skipped` without a checkout: only the claim matters here.
-            skip=lambda lease: "claimed by the wake-up test",
+            skip=lambda lease, contexts: "claimed by the wake-up test",
         ),
     )
 

@@ -61,7 +61,7 @@ from preloop.control.urls import check_store_url
 from preloop.control.wakeups import RUNS
 from preloop.errors import PreloopError, UsageError
 from preloop.process import CommandFailed, run_command
-from preloop.runner import DEFAULT_LABELS, JobEvents, JobResult, Runner, RunnerOptions
+from preloop.runner import JobEvents, JobResult, Runner, RunnerOptions
 from preloop.runner.checkout import (
     SNAPSHOT_CONTEXT_KEY,
     CheckoutTemplates,
@@ -100,13 +100,14 @@ from preloop.workflow.event_inputs import (
     default_payload,
     load_payload,
 )
-from preloop.workflow.expressions import coerce_string, evaluate_template
+from preloop.workflow.expressions import coerce_string
 from preloop.workflow.github_context import local_github_context
 from preloop.workflow.loader import EVENTS
 from preloop.workflow.selection import (
     foreign_platform,
     known_jobs,
     leg_not_selected,
+    runs_on_labels,
     select_jobs,
     select_legs,
 )
@@ -381,30 +382,6 @@ def _may_call_services(plans: list[Plan]) -> bool:
     return False
 
 
-def _plan_labels(p: Plan) -> list[str]:
-    """Every label the plan's jobs ask for: local runners take all of them."""
-    labels: set[str] = set(DEFAULT_LABELS)
-
-    def walk(v: Any) -> None:
-        if isinstance(v, str):
-            if "${{" not in v:
-                labels.add(v.lower())
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-
-    for j in p.jobs:
-        labels.update(lb.lower() for lb in j.runs_on)
-        if j.kind == "deferred":
-            deferred = j.spec.get("deferred", {}).get("job", {})
-            walk(deferred.get("runs_on"))
-            walk(deferred.get("strategy"))
-    return sorted(labels)
-
-
 class Engine:
     def __init__(self, request: RunRequest, events: EngineEvents | None = None) -> None:
         self.request = request
@@ -421,7 +398,9 @@ class Engine:
         self._starts: dict[tuple[int, str], float] = {}
         self._annotations: dict[tuple[int, str], list[str]] = {}
         self._reasons: dict[tuple[int, str], str] = {}
-        self._labels: dict[tuple[int, str], tuple[str, ...]] = {}
+        # The jobs planned at submit; a job not among them is a leg of a
+        # matrix computed at run time.
+        self._planned: set[tuple[int, str]] = set()
         # Host-unique: names the run's snapshot, processes and action
         # resolutions (plan time and job time resolve a ref once, alike).
         self.run_key = f"run-{uuid.uuid4().hex[:16]}"
@@ -691,7 +670,6 @@ class Engine:
                     repo_key=snap.cache_key,
                     bundles=self.published.chain,
                 )
-            labels: set[str] = set()
             for planned in selection.plans:
                 if self._interrupted:
                     break
@@ -713,9 +691,7 @@ class Engine:
                 submit = functools.partial(store.submit_run, planned, github=gh)
                 run_id = await anyio.to_thread.run_sync(submit)
                 self.run_ids.append(run_id)
-                for j in planned.jobs:
-                    self._labels[(run_id, j.id)] = j.runs_on
-                labels.update(_plan_labels(planned))
+                self._planned.update((run_id, j.id) for j in planned.jobs)
                 if self.events.on_submitted is not None:
                     self.events.on_submitted(run_id, planned)
             if not self._interrupted:
@@ -725,7 +701,7 @@ class Engine:
                 with run_services(
                     self.state_dir, str(root), ref, default_ref, base_ref, run_key, store
                 ) as services:
-                    await self._drive(store, list(self.run_ids), sorted(labels), services)
+                    await self._drive(store, list(self.run_ids), services)
             outcomes: list[RunOutcome] = []
             for run_id, planned in zip(self.run_ids, selection.plans, strict=False):
                 if self._interrupted:
@@ -772,17 +748,17 @@ class Engine:
             annotations=self._annotations.get(key, []),
         )
 
-    def skip_reason(self, lease: Lease) -> str | None:
-        """Why a leased job is not run on this host (another OS; a leg of a
-        matrix computed at run time that `--matrix` does not select), or None."""
-        labels = self._labels.get((lease.run_id, lease.job_id))
-        if labels is None:  # a leg of a deferred matrix: its runs-on as written
-            if lease.run_id in self.run_ids:  # never another run's (a shared store)
-                unwanted = leg_not_selected(lease.matrix, self.request.matrix)
-                if unwanted is not None:
-                    return unwanted
-            labels = _leg_labels(lease)
-        return foreign_platform(labels, self.request.platforms)
+    def skip_reason(self, lease: Lease, contexts: Mapping[str, Any]) -> str | None:
+        """Why a leased job is not run on this host (its `runs-on`, evaluated
+        with the job's contexts, names another OS; a leg of a matrix computed
+        at run time that `--matrix` does not select), or None."""
+        if lease.run_id in self.run_ids and (lease.run_id, lease.job_id) not in self._planned:
+            unwanted = leg_not_selected(lease.matrix, self.request.matrix)
+            if unwanted is not None:
+                return unwanted
+        return foreign_platform(
+            runs_on_labels(lease.spec.get("runs-on"), contexts), self.request.platforms
+        )
 
     def _job_events(self) -> JobEvents:
         # A job of another run (a shared PostgreSQL store) is run, logged and
@@ -824,7 +800,6 @@ class Engine:
         self,
         store: Store,
         run_ids: list[int],
-        labels: list[str],
         services: ServiceAccess | None = None,
     ) -> None:
         req = self.request
@@ -839,7 +814,10 @@ class Engine:
         def options(index: int, run_id: int, capacity: int = 1) -> RunnerOptions:
             return RunnerOptions(
                 name=f"{req.runner_name}-{os.getpid()}-{index}",
-                labels=labels,
+                # All of the run's jobs, whatever their labels: a reusable
+                # workflow's `runs-on: ${{ inputs.os }}` is known only once
+                # its caller starts. `skip_reason` leaves another OS's.
+                labels=None,
                 state_dir=self.state_dir,
                 secrets=dict(req.secrets),
                 sandbox=req.sandbox,
@@ -989,29 +967,6 @@ def _push_before(before: str | None, merge_base: str | None) -> str | None:
     if before is None:
         return merge_base
     return None if before.strip("0") == "" else before
-
-
-def _leg_labels(lease: Lease) -> tuple[str, ...]:
-    value = lease.spec.get("runs-on")
-    if isinstance(value, dict):
-        value = value.get("labels") or []
-    if isinstance(value, str):
-        value = [value]
-    ctx = {"matrix": lease.matrix or {}, "strategy": lease.strategy or {}}
-    labels: list[str] = []
-    for v in value or []:
-        if not isinstance(v, str):
-            continue
-        if "${{" in v:
-            try:
-                result = evaluate_template(v, ctx)
-            except PreloopError:
-                continue
-            items = result if isinstance(result, list) else [result]
-            labels.extend(str(x) for x in items if x)
-        else:
-            labels.append(v)
-    return tuple(labels)
 
 
 async def settle_cancelled(store: Store, run_id: int, reason: str) -> None:

@@ -140,7 +140,7 @@ def runner_command(
     with open_store(store) as db, runner_services(state, db) as endpoint:
         options.service_endpoint = endpoint
         runner = Runner(db, options)
-        click.echo(f"runner {options.name}: waiting for jobs ({', '.join(runner.labels)})")
+        click.echo(f"runner {options.name}: waiting for jobs ({', '.join(runner.labels or [])})")
         try:
             anyio.run(_serve, runner)
         finally:

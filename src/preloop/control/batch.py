@@ -44,7 +44,8 @@ def _check_terminal(run_id: int, job_id: str, conclusion: str) -> None:
 
 @dataclass(slots=True)
 class _Claim:
-    """What a runner asks for: up to `limit` jobs its `labels` all cover.
+    """What a runner asks for: up to `limit` jobs its `labels` all cover
+    (`labels` None: any job, whatever its labels).
 
     `at` is the claim's time, fixed for every attempt of one operation: the
     jobs it claims start at `at` under `runner`, which is how a retry after
@@ -52,7 +53,7 @@ class _Claim:
     instead of claiming others and orphaning those (`attempts` counts)."""
 
     runner: str
-    labels: list[str]
+    labels: list[str] | None
     limit: int
     lease_seconds: float
     run_id: int | None
@@ -61,16 +62,24 @@ class _Claim:
 
     @staticmethod
     def of(
-        runner: str, labels: Sequence[str], limit: int, lease_seconds: float, run_id: int | None
+        runner: str,
+        labels: Sequence[str] | None,
+        limit: int,
+        lease_seconds: float,
+        run_id: int | None,
     ) -> _Claim:
-        wanted = sorted({lb.strip().lower() for lb in labels if lb.strip()})
+        wanted = (
+            None if labels is None else sorted({lb.strip().lower() for lb in labels if lb.strip()})
+        )
         return _Claim(runner, wanted, max(0, int(limit)), lease_seconds, run_id)
 
 
 def _claim_lite(tx: Tx, claim: _Claim) -> list[Lease]:
     """The claim statement on SQLite (one writer: no row locks to skip)."""
     now = time.time()
-    if claim.labels:
+    if claim.labels is None:
+        match = "1 = 1"
+    elif claim.labels:
         marks = ", ".join("?" for _ in claim.labels)
         match = f"NOT EXISTS (SELECT 1 FROM json_each(j.runs_on) WHERE value NOT IN ({marks}))"
     else:
@@ -88,7 +97,7 @@ def _claim_lite(tx: Tx, claim: _Claim) -> list[Lease]:
             claim.runner,
             now + claim.lease_seconds,
             now,
-            *claim.labels,
+            *(claim.labels or ()),
             *(() if claim.run_id is None else (claim.run_id,)),
             claim.limit,
         ),

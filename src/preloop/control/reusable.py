@@ -6,7 +6,7 @@ A caller's `with:` may use what is only known once the caller starts (its
 them with the caller's own contexts, types them by the callee's declarations,
 and hands them to the caller's direct inner jobs: a runner job's (or deferred
 matrix job's) `spec["inputs"]`, a nested caller's `spec["scope_inputs"]`,
-and the runs-on labels that only waited for them. From then on the
+and the runs-on labels and display names that only waited for them. From then on the
 scheduler's `if:`, `concurrency` and matrix evaluation of those jobs, the
 runner's steps and the caller's fold (its `outputs`) all see the typed inputs
 (`scoped_inputs`).
@@ -71,13 +71,24 @@ def start_caller(tx: Tx, caller: Row, contexts: dict[str, Any]) -> None:
         (json.dumps(spec), run_id, caller["id"]),
     )
     rows = tx.execute(
-        "SELECT id, kind, spec, matrix, strategy FROM jobs WHERE run_id = ? AND caller = ?",
+        "SELECT id, kind, name, spec, matrix, strategy FROM jobs WHERE run_id = ? AND caller = ?",
         (run_id, caller["id"]),
     )
     base = {k: v for k, v in contexts.items() if k in ("github", "vars")}
     for row in rows:
         inner = json.loads(row["spec"])
         runs_on: str | None = None
+        ctx = {
+            **base,
+            "inputs": inputs,
+            "matrix": json.loads(row["matrix"]) if row["matrix"] else {},
+            "strategy": json.loads(row["strategy"]) if row["strategy"] else {},
+        }
+        name = _name(row["name"], ctx)
+        if name is not None:
+            tx.execute(
+                "UPDATE jobs SET name = ? WHERE run_id = ? AND id = ?", (name, run_id, row["id"])
+            )
         if row["kind"] == "caller":
             inner["scope_inputs"] = inputs
         elif row["kind"] == "deferred":
@@ -86,12 +97,6 @@ def start_caller(tx: Tx, caller: Row, contexts: dict[str, Any]) -> None:
             d["available"] = sorted({*d.get("available", ()), "inputs"})
         else:
             inner["inputs"] = inputs
-            ctx = {
-                **base,
-                "inputs": inputs,
-                "matrix": json.loads(row["matrix"]) if row["matrix"] else {},
-                "strategy": json.loads(row["strategy"]) if row["strategy"] else {},
-            }
             labels = _labels(inner.get("runs-on"), ctx)
             if labels is not None:
                 runs_on = json.dumps(sorted({lb.lower() for lb in labels}))
@@ -107,6 +112,25 @@ def start_caller(tx: Tx, caller: Row, contexts: dict[str, Any]) -> None:
             )
 
 
+def _known_at_start(template: str) -> bool:
+    contexts: set[str] = set()
+    for expr in ex.expressions_in(template):
+        contexts |= ex.parse(expr).contexts
+    return contexts <= _KNOWN_AT_START
+
+
+def _name(name: str, ctx: dict[str, Any]) -> str | None:
+    """A display name that waited for the inputs (`build on ${{ inputs.os
+    }}`), now evaluated; None when it has no template or one that waits for
+    more, or cannot be evaluated (the name as written is kept)."""
+    if "${{" not in name:
+        return None
+    try:
+        return ex.interpolate(name, ctx) if _known_at_start(name) else None
+    except ex.ExpressionError:
+        return None
+
+
 def _labels(value: Any, ctx: dict[str, Any]) -> list[str] | None:
     """`runs-on` labels that waited for the inputs, now evaluated (None when
     nothing changes: no template, or one that still waits for `needs`)."""
@@ -119,10 +143,7 @@ def _labels(value: Any, ctx: dict[str, Any]) -> list[str] | None:
     labels: list[str] = []
     for v in value:
         if isinstance(v, str) and "${{" in v:
-            contexts: set[str] = set()
-            for expr in ex.expressions_in(v):
-                contexts |= ex.parse(expr).contexts
-            if not contexts <= _KNOWN_AT_START:
+            if not _known_at_start(v):
                 return None
             result = ex.evaluate_template(v, ctx)
             items = result if isinstance(result, list) else [result]

@@ -174,6 +174,14 @@ def _text_array(items: Sequence[str]) -> str:
     )
 
 
+def _labels_param(claim: _Claim | None) -> str | None:
+    """A claim's labels for `p_labels`. NULL claims any job: in the claim's
+    `label <> ALL (p_labels)`, no label is missing from a NULL array."""
+    if claim is None:
+        return "{}"
+    return None if claim.labels is None else _text_array(claim.labels)
+
+
 def _warm_settle_paths(tx: Tx) -> list[str]:
     """The paths `preloop_warm_settle` saw taken (or the error it met)."""
     row = tx.one(Q["pg_select_preloop_warm_settle"])
@@ -367,15 +375,17 @@ class Store:
     def claim_job(
         self,
         runner: str,
-        labels: Sequence[str],
+        labels: Sequence[str] | None,
         *,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         run_id: int | None = None,
     ) -> Lease | None:
         """Claims the first queued job (FIFO by run, then job seq) whose
-        `runs-on` labels are all among `labels` (case-insensitive). With
-        `run_id`, only that run's jobs: the local runners of a `preloop run`
-        serve their own run, never another one sharing the store."""
+        `runs-on` labels are all among `labels` (case-insensitive); `labels`
+        None takes a job whatever its labels. With `run_id`, only that run's
+        jobs: the local runners of a `preloop run` serve their own run, never
+        another one sharing the store, and take all of it (labels None: a
+        label a reusable workflow's inputs resolve to is known only then)."""
         leases = self.claim_jobs(
             runner, labels, limit=1, lease_seconds=lease_seconds, run_id=run_id
         )
@@ -384,7 +394,7 @@ class Store:
     def claim_jobs(
         self,
         runner: str,
-        labels: Sequence[str],
+        labels: Sequence[str] | None,
         *,
         limit: int,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
@@ -453,7 +463,7 @@ class Store:
         self,
         results: Sequence[JobResultItem],
         runner: str,
-        labels: Sequence[str],
+        labels: Sequence[str] | None,
         *,
         limit: int | None = None,
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
@@ -672,7 +682,7 @@ class Store:
                 _text_array([lease.token for lease, _, _ in results]),
                 now,
                 claim.runner if claim else "",
-                _text_array(claim.labels if claim else []),
+                _labels_param(claim),
                 claim.limit if claim else 0,
                 now + (claim.lease_seconds if claim else 0.0),
                 claim.run_id if claim else None,

@@ -97,7 +97,9 @@ class JobEvents:
 @dataclass(slots=True)
 class RunnerOptions:
     name: str
-    labels: Sequence[str]
+    # The `runs-on` labels it takes jobs for; None takes any job (the local
+    # runners of `preloop run`, serving their own run: `skip` decides).
+    labels: Sequence[str] | None
     state_dir: Path
     secrets: dict[str, str] = field(default_factory=dict)
     sandbox: bool = False
@@ -121,8 +123,10 @@ class RunnerOptions:
     service_endpoint: ServiceEndpoint | None = None
     # `--action` overrides; PRELOOP_ACTION_OVERRIDES is added after them.
     action_overrides: tuple[Override, ...] = ()
-    # Why a claimed job is not run here (it is completed `skipped`), or None.
-    skip: Callable[[Lease], str | None] | None = None
+    # Why a claimed job is not run here (it is completed `skipped`), or None;
+    # given the job's contexts (`needs`, `inputs`, `matrix`, ...), with which
+    # its `runs-on` is evaluated.
+    skip: Callable[[Lease, dict[str, Any]], str | None] | None = None
     # Jobs this runner runs side by side (`serve`): with more than one it
     # claims up to its free slots in one statement and reports finished jobs
     # with its next claims in one transaction (`Store.complete_and_claim`).
@@ -263,7 +267,9 @@ class Runner:
         self._job_logs = JobLogStore(store)
 
     @property
-    def labels(self) -> list[str]:
+    def labels(self) -> list[str] | None:
+        if self.options.labels is None:
+            return None
         return sorted({*DEFAULT_LABELS, *(lb.lower() for lb in self.options.labels)})
 
     async def claim(self) -> Lease | None:
@@ -363,10 +369,6 @@ class Runner:
         if self.events.on_start is not None:
             self.events.on_start(lease)
         result: JobResult | None = None
-        skip = opts.skip(lease) if opts.skip is not None else None
-        if skip is not None:
-            line(f"skipped: {skip}")
-            result = JobResult("skipped", {}, [], [], "", skip)
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._heartbeat, lease, control)
@@ -453,6 +455,14 @@ class Runner:
             contexts: dict[str, Any] = await store_call(
                 self.store, lambda: self.store.job_context(lease.run_id, lease.job_id)
             )
+            spec = runnable_spec(lease, contexts)
+            if "inputs" in spec:
+                # An inner job of a reusable workflow sees the caller's inputs.
+                contexts["inputs"] = spec["inputs"]
+            skip = opts.skip(lease, contexts) if opts.skip is not None else None
+            if skip is not None:
+                line(f"skipped: {skip}")
+                return JobResult("skipped", {}, [], [], "", skip)
             github = dict(contexts.get("github") or {})
             location = SnapshotLocation.from_context(github, where)
             github.pop("preloop_snapshot", None)
@@ -463,10 +473,6 @@ class Runner:
             engine = github.pop("preloop_engine", None)
             tracking_key = engine.get("run_key") if isinstance(engine, dict) else None
             contexts["github"] = github
-            spec = runnable_spec(lease, contexts)
-            if "inputs" in spec:
-                # An inner job of a reusable workflow sees the caller's inputs.
-                contexts["inputs"] = spec["inputs"]
             secrets = dict(opts.secrets)
             if spec.get("secrets_chain"):
                 # ... and only the secrets its callers pass on.

@@ -10,7 +10,8 @@
   `leg_not_selected(matrix, wanted)` is why such a leg is skipped.
 - `foreign_platform(labels, platforms)`: why a job whose `runs-on` names
   another operating system (`windows-*`, `macos-*`) is not run here, unless
-  `platforms` maps that label to `host`.
+  `platforms` maps that label to `host`; `runs_on_labels(value, contexts)`
+  are a leased job's labels, its templates evaluated.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from preloop.errors import UsageError
+from preloop.errors import PreloopError, UsageError
 from preloop.workflow import expressions as ex
 from preloop.workflow.plan import Plan, PlannedJob
 
@@ -29,6 +30,7 @@ __all__ = [
     "foreign_platform",
     "known_jobs",
     "leg_not_selected",
+    "runs_on_labels",
     "select_jobs",
     "select_legs",
 ]
@@ -139,3 +141,28 @@ def foreign_platform(labels: Sequence[str], platforms: Mapping[str, str]) -> str
                     f"(run it here anyway with --platform {label}=host)"
                 )
     return None
+
+
+def runs_on_labels(value: Any, contexts: Mapping[str, Any]) -> tuple[str, ...]:
+    """The labels of a job's `runs-on` as written (a label, a list, or a
+    `group`/`labels` mapping), each template evaluated with the job's
+    `contexts` (`needs`, `inputs`, `matrix`, ...); a template that cannot be
+    evaluated is left out (the job's own evaluation reports it)."""
+    if isinstance(value, Mapping):
+        value = value.get("labels") or []
+    if isinstance(value, str):
+        value = [value]
+    labels: list[str] = []
+    for v in value if isinstance(value, list) else []:
+        if not isinstance(v, str):
+            continue
+        if "${{" not in v:
+            labels.append(v)
+            continue
+        try:
+            result = ex.evaluate_template(v, dict(contexts))
+        except PreloopError:
+            continue
+        items = result if isinstance(result, list) else [result]
+        labels.extend(text for text in map(ex.coerce_string, items) if text)
+    return tuple(labels)

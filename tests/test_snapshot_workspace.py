@@ -388,7 +388,8 @@ def test_snapshot_commit_is_the_one_git_commit_tree_writes(
     tmp_path: Path, object_format: str, encoding: str | None, born: bool
 ) -> None:
     """The capture writes the commit object itself: it must be the very object
-    `git commit-tree` writes for the same tree, parents and identity."""
+    `git commit-tree` writes for the same tree, parents and identity, dated as
+    HEAD was committed (1970 with no HEAD)."""
     import subprocess
 
     from preloop.snapshot.workspace import SNAPSHOT_IDENTITY, SNAPSHOT_MESSAGE
@@ -401,9 +402,15 @@ def test_snapshot_commit_is_the_one_git_commit_tree_writes(
     if encoding:
         git("config", "i18n.commitEncoding", encoding, cwd=ws)
     (ws / "f.txt").write_text("f\n")
+    committed = "@1700000000 +0530"
     if born:
         git("add", "f.txt", cwd=ws)
-        git("commit", "-q", "-m", "base", cwd=ws)
+        subprocess.run(
+            ["git", "commit", "-q", "-m", "base"],
+            cwd=ws,
+            check=True,
+            env={**os.environ, "GIT_COMMITTER_DATE": committed},
+        )
     (ws / "g.txt").write_text("g\n")
     snap = capture(tmp_path / "state", ws, "commit")
     args = ["git", "commit-tree", snap.tree, "-m", SNAPSHOT_MESSAGE]
@@ -416,6 +423,7 @@ def test_snapshot_commit_is_the_one_git_commit_tree_writes(
     env = {
         **os.environ,
         **SNAPSHOT_IDENTITY,
+        **({"GIT_AUTHOR_DATE": committed, "GIT_COMMITTER_DATE": committed} if born else {}),
         "GIT_DIR": str(ws / ".git"),
         "GIT_OBJECT_DIRECTORY": str(tmp_path / "aside"),
         "GIT_ALTERNATE_OBJECT_DIRECTORIES": cache_objects,

@@ -102,6 +102,9 @@ __all__ = [
 ]
 
 # Fixed identity and date: the same tree on the same parents is the same commit.
+# The capture's own commit is dated as its parent was committed instead (the
+# same determinism): a job's `git log -1 --format=%ct`, SOURCE_DATE_EPOCH
+# taken from it, must not read 1970 (`snapshot_date`).
 SNAPSHOT_IDENTITY = {
     "GIT_AUTHOR_NAME": "preloop",
     "GIT_AUTHOR_EMAIL": "preloop@snapshot.invalid",
@@ -120,21 +123,37 @@ def commit_env(base: dict[str, str]) -> dict[str, str]:
     return {**base, **SNAPSHOT_IDENTITY}
 
 
-def snapshot_commit(tree: str, parents: tuple[str, ...], encoding: str | None) -> bytes:
+def snapshot_commit(
+    tree: str, parents: tuple[str, ...], encoding: str | None, date: str | None = None
+) -> bytes:
     """The body of the commit `git commit-tree <tree> -p <parent>... -m "preloop
     snapshot"` writes under `commit_env` (and `i18n.commitEncoding` = `encoding`),
-    byte for byte: git adds the encoding header unless it names UTF-8."""
+    byte for byte: git adds the encoding header unless it names UTF-8. `date`
+    (`<seconds> <+hhmm>`, as `snapshot_date` reads it) replaces the fixed one
+    for author and committer, as `GIT_*_DATE=@<date>` would."""
 
     def ident(who: str) -> str:
         name = SNAPSHOT_IDENTITY[f"GIT_{who}_NAME"]
         email = SNAPSHOT_IDENTITY[f"GIT_{who}_EMAIL"]
-        return f"{name} <{email}> {SNAPSHOT_IDENTITY[f'GIT_{who}_DATE'].lstrip('@')}"
+        when = date or SNAPSHOT_IDENTITY[f"GIT_{who}_DATE"].lstrip("@")
+        return f"{name} <{email}> {when}"
 
     lines = [f"tree {tree}", *(f"parent {p}" for p in parents)]
     lines += [f"author {ident('AUTHOR')}", f"committer {ident('COMMITTER')}"]
     if encoding is not None and encoding.lower() not in ("utf-8", "utf8"):
         lines.append(f"encoding {encoding}")
     return ("\n".join(lines) + "\n\n" + SNAPSHOT_MESSAGE + "\n").encode("utf-8", "surrogateescape")
+
+
+_COMMITTER_DATE = re.compile(rb"^committer [^\n]*> (\d+ [+-]\d{4})$", re.MULTILINE)
+
+
+def snapshot_date(commit_body: bytes) -> str | None:
+    """The committer date of a commit object's body (`git cat-file commit`),
+    as `<seconds> <+hhmm>`; None when it has none git would write."""
+    header = commit_body.split(b"\n\n", 1)[0]
+    found = _COMMITTER_DATE.search(header)
+    return found.group(1).decode("ascii") if found else None
 
 
 def write_loose_object(objects: Path, kind: str, body: bytes, object_format: str) -> str:
@@ -726,9 +745,18 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
         result = await git(tree_args, env=tree_env)
         written["tree"] = result.stdout_text().strip()
 
+    async def read_head(head: str) -> None:
+        # Beside write-tree, which keeps one core busy for tens of ms.
+        result = await git(["cat-file", "commit", head], env=env, check=False)
+        date = snapshot_date(result.stdout) if result.returncode == 0 else None
+        if date is not None:
+            written["date"] = date
+
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(write_tree)
+            if repo.head:
+                tg.start_soon(read_head, repo.head)
             tg.start_soon(cap.work.run, "keep-index", _keep_link, index)
     except ExceptionGroup as group:
         raise group.exceptions[0] from None
@@ -740,7 +768,7 @@ async def _capture_body(cap: CaptureState, repo: Repository) -> Snapshot:
     # is the object `git commit-tree` would write (`snapshot_commit`), written
     # here: a process less.
     head_tree = repo.head_tree or EMPTY_TREE[fmt]
-    body = snapshot_commit(tree, parents, repo.commit_encoding)
+    body = snapshot_commit(tree, parents, repo.commit_encoding, written.get("date"))
     done: dict[str, object] = {}
 
     def write_commit() -> str:

@@ -274,6 +274,29 @@ def test_githubs_default_variables_are_set_even_when_empty(tmp_path: Path) -> No
     assert "GITHUB_BASE_REF=" in lines and "GITHUB_HEAD_REF=" in lines, lines
 
 
+def test_githubs_variables_are_in_the_github_context_and_env_cannot_override_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PRELOOP_ARTIFACT_RETENTION_DAYS", "7")
+    show = (
+        "echo 'ctx=${{ github.api_url }} ${{ github.graphql_url }} "
+        "${{ github.triggering_actor }} ${{ github.retention_days }}'\n"
+        'echo "env=$GITHUB_API_URL $GITHUB_SHA $GITHUB_RETENTION_DAYS $RUNNER_OS $CI $MINE"\n'
+        'echo "GITHUB_SHA=forged" >> "$GITHUB_ENV"\n'
+    )
+    result, lines = run_job(
+        tmp_path,
+        [{"run": show}, {"run": 'echo "after=$GITHUB_SHA"'}],
+        contexts={"github": {"sha": "abc123", "actor": "octocat"}},
+        # GitHub's runner lets a workflow set CI, and its own variables never.
+        env={"GITHUB_API_URL": "x", "GITHUB_SHA": "y", "RUNNER_OS": "z", "CI": "no", "MINE": "1"},
+    )
+    assert result.conclusion == "success", lines
+    assert "ctx=https://api.github.com https://api.github.com/graphql octocat 7" in lines, lines
+    assert "env=https://api.github.com abc123 7 Linux no 1" in lines, lines
+    assert "after=abc123" in lines, lines
+
+
 def test_workflow_commands_mask_group_annotations(tmp_path: Path) -> None:
     result, lines = run_job(
         tmp_path,

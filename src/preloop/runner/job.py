@@ -43,6 +43,7 @@ from typing import Any
 
 import anyio
 
+from preloop import config
 from preloop.actions.metadata import ActionMetadata, ActionMetadataError
 from preloop.actions.reference import UsesError, is_checkout
 from preloop.actions.steps import POST_STEPS_TIMEOUT, ActionSource, ActionStepError, ActionSteps
@@ -283,6 +284,10 @@ class _Execution:
         github.setdefault("run_attempt", "1")
         github.setdefault("action", "")
         github.setdefault("server_url", "https://github.com")
+        github.setdefault("api_url", "https://api.github.com")
+        github.setdefault("graphql_url", "https://api.github.com/graphql")
+        github.setdefault("triggering_actor", github.get("actor", ""))
+        github.setdefault("retention_days", str(config.get("PRELOOP_ARTIFACT_RETENTION_DAYS")))
         self.github = github
         event = github.get("event") if isinstance(github.get("event"), dict) else {}
         (host.temp / "_github_event.json").write_text(json.dumps(event), encoding="utf-8")
@@ -389,9 +394,7 @@ class _Execution:
         # The store URL may carry database credentials: steps do not inherit it.
         base.pop("PRELOOP_STORE_URL", None)
         gh = self.github
-        out = {
-            **base,
-            "CI": "true",
+        defaults = {
             "GITHUB_ACTIONS": "true",
             "GITHUB_WORKSPACE": str(self.host.workspace),
             "GITHUB_JOB": self.job_key,
@@ -409,10 +412,10 @@ class _Execution:
             "GITHUB_BASE_REF": _str(gh.get("base_ref", "")),
             "GITHUB_HEAD_REF": _str(gh.get("head_ref", "")),
             "GITHUB_REPOSITORY_OWNER": _str(gh.get("repository_owner", "")),
-            "GITHUB_TRIGGERING_ACTOR": _str(gh.get("triggering_actor") or gh.get("actor", "")),
-            "GITHUB_API_URL": _str(gh.get("api_url") or "https://api.github.com"),
-            "GITHUB_GRAPHQL_URL": _str(gh.get("graphql_url") or "https://api.github.com/graphql"),
-            "GITHUB_RETENTION_DAYS": _str(gh.get("retention_days") or "90"),
+            "GITHUB_TRIGGERING_ACTOR": _str(gh.get("triggering_actor", "")),
+            "GITHUB_API_URL": _str(gh.get("api_url", "")),
+            "GITHUB_GRAPHQL_URL": _str(gh.get("graphql_url", "")),
+            "GITHUB_RETENTION_DAYS": _str(gh.get("retention_days", "")),
             "GITHUB_REPOSITORY": _str(gh.get("repository", "")),
             "GITHUB_ACTOR": _str(gh.get("actor", "")),
             "GITHUB_SERVER_URL": _str(gh.get("server_url", "")),
@@ -426,11 +429,15 @@ class _Execution:
             "RUNNER_ENVIRONMENT": self.runner_ctx["environment"],
             "RUNNER_WORKSPACE": str(self.host.workspace.parent),
         }
-        if scope.action_path is not None:
-            out["GITHUB_ACTION_PATH"] = str(scope.action_path)
         for name, path in files.items():
-            out[name] = str(path)
-        out.update(env)
+            defaults[name] = str(path)
+        # A workflow's `env:` (or GITHUB_ENV) may set CI, never GitHub's own
+        # GITHUB_* and RUNNER_* variables: the runner's values win. An
+        # action's step env names its own GITHUB_ACTION_PATH.
+        inherited = {"CI": "true"}
+        if scope.action_path is not None:
+            inherited["GITHUB_ACTION_PATH"] = str(scope.action_path)
+        out = {**base, **inherited, **env, **defaults}
         if self.path_prepend:
             out["PATH"] = os.pathsep.join([*reversed(self.path_prepend), out.get("PATH", "")])
         return out

@@ -6,10 +6,10 @@ A caller's `with:` may use what is only known once the caller starts (its
 them with the caller's own contexts, types them by the callee's declarations,
 and hands them to the caller's direct inner jobs: a runner job's (or deferred
 matrix job's) `spec["inputs"]`, a nested caller's `spec["scope_inputs"]`,
-and the runs-on labels and display names that only waited for them. From then on the
-scheduler's `if:`, `concurrency` and matrix evaluation of those jobs, the
-runner's steps and the caller's fold (its `outputs`) all see the typed inputs
-(`scoped_inputs`).
+and the runs-on labels and display names that only waited for them. From
+then on the scheduler's `if:`, `concurrency` and matrix evaluation of those
+jobs, the runner's steps and the caller's fold (its `outputs`) all see the
+typed inputs (`scoped_inputs`).
 
 Only the rows of the starting caller and its direct inner jobs are read or
 written (graph-free).
@@ -113,6 +113,7 @@ def start_caller(tx: Tx, caller: Row, contexts: dict[str, Any]) -> None:
 
 
 def _known_at_start(template: str) -> bool:
+    """Whether `template` uses only contexts a starting caller knows."""
     contexts: set[str] = set()
     for expr in ex.expressions_in(template):
         contexts |= ex.parse(expr).contexts

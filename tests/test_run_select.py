@@ -169,17 +169,23 @@ def test_eventpath_and_default_payload(tmp_path: Path, store_url: str) -> None:
             '          echo "after=${{ github.event.after }}"\n'
             '          echo "pr=${{ github.event.pull_request.title }}"\n'
             '          echo "repo=${{ github.event.repository.name }}"\n'
+            '          echo "default=${{ github.event.repository.default_branch }}"\n'
             '          echo "head=${{ github.head_ref }} base=${{ github.base_ref }}"\n'
         },
     )
     head = git(repo, "rev-parse", "HEAD").strip()
+    # origin's default branch is not the pushed one (dorny/paths-filter
+    # compares a push with it).
+    git(repo, "update-ref", "refs/remotes/origin/trunk", head)
+    git(repo, "symbolic-ref", "refs/remotes/origin/HEAD", "refs/remotes/origin/trunk")
     out, h = run_all(repo, store_url, tmp_path / "state")
     assert out.ok
     assert "head=init" in h.lines["show"] and f"after={head}" in h.lines["show"]
     assert "repo=repo" in h.lines["show"]
+    assert "default=trunk" in h.lines["show"]
     out, h = run_all(repo, store_url, tmp_path / "state", event="pull_request")
     assert out.ok and "pr=init" in h.lines["show"]  # the default payload's title
-    assert "head=main base=main" in h.lines["show"]
+    assert "head=main base=trunk" in h.lines["show"]  # a pull request into the default branch
     payload = tmp_path / "event.json"
     payload.write_text(json.dumps({"pull_request": {"title": "Add a feature"}, "action": "opened"}))
     out, h = run_all(repo, store_url, tmp_path / "state", event="pull_request", event_path=payload)

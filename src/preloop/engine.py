@@ -539,6 +539,7 @@ class Engine:
                 else local.merge_base,
                 base_ref=local.facts.ref if event.startswith("pull_request") else None,
                 inputs=event_inputs,
+                default_branch=default_branch_ref(root),
             )
         github["event"] = payload
         names = [*req.jobs, *([req.job] if req.job else [])]

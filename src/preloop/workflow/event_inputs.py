@@ -152,8 +152,10 @@ def default_payload(
     base_sha: str | None,
     base_ref: str | None = None,
     inputs: Mapping[str, Any] | None = None,
+    default_branch: str | None = None,
 ) -> dict[str, Any]:
-    """A payload for `event` built from the repository at `root`."""
+    """A payload for `event` built from the repository at `root`;
+    `default_branch` (a ref) is its `repository.default_branch`."""
     repo_full = str(github.get("repository") or root.name)
     owner = str(github.get("repository_owner") or repo_full.split("/")[0])
     actor = str(github.get("actor") or os.environ.get("USER", "preloop"))
@@ -161,7 +163,9 @@ def default_payload(
         "name": repo_full.split("/")[-1],
         "full_name": repo_full,
         "owner": {"login": owner, "name": owner},
-        "default_branch": (base_ref or "refs/heads/main").removeprefix("refs/heads/"),
+        "default_branch": (default_branch or base_ref or "refs/heads/main").removeprefix(
+            "refs/heads/"
+        ),
     }
     sender = {"login": actor}
     head = _git(root, "rev-parse", "--verify", "-q", "HEAD")

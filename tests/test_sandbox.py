@@ -313,6 +313,64 @@ def test_preloop_run_sandbox_end_to_end_as_root(
     assert not Path(f"/var/tmp/preloop-e2e-{os.getpid()}").exists()
 
 
+def test_sandboxed_job_sees_action_overrides_and_node_under_tmp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--action OWNER/REPO=DIR` and PRELOOP_NODE may live where the sandbox
+    hides the host (`/tmp` here): they are bound read-only into it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    real_node = shutil.which("node")
+    if real_node is None:
+        pytest.skip("needs node")
+    from preloop.actions.reference import Override
+
+    monkeypatch.setenv("PRELOOP_COORDINATION_DIR", str(tmp_path / "coord"))
+    # A node installation under /tmp whose bin/node is a link elsewhere.
+    (tmp_path / "node" / "bin").mkdir(parents=True)
+    (tmp_path / "node" / "bin" / "node").symlink_to(real_node)
+    monkeypatch.setenv("PRELOOP_NODE", str(tmp_path / "node" / "bin" / "node"))
+    composite = tmp_path / "composite"
+    composite.mkdir()
+    (composite / "hello.sh").write_text("echo hello from the override\n")
+    (composite / "action.yml").write_text(
+        "name: hello\nruns:\n  using: composite\n  steps:\n"
+        '    - run: bash "$GITHUB_ACTION_PATH/hello.sh"\n      shell: bash\n'
+    )
+    script = tmp_path / "script"
+    script.mkdir()
+    (script / "index.js").write_text("console.log('hello from node ' + process.version)\n")
+    (script / "action.yml").write_text("name: js\nruns:\n  using: node20\n  main: index.js\n")
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              boxed:
+                runs-on: ubuntu-latest
+                steps:
+                  - uses: example/hello@v1
+                  - uses: example/js@v1
+            """
+        ),
+    )
+    state = tmp_path / "state"
+    outcome, h = run_engine(
+        repo,
+        f"sqlite:///{state / 'preloop.db'}",
+        state,
+        sandbox=True,
+        action_overrides=(
+            Override("example", "hello", None, composite),
+            Override("example", "js", None, script),
+        ),
+    )
+    text = "\n".join(h.lines["boxed"])
+    assert outcome.conclusion == "success", text
+    assert "hello from the override" in text and "hello from node v" in text, text
+
+
 def test_preloop_run_sandbox_end_to_end_as_nobody(public_tmp: Path, host_dir: Path) -> None:
     """`preloop run --sandbox` started by an unprivileged user (bubblewrap in a
     user namespace): the same escapes fail."""

@@ -33,6 +33,7 @@ import anyio.abc
 
 from preloop import config
 from preloop.actions.cache import actions_dir
+from preloop.actions.node import NodeNotFound, find_node
 from preloop.actions.reference import Override, Overrides
 from preloop.actions.steps import ActionSource
 from preloop.control import Completion, Lease, Store, StoreError
@@ -154,14 +155,30 @@ class _Reported:
     outcome: Completion | BaseException | None = None
 
 
-def _sandbox_reads(state_dir: Path) -> list[Path]:
-    """What a sandboxed job reads from inside the hidden state directory: the
-    action cache (actions are fetched when the job starts, so it must exist
-    before the sandbox binds it) and the shared tool cache, which the job's
-    own tool cache (in the job's directory, writable) links into."""
+def _sandbox_reads(state_dir: Path, overrides: Overrides) -> list[Path]:
+    """What a sandboxed job reads from where the sandbox hides the host's
+    files (the state directory, `/tmp`, `/var/tmp`): the action cache
+    (actions are fetched when the job starts, so it must exist before the
+    sandbox binds it), the shared tool cache, which the job's own tool cache
+    (in the job's directory, writable) links into, `--action` override
+    directories, and the installation `node` runs JavaScript actions from."""
     reads = [actions_dir(state_dir), default_tool_cache(state_dir)]
     for path in reads:
         path.mkdir(parents=True, exist_ok=True)
+    hidden = [Path(os.path.realpath(p)) for p in (state_dir, "/tmp", "/var/tmp")]
+    extra = [o.directory for o in overrides.entries if o.directory is not None]
+    try:
+        node = find_node()
+    except NodeNotFound:
+        pass  # a JavaScript action's step says so
+    else:
+        # Its installation (`<prefix>/bin/node`): a launcher there may run
+        # the binary from the prefix's lib (a Python package's node).
+        extra += [Path(node.path).parent.parent, Path(os.path.realpath(node.path)).parent.parent]
+    for path in extra:
+        real = Path(os.path.realpath(path))
+        if real.exists() and any(real.is_relative_to(h) for h in hidden) and real not in reads:
+            reads.append(real)
     return reads
 
 
@@ -516,13 +533,14 @@ class Runner:
             )
             if "ACTIONS_RUNTIME_TOKEN" in service_env:
                 masker.add(service_env["ACTIONS_RUNTIME_TOKEN"])  # as GitHub's runner does
+            overrides = Overrides.from_env(os.environ, opts.action_overrides)
             wrap = (
                 bubblewrap_wrapper(
                     job_dir,
                     opts.state_dir,
                     workspace=workspace,
                     network=opts.sandbox_network,
-                    read_only=_sandbox_reads(opts.state_dir),
+                    read_only=_sandbox_reads(opts.state_dir, overrides),
                 )
                 if opts.sandbox
                 else None
@@ -539,9 +557,7 @@ class Runner:
             base_env={**os.environ, **service_env},
             tool_cache=Path(service_env["RUNNER_TOOL_CACHE"]),
             tracking_key=str(tracking_key) if tracking_key else None,
-            actions=ActionSource(
-                opts.state_dir, Overrides.from_env(os.environ, opts.action_overrides)
-            ),
+            actions=ActionSource(opts.state_dir, overrides),
             tracking_id=tracking_id,
         )
         # If this process dies mid-job (even SIGKILL), the watchdog kills the steps.

@@ -478,10 +478,11 @@ class CheckoutTemplates:
     machine's) is fetched from `store` into `state_dir`'s object cache
     first; the run repository made for it lives as long as its template.
 
-    A job's directory (its copy, its temp, its tool cache) is removed in the
-    background once the job ended (`remove_later`), so the next claim need
-    not wait for it; `close` waits for those removals: when the owner's runs
-    have ended, nothing of their jobs is left behind, half deleted."""
+    A job's directory (its temp, its tool cache) and its workspace slot (its
+    copy, see `preloop.runner.workspaces`) are emptied in the background once
+    the job ended (`remove_later`), so the next claim need not wait for it;
+    `close` waits for those removals: when the owner's runs have ended,
+    nothing of their jobs is left behind, half deleted."""
 
     def __init__(
         self, root: Path, *, store: Store | None = None, state_dir: Path | None = None
@@ -496,12 +497,17 @@ class CheckoutTemplates:
         self._fetched: dict[SnapshotLocation, str] = {}
         self._removals: list[threading.Thread] = []
 
-    def remove_later(self, path: Path) -> None:
-        """Removes the job directory `path` in a thread of its own."""
+    def remove_later(self, path: Path, then: Callable[[], None] | None = None) -> None:
+        """Removes the job directory `path` in a thread of its own, then calls
+        `then` there (the job's workspace slot is emptied and given back)."""
         self._removals = [t for t in self._removals if t.is_alive()]
-        removal = threading.Thread(
-            target=shutil.rmtree, args=(path,), kwargs={"ignore_errors": True}
-        )
+
+        def remove() -> None:
+            shutil.rmtree(path, ignore_errors=True)
+            if then is not None:
+                then()
+
+        removal = threading.Thread(target=remove)
         removal.start()
         self._removals.append(removal)
 

@@ -144,6 +144,12 @@ def bubblewrap_argv(
         real = os.path.realpath(extra)
         argv += ["--ro-bind", real, real]
     argv += ["--bind", str(job_dir), str(job_dir)]
+    if workspace is not None:
+        # The workspace slot (see preloop.runner.workspaces) is beside the
+        # job's directory: its parent, RUNNER_WORKSPACE, is the job's too.
+        outer = Path(os.path.realpath(workspace)).parent
+        if not outer.is_relative_to(job_dir):
+            argv += ["--bind", str(outer), str(outer)]
     if coordination is not None:
         argv += sandbox_bind_args(coordination)
     argv += ["--setenv", "HOME", str(home), "--"]

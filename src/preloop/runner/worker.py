@@ -26,7 +26,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import quote
 
 import anyio
 import anyio.abc
@@ -56,6 +55,7 @@ from preloop.runner.logs import JobLog, mark_run
 from preloop.runner.masking import Masker
 from preloop.runner.sandbox import bubblewrap_wrapper
 from preloop.runner.watchdog import TRACKING_FILE
+from preloop.runner.workspaces import WorkspaceSlot, safe_dir_name, take_workspace_slot
 from preloop.services import (
     SERVICES_CONTEXT_KEY,
     ServiceAccess,
@@ -282,6 +282,8 @@ class Runner:
         self.jobs_run = 0
         self._run_keys: dict[int, str | None] = {}
         self._job_logs = JobLogStore(store)
+        # The workspace slot of each running job, by its job directory.
+        self._slots: dict[Path, WorkspaceSlot] = {}
 
     @property
     def labels(self) -> list[str] | None:
@@ -346,9 +348,9 @@ class Runner:
         control = control or JobControl()
         self.current = control
         where = f"run {lease.run_id} job {lease.job_id!r}"
+        slug = safe_dir_name(lease.job_id, "job")  # RUNNER_TEMP is in it
         job_dir = (
-            work_dir(opts.state_dir)
-            / f"{os.getpid()}-{lease.run_id}-{quote(lease.job_id, safe='')}-{uuid.uuid4().hex[:8]}"
+            work_dir(opts.state_dir) / f"{os.getpid()}-{lease.run_id}-{slug}-{uuid.uuid4().hex[:8]}"
         )
         run_key = await self._run_key(lease.run_id)
         if run_key is not None:
@@ -438,7 +440,8 @@ class Runner:
                 await anyio.to_thread.run_sync(log.close)
                 self.current = None
                 self.jobs_run += 1
-                self.templates.remove_later(job_dir)
+                slot = self._slots.pop(job_dir, None)
+                self.templates.remove_later(job_dir, slot.release if slot else None)
                 if self.events.on_end is not None:
                     self.events.on_end(lease, final)
         return final
@@ -501,10 +504,16 @@ class Runner:
                         lambda caller: self.store.job_context(lease.run_id, caller),
                     ),
                 )
-            workspace = job_dir / "workspace"
             temp = job_dir / "temp"
             job_dir.mkdir(parents=True)
             temp.mkdir()
+            # The same path in every run (a restored `.venv` names it); given
+            # back when the job's directory is removed (run_lease).
+            slot = await anyio.to_thread.run_sync(
+                take_workspace_slot, work_dir(opts.state_dir), str(github.get("repository") or "")
+            )
+            self._slots[job_dir] = slot
+            workspace = slot.workspace
             # Tagged before any step starts: a later runner kills what is left
             # by this id before it removes the directory (sweep_work_dir).
             tracking_id = (

@@ -1,0 +1,106 @@
+"""Where a job's workspace is: the same path from run to run.
+
+On GitHub every job of a repository works in `/home/runner/work/<repo>/<repo>`,
+so what a job caches by absolute path (a `.venv` whose scripts name its
+interpreter, a compiler cache) is valid when a later run restores it. Here a
+job takes the lowest free numbered slot of this host (`flock` on
+`<work>/ws/<n>.lock`, released by the kernel if the runner dies) and works in
+`<work>/ws/<n>/<repo>/<repo>`: one job at a time runs with slot 0's path, as
+the first of several runners does; side by side jobs get the next slots.
+
+A slot's directory is emptied when it is taken (what a dead runner left) and
+when it is given back, before its lock is released. What cannot be removed
+(a directory a job made read-only and chmod cannot open) is moved aside to
+`<work>/ws/.stale-*` so that it never blocks the slot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import shutil
+import stat
+import uuid
+from pathlib import Path
+
+__all__ = ["WorkspaceSlot", "safe_dir_name", "take_workspace_slot"]
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class WorkspaceSlot:
+    """A held slot: `workspace` is the job's checkout; `release()` empties
+    the slot and lets another job take it (once; safe from any thread)."""
+
+    def __init__(self, root: Path, fd: int, workspace: Path) -> None:
+        self.root = root
+        self.workspace = workspace
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            _remove(self.root)
+        finally:
+            os.close(fd)  # the lock goes with the descriptor
+
+
+def _remove(root: Path) -> None:
+    """Removes `root`, opening read-only directories on the way (Go's module
+    cache makes its directories read-only); moves aside what is left."""
+
+    def opened(func: object, path: str, exc_info: object) -> None:
+        with contextlib.suppress(OSError):  # what is left is moved aside below
+            parent = os.path.dirname(path)
+            os.chmod(parent, os.stat(parent).st_mode | stat.S_IRWXU)
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.chmod(path, os.stat(path).st_mode | stat.S_IRWXU)
+                shutil.rmtree(path, onerror=opened)
+            else:
+                os.unlink(path)
+
+    if not root.exists():
+        return
+    shutil.rmtree(root, onerror=opened)
+    if root.exists():
+        with contextlib.suppress(OSError):  # else the slot's mkdir reports it
+            os.rename(root, root.parent / f".stale-{root.name}-{uuid.uuid4().hex[:8]}")
+
+
+def safe_dir_name(text: str, fallback: str) -> str:
+    """`text` as a directory name of characters a `file://` URL takes as
+    they are (tools turn paths into URLs; a `#` would become `%23`)."""
+    return _UNSAFE.sub("_", text).strip(".")[:64] or fallback
+
+
+def take_workspace_slot(work: Path, repository: str) -> WorkspaceSlot:
+    """Takes the lowest free slot under `work` for a job of `repository`
+    (`owner/name`, or "" when unknown) and empties it."""
+    slots = work / "ws"
+    slots.mkdir(parents=True, exist_ok=True)
+    name = safe_dir_name(repository.rsplit("/", 1)[-1], "workspace")
+    n = 0
+    while True:
+        fd = os.open(slots / f"{n}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            n += 1
+            continue
+        root = slots / str(n)
+        try:
+            _remove(root)
+            root.mkdir()
+            (root / name).mkdir()
+        except BaseException:
+            os.close(fd)
+            raise
+        return WorkspaceSlot(root, fd, root / name / name)

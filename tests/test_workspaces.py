@@ -1,0 +1,107 @@
+"""A job's workspace has the same path from run to run (`preloop.runner.
+workspaces`): the lowest free slot, held with flock, emptied when taken and
+when given back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.run_support import make_repo, run_engine, workflow
+
+from preloop.runner.workspaces import safe_dir_name, take_workspace_slot
+
+pytest_plugins = ["preloop.testing.control_fixtures"]
+
+
+def test_the_lowest_free_slot_is_taken_and_emptied(tmp_path: Path) -> None:
+    first = take_workspace_slot(tmp_path, "acme/widget")
+    assert first.workspace == tmp_path / "ws" / "0" / "widget" / "widget"
+    second = take_workspace_slot(tmp_path, "acme/widget")
+    assert second.workspace == tmp_path / "ws" / "1" / "widget" / "widget"
+    # What a job leaves, read-only directories too (Go's module cache), goes.
+    first.workspace.mkdir()
+    locked = first.workspace / "pkg" / "mod"
+    locked.mkdir(parents=True)
+    (locked / "f").write_text("x")
+    locked.chmod(0o555)
+    locked.parent.chmod(0o555)
+    first.release()
+    first.release()  # once only
+    assert not (tmp_path / "ws" / "0").exists()
+    again = take_workspace_slot(tmp_path, "")
+    assert again.workspace == tmp_path / "ws" / "0" / "workspace" / "workspace"
+    again.release()
+    second.release()
+
+
+def test_a_slot_held_by_another_process_is_passed_over(tmp_path: Path) -> None:
+    # flock on the slot's lock file, held by a live process (a runner).
+    lock = tmp_path / "ws" / "0.lock"
+    lock.parent.mkdir(parents=True)
+    hold = "import sys; print('held', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen(
+        ["flock", str(lock), sys.executable, "-c", hold],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        slot = take_workspace_slot(tmp_path, "o/r")
+        assert slot.workspace.parent.parent.name == "1"
+        slot.release()
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait()
+    # The holder is gone (a runner that died): its slot is free, and emptied.
+    (tmp_path / "ws" / "0" / "left-over").mkdir(parents=True)
+    slot = take_workspace_slot(tmp_path, "o/r")
+    assert slot.workspace.parent.parent.name == "0"
+    assert not (tmp_path / "ws" / "0" / "left-over").exists()
+    slot.release()
+
+
+def test_safe_dir_name() -> None:
+    assert safe_dir_name("test#0", "job") == "test_0"
+    assert safe_dir_name("..", "job") == "job"
+    assert safe_dir_name("a b/c%d", "job") == "a_b_c_d"
+
+
+def test_runs_of_a_repository_work_in_the_same_place(tmp_path: Path, store_url: str) -> None:
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              leg:
+                strategy:
+                  matrix:
+                    k: [a]
+                runs-on: ubuntu-latest
+                steps:
+                  - run: |
+                      echo "ws=$GITHUB_WORKSPACE"
+                      echo "runner-ws=$RUNNER_WORKSPACE"
+                      test "$PWD" = "$GITHUB_WORKSPACE" && echo in-it
+            """
+        ),
+    )
+    state = tmp_path / "state"
+    seen = []
+    for _ in range(2):
+        out, h = run_engine(repo, store_url, state, local_runners=1)
+        assert out.conclusion == "success"
+        lines = next(iter(h.lines.values()))
+        assert "in-it" in lines, lines
+        ws = next(line.removeprefix("ws=") for line in lines if line.startswith("ws="))
+        assert f"runner-ws={os.path.dirname(ws)}" in lines
+        seen.append(ws)
+    assert seen[0] == seen[1], seen
+    # No character a file:// URL would escape (a leg's id has `#`).
+    assert Path(seen[0]).name == "repo" and "%" not in seen[0] and "#" not in seen[0]
+    assert not Path(seen[0]).exists()  # given back, emptied

@@ -585,6 +585,29 @@ def test_cli_uses_the_repository_for_github_context(repo: Path) -> None:
     assert json.loads(res.stdout)[0]["concurrency"]["group"] == "ci-main"
 
 
+def test_cli_plans_a_pull_request_with_the_runs_github_context(repo: Path) -> None:
+    # What `preloop run --event pull_request` evaluates: its merge ref, the
+    # head and base branches and the default payload's number.
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "one")
+    git(repo, "checkout", "-q", "-b", "feature")
+    write(
+        repo,
+        "c.yml",
+        "on: [push, pull_request]\n"
+        "concurrency: ${{ github.head_ref || github.ref }}-${{ github.event.pull_request.number }}"
+        "\njobs:\n  a:\n    name: a ${{ github.ref }} ${{ github.base_ref }}\n"
+        "    runs-on: x\n    steps: [{run: echo}]\n",
+    )
+    res = run_cli(repo, "--json", "--event", "pull_request", "--base", "main")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)[0]
+    assert doc["concurrency"]["group"] == "feature-1"
+    assert [j["name"] for j in doc["jobs"]] == ["a refs/pull/1/merge main"]
+    res = run_cli(repo, "--json")  # a push of the branch
+    assert json.loads(res.stdout)[0]["concurrency"]["group"] == "refs/heads/feature-"
+
+
 def test_ifs_that_hold_on_clean_ancestry_are_stored_in_one_spelling(repo: Path) -> None:
     """`always()`, `success()`, `!cancelled()` and `!failure()`, however
     spelt, reach the scheduler as `TRUE_WHEN_CLEAN` (which it admits in bulk

@@ -170,6 +170,8 @@ def test_eventpath_and_default_payload(tmp_path: Path, store_url: str) -> None:
             '          echo "pr=${{ github.event.pull_request.title }}"\n'
             '          echo "repo=${{ github.event.repository.name }}"\n'
             '          echo "default=${{ github.event.repository.default_branch }}"\n'
+            '          echo "labels=${{ github.event.pull_request.head.label }} '
+            '${{ github.event.pull_request.base.label }}"\n'
             '          echo "head=${{ github.head_ref }} base=${{ github.base_ref }}"\n'
         },
     )
@@ -186,6 +188,7 @@ def test_eventpath_and_default_payload(tmp_path: Path, store_url: str) -> None:
     out, h = run_all(repo, store_url, tmp_path / "state", event="pull_request")
     assert out.ok and "pr=init" in h.lines["show"]  # the default payload's title
     assert "head=main base=trunk" in h.lines["show"]  # a pull request into the default branch
+    assert "labels=local:main local:trunk" in h.lines["show"]
     payload = tmp_path / "event.json"
     payload.write_text(json.dumps({"pull_request": {"title": "Add a feature"}, "action": "opened"}))
     out, h = run_all(repo, store_url, tmp_path / "state", event="pull_request", event_path=payload)

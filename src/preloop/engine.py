@@ -77,7 +77,6 @@ from preloop.runner.worker import idle_wait, wait_for_work
 from preloop.services import (
     SERVICES_CONTEXT_KEY,
     ServiceAccess,
-    default_branch_ref,
     preload_server,
     remove_expired_artifacts,
     run_services,
@@ -101,7 +100,7 @@ from preloop.workflow.event_inputs import (
     load_payload,
 )
 from preloop.workflow.expressions import coerce_string
-from preloop.workflow.github_context import local_github_context
+from preloop.workflow.github_context import default_branch_ref, event_github_context
 from preloop.workflow.loader import EVENTS
 from preloop.workflow.selection import (
     foreign_platform,
@@ -523,7 +522,7 @@ class Engine:
             # them, whose inputs are unknown) each take the inputs they declare.
             mine = {k: v for k, v in req.inputs.items() if k in own or not several}
             checked.append(check_inputs(wf, event, mine))
-        github = _github_context(root, event, local)
+        github = event_github_context(root, event, local)
         if payload is None:
             event_inputs: dict[str, str] = {}
             for typed in checked:
@@ -930,36 +929,6 @@ def _declared_inputs(wf: Any, event: str) -> set[str]:
     if event == "workflow_dispatch":
         return set(wf.workflow_dispatch_inputs)
     return set()
-
-
-def _github_context(root: Path, event: str, local: LocalEvent) -> dict[str, Any]:
-    """The run's `github` context: the repository's, with the event's ref."""
-    gh = {k: v for k, v in local_github_context(root).items() if k != "workspace"}
-    # Always `owner/name` as on GitHub: @actions/github's `context.repo`
-    # throws on a name without an owner (a repository with no GitHub origin).
-    gh.setdefault("repository", f"local/{root.name}")
-    gh.setdefault("repository_owner", str(gh["repository"]).split("/", 1)[0])
-    gh.setdefault("actor", os.environ.get("USER", "preloop"))
-    for key in ("ref", "ref_name", "ref_type"):
-        gh.pop(key, None)
-    head = local.head_ref
-    if event.startswith("pull_request"):
-        base = (local.facts.ref or "").removeprefix("refs/heads/")
-        gh.update(
-            ref="refs/pull/1/merge",
-            ref_name="1/merge",
-            ref_type="branch",
-            head_ref=(head or "").removeprefix("refs/heads/"),
-            base_ref=base,
-        )
-    elif head:
-        is_tag = head.startswith("refs/tags/")
-        gh.update(
-            ref=head,
-            ref_name=head.removeprefix("refs/tags/" if is_tag else "refs/heads/"),
-            ref_type="tag" if is_tag else "branch",
-        )
-    return gh
 
 
 def _push_before(before: str | None, merge_base: str | None) -> str | None:

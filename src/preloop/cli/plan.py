@@ -16,9 +16,14 @@ from preloop.workflow import (
     plan,
     workflow_files,
 )
-from preloop.workflow.changes import event_facts, normalize_ref
-from preloop.workflow.event_inputs import check_inputs, default_action, parse_pairs
-from preloop.workflow.github_context import local_github_context
+from preloop.workflow.changes import event_facts
+from preloop.workflow.event_inputs import (
+    check_inputs,
+    default_action,
+    default_payload,
+    parse_pairs,
+)
+from preloop.workflow.github_context import default_branch_ref, event_github_context
 from preloop.workflow.loader import EVENTS
 from preloop.workflow.triggers import Trigger, check_event_name, evaluate_trigger
 from preloop.workflow.yamltree import Diagnostic
@@ -107,16 +112,21 @@ def plan_command(
     # The file's own directory, not its target: a symlink (or a symlink loop,
     # reported by the loader as `file:1:1`) must not break the lookup.
     root = _find_root(Path.cwd() if file is None else file.absolute().parent)
-    github = local_github_context(root)
     local = event_facts(root, event, ref=ref, base=base, action=default_action(event))
-    if ref:
-        full = normalize_ref(ref)
-        is_tag = full.startswith("refs/tags/")
-        github.update(
-            ref=full,
-            ref_name=full.removeprefix("refs/tags/" if is_tag else "refs/heads/"),
-            ref_type="tag" if is_tag else "branch",
-        )
+    # The run's github context and default payload: what a concurrency group
+    # or a name reads (`github.head_ref || github.ref`, the pull request's
+    # number) is what `preloop run` would use.
+    github = event_github_context(root, event, local)
+    github["event"] = default_payload(
+        root,
+        event,
+        github=github,
+        head_ref=local.head_ref,
+        base_sha=local.merge_base,
+        base_ref=local.facts.ref if event.startswith("pull_request") else None,
+        inputs={k: str(v) for k, v in given.items()},
+        default_branch=default_branch_ref(root),
+    )
     if file is not None:
         paths = [file]
         explicit = True

@@ -28,7 +28,6 @@ step of the job, `run:` steps and actions alike, inherits it.
 from __future__ import annotations
 
 import contextlib
-import subprocess
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,6 @@ __all__ = [
     "SERVICES_CONTEXT_KEY",
     "ServiceAccess",
     "ServiceEndpoint",
-    "default_branch_ref",
     "job_environment",
     "open_storage",
     "preload_server",
@@ -153,21 +151,6 @@ def job_environment(
             ACTIONS_CACHE_SERVICE_V2="true",
         )
     return env
-
-
-def default_branch_ref(root: Path) -> str:
-    """The ref of `root`'s default branch (caches saved there are readable from
-    every ref, as on GitHub): origin's HEAD, else `init.defaultBranch`, else main."""
-    for argv in (
-        ["git", "symbolic-ref", "-q", "refs/remotes/origin/HEAD"],
-        ["git", "config", "init.defaultBranch"],
-    ):
-        res = subprocess.run(argv, cwd=root, capture_output=True, text=True, check=False)
-        name = res.stdout.strip()
-        if res.returncode == 0 and name:
-            name = name.removeprefix("refs/remotes/origin/").removeprefix("refs/heads/")
-            return f"refs/heads/{name}"
-    return "refs/heads/main"
 
 
 def open_storage(

@@ -163,6 +163,9 @@ def default_payload(
         "name": repo_full.split("/")[-1],
         "full_name": repo_full,
         "owner": {"login": owner, "name": owner},
+        "fork": False,
+        "private": False,
+        "html_url": f"https://github.com/{repo_full}",
         "default_branch": (default_branch or base_ref or "refs/heads/main").removeprefix(
             "refs/heads/"
         ),
@@ -211,8 +214,22 @@ def default_payload(
                 "draft": False,
                 "merged": False,
                 "user": sender,
-                "head": {"ref": head_name, "sha": head or _ZERO, "repo": repository},
-                "base": {"ref": base_name, "sha": base_sha or _ZERO, "repo": repository},
+                "html_url": f"{repository['html_url']}/pull/1",
+                # `owner:branch`, as codecov-action reads them.
+                "head": {
+                    "label": f"{owner}:{head_name}",
+                    "ref": head_name,
+                    "sha": head or _ZERO,
+                    "repo": repository,
+                    "user": {"login": owner},
+                },
+                "base": {
+                    "label": f"{owner}:{base_name}",
+                    "ref": base_name,
+                    "sha": base_sha or _ZERO,
+                    "repo": repository,
+                    "user": {"login": owner},
+                },
                 "labels": [],
             },
         )

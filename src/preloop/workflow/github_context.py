@@ -5,16 +5,24 @@ from git: `sha` (HEAD), `ref` / `ref_name` / `ref_type` (the checked-out
 branch, else a tag at HEAD), `repository` / `repository_owner` (from the
 `origin` remote when it is a GitHub-style URL) and `workspace` (the root).
 Anything git cannot tell is left out (and reads as null in expressions).
+
+`event_github_context` is a run's context for an event (`preloop run` and
+`preloop plan` alike: a pull request's merge ref, head and base branches);
+`default_branch_ref` the repository's default branch.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["local_github_context"]
+if TYPE_CHECKING:
+    from preloop.workflow.changes import LocalEvent
+
+__all__ = ["default_branch_ref", "event_github_context", "local_github_context"]
 
 _REMOTE = re.compile(r"(?:[:/])([^/:]+)/([^/]+?)(?:\.git)?/?$")
 
@@ -54,3 +62,50 @@ def local_github_context(root: str | Path) -> dict[str, Any]:
     if m:
         ctx.update(repository=f"{m.group(1)}/{m.group(2)}", repository_owner=m.group(1))
     return ctx
+
+
+def event_github_context(root: Path, event: str, local: LocalEvent) -> dict[str, Any]:
+    """A run's `github` context for `event` (`preloop run`, and what
+    `preloop plan` shows): the repository's, with the event's refs (a pull
+    request's `refs/pull/1/merge`, `head_ref`, `base_ref`)."""
+    gh = {k: v for k, v in local_github_context(root).items() if k != "workspace"}
+    # Always `owner/name` as on GitHub: @actions/github's `context.repo`
+    # throws on a name without an owner (a repository with no GitHub origin).
+    gh.setdefault("repository", f"local/{root.name}")
+    gh.setdefault("repository_owner", str(gh["repository"]).split("/", 1)[0])
+    gh.setdefault("actor", os.environ.get("USER", "preloop"))
+    for key in ("ref", "ref_name", "ref_type"):
+        gh.pop(key, None)
+    head = local.head_ref
+    if event.startswith("pull_request"):
+        base = (local.facts.ref or "").removeprefix("refs/heads/")
+        gh.update(
+            ref="refs/pull/1/merge",
+            ref_name="1/merge",
+            ref_type="branch",
+            head_ref=(head or "").removeprefix("refs/heads/"),
+            base_ref=base,
+        )
+    elif head:
+        is_tag = head.startswith("refs/tags/")
+        gh.update(
+            ref=head,
+            ref_name=head.removeprefix("refs/tags/" if is_tag else "refs/heads/"),
+            ref_type="tag" if is_tag else "branch",
+        )
+    return gh
+
+
+def default_branch_ref(root: Path) -> str:
+    """The ref of `root`'s default branch (caches saved there are readable from
+    every ref, as on GitHub): origin's HEAD, else `init.defaultBranch`, else main."""
+    for argv in (
+        ["git", "symbolic-ref", "-q", "refs/remotes/origin/HEAD"],
+        ["git", "config", "init.defaultBranch"],
+    ):
+        res = subprocess.run(argv, cwd=root, capture_output=True, text=True, check=False)
+        name = res.stdout.strip()
+        if res.returncode == 0 and name:
+            name = name.removeprefix("refs/remotes/origin/").removeprefix("refs/heads/")
+            return f"refs/heads/{name}"
+    return "refs/heads/main"

@@ -608,6 +608,30 @@ def test_cli_plans_a_pull_request_with_the_runs_github_context(repo: Path) -> No
     assert json.loads(res.stdout)[0]["concurrency"]["group"] == "refs/heads/feature-"
 
 
+def test_scalars_where_strings_go_are_read_as_their_text(repo: Path) -> None:
+    # GitHub's parser takes `run: true` or `name: 3.10` (read as 3.1, as YAML
+    # has it) where a string goes (tests/js/workflow_oracle.mjs reports none).
+    p = plan_of(
+        repo,
+        """
+        name: 7
+        on: push
+        concurrency: false
+        jobs:
+          a:
+            name: 3.10
+            runs-on: true
+            steps:
+              - name: false
+                run: true
+        """,
+    )
+    (job,) = p.jobs
+    assert (p.name, job.name, job.runs_on) == ("7", "3.1", ("true",))
+    assert job.spec["steps"][0]["run"] == "true" and job.spec["steps"][0]["name"] == "false"
+    assert p.concurrency is not None and p.concurrency.group == "false"
+
+
 def test_ifs_that_hold_on_clean_ancestry_are_stored_in_one_spelling(repo: Path) -> None:
     """`always()`, `success()`, `!cancelled()` and `!failure()`, however
     spelt, reach the scheduler as `TRUE_WHEN_CLEAN` (which it admits in bulk

@@ -353,11 +353,9 @@ class _Reader:
     def string(self, node: YNode | None, what: str, *, allow_empty: bool = True) -> str | None:
         if node is None:
             return None
-        if (
-            isinstance(node, YScalar)
-            and isinstance(node.value, str | int | float)
-            and not (isinstance(node.value, bool))
-        ):
+        # GitHub's parser takes any scalar where a string goes (`run: true`,
+        # `name: 3.12`) and reads it as its text.
+        if isinstance(node, YScalar) and isinstance(node.value, str | int | float):
             text = node.value if isinstance(node.value, str) else ex.coerce_string(node.value)
             if not allow_empty and not text.strip():
                 self.err(node, f"{what} must not be empty")

@@ -297,6 +297,23 @@ def test_githubs_variables_are_in_the_github_context_and_env_cannot_override_the
     assert "after=abc123" in lines, lines
 
 
+def test_a_run_steps_default_name_is_its_evaluated_first_line(tmp_path: Path) -> None:
+    # As GitHub's runner shows it; a secret in it is masked like any line.
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"run": "\n  echo leg ${{ matrix.k }}\necho two"},
+            {"run": "echo ${{ secrets.TOKEN }}"},
+            {"run": "echo ${{ fromJSON('{') }}", "continue-on-error": True},
+        ],
+        contexts={"matrix": {"k": "y"}},
+        secrets={"TOKEN": "hunter2"},
+    )
+    assert "▶ Run echo leg y" in lines, lines
+    assert "▶ Run echo ***" in lines, lines
+    assert "▶ Run echo ${{ fromJSON('{') }}" in lines, lines  # as written
+
+
 def test_workflow_commands_mask_group_annotations(tmp_path: Path) -> None:
     result, lines = run_job(
         tmp_path,

@@ -29,6 +29,7 @@ data) one after another and returns a `JobResult`:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -569,7 +570,12 @@ class _Execution:
                 return str(raw)
         if step.get("uses"):
             return f"Run {step['uses']}"
-        first = str(step.get("run") or "").strip().splitlines()
+        # As GitHub's runner names it: the script evaluated (as written when
+        # that fails), its first line.
+        script = str(step.get("run") or "")
+        with contextlib.suppress(ex.ExpressionError):
+            script = self.template(script, ctx)
+        first = script.lstrip(" \t\r\n").splitlines()
         return f"Run {first[0]}" if first else "Run"
 
     def step_files(self) -> dict[str, Path]:

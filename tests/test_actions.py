@@ -97,7 +97,7 @@ def test_javascript_action_protocol(env: Env) -> None:
     assert _steps(result) == [
         ("Pre Run acme/greet@v1", "success"),
         ("Run acme/greet@v1", "success"),
-        ('Run echo "out=${{ steps.g.outputs.message }} env=$FROM_ACTION"; hello-tool', "success"),
+        ('Run echo "out=Hello world env=$FROM_ACTION"; hello-tool', "success"),  # evaluated
         ("Post Run acme/greet@v1", "success"),
     ]
     text = "\n".join(lines)

@@ -166,7 +166,7 @@ def test_eventpath_and_default_payload(tmp_path: Path, store_url: str) -> None:
             WF + "e.yml": "on: [push, pull_request]\njobs:\n  show:\n    runs-on: ubuntu-latest\n"
             "    steps:\n      - run: |\n"
             '          echo "head=${{ github.event.head_commit.message }}"\n'
-            '          echo "after=${{ github.event.after }}"\n'
+            '          echo "after=${{ github.event.after }} sha=${{ github.sha }}"\n'
             '          echo "pr=${{ github.event.pull_request.title }}"\n'
             '          echo "repo=${{ github.event.repository.name }}"\n'
             '          echo "default=${{ github.event.repository.default_branch }}"\n'
@@ -182,9 +182,16 @@ def test_eventpath_and_default_payload(tmp_path: Path, store_url: str) -> None:
     git(repo, "symbolic-ref", "refs/remotes/origin/HEAD", "refs/remotes/origin/trunk")
     out, h = run_all(repo, store_url, tmp_path / "state")
     assert out.ok
-    assert "head=init" in h.lines["show"] and f"after={head}" in h.lines["show"]
+    assert "head=init" in h.lines["show"] and f"after={head} sha={head}" in h.lines["show"]
     assert "repo=repo" in h.lines["show"]
     assert "default=trunk" in h.lines["show"]
+    # With changes in the work tree, what is pushed is their snapshot.
+    (repo / "new.txt").write_text("changed\n")
+    out, h = run_all(repo, store_url, tmp_path / "state")
+    after = next(line for line in h.lines["show"] if line.startswith("after="))
+    assert after.split()[0].removeprefix("after=") == after.split()[1].removeprefix("sha=")
+    assert head not in after
+    (repo / "new.txt").unlink()
     out, h = run_all(repo, store_url, tmp_path / "state", event="pull_request")
     assert out.ok and "pr=init" in h.lines["show"]  # the default payload's title
     assert "head=main base=trunk" in h.lines["show"]  # a pull request into the default branch

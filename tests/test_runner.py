@@ -299,7 +299,7 @@ def test_githubs_variables_are_in_the_github_context_and_env_cannot_override_the
 
 def test_a_run_steps_default_name_is_its_evaluated_first_line(tmp_path: Path) -> None:
     # As GitHub's runner shows it; a secret in it is masked like any line.
-    result, lines = run_job(
+    _, lines = run_job(
         tmp_path,
         [
             {"run": "\n  echo leg ${{ matrix.k }}\necho two"},

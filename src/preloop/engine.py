@@ -652,6 +652,13 @@ class Engine:
                 checkout=snap.parents[0] if snap.on_head else "",
                 branches=await anyio.to_thread.run_sync(branches.result),
             )
+            payload = selection.github.get("event")
+            if req.event_path is None and req.event == "push" and isinstance(payload, dict):
+                # A push's `after` (and head commit) is `github.sha`, as on
+                # GitHub: the snapshot of a work tree with changes.
+                payload["after"] = location.checked_out
+                if isinstance(payload.get("head_commit"), dict) and not snap.on_head:
+                    payload["head_commit"].update(id=snap.commit, tree_id=snap.tree)
             # The cache scope of the run's jobs, for remote runners' services too.
             default_ref = await anyio.to_thread.run_sync(default_branch_ref, root)
             base = str(selection.github.get("base_ref") or "")

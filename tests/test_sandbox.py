@@ -313,11 +313,12 @@ def test_preloop_run_sandbox_end_to_end_as_root(
     assert not Path(f"/var/tmp/preloop-e2e-{os.getpid()}").exists()
 
 
-def test_sandboxed_job_sees_action_overrides_and_node_under_tmp(
+def test_sandboxed_job_sees_overrides_node_and_its_own_tmp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`--action OWNER/REPO=DIR` and PRELOOP_NODE may live where the sandbox
-    hides the host (`/tmp` here): they are bound read-only into it."""
+    hides the host (`/tmp` here): they are bound read-only into it. A step's
+    `working-directory` is looked for where the step sees it."""
     if os.geteuid() != 0:
         pytest.skip("needs root")
     real_node = shutil.which("node")
@@ -352,6 +353,10 @@ def test_sandboxed_job_sees_action_overrides_and_node_under_tmp(
                 steps:
                   - uses: example/hello@v1
                   - uses: example/js@v1
+                  # The sandbox's own /tmp, as a working directory too.
+                  - run: mkdir -p /tmp/wd-demo && echo made > /tmp/wd-demo/f
+                  - run: echo "in $PWD $(cat f)"
+                    working-directory: /tmp/wd-demo
             """
         ),
     )
@@ -369,6 +374,7 @@ def test_sandboxed_job_sees_action_overrides_and_node_under_tmp(
     text = "\n".join(h.lines["boxed"])
     assert outcome.conclusion == "success", text
     assert "hello from the override" in text and "hello from node v" in text, text
+    assert "in /tmp/wd-demo made" in text, text
 
 
 def test_preloop_run_sandbox_end_to_end_as_nobody(public_tmp: Path, host_dir: Path) -> None:

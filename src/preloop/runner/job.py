@@ -60,6 +60,7 @@ from preloop.runner.commands import (
 )
 from preloop.runner.limits import explain_e2big, limit_job_outputs
 from preloop.runner.masking import Masker, mask_json
+from preloop.runner.sandbox import StepSandbox
 from preloop.runner.stream import run_streaming
 from preloop.runner.watchdog import kill_tracked_ids
 from preloop.services.toolcache import setup_action_hint, uv_base_bin
@@ -104,8 +105,8 @@ class JobHost:
     """Where and how a job runs on this runner.
 
     `workspace` is the checkout (GITHUB_WORKSPACE); `temp` is RUNNER_TEMP (an
-    empty directory); `wrap` turns a step's argv into the argv actually run
-    (the bubblewrap sandbox), identity when None; `base_env` is the process
+    empty directory); `sandbox` runs steps under bubblewrap (None: as they
+    are); `base_env` is the process
     environment steps inherit (default: ours). `tracking_key` identifies the
     run on this host across every store (the submitting engine's run key):
     step processes are tagged with it, never with `run_id`, which another
@@ -115,7 +116,7 @@ class JobHost:
     temp: Path
     run_id: str
     runner_name: str = "preloop"
-    wrap: Callable[[list[str]], list[str]] | None = None
+    sandbox: StepSandbox | None = None
     base_env: Mapping[str, str] | None = None
     tool_cache: Path | None = None
     tracking_key: str | None = None
@@ -627,9 +628,11 @@ class _Execution:
         cwd = self.host.workspace
         if wd:
             cwd = self.host.workspace / wd
-            if not cwd.is_dir():
+            sandbox = self.host.sandbox
+            if not (sandbox.host_path(cwd) if sandbox is not None else cwd).is_dir():
+                where = " in the checkout" if cwd.is_relative_to(self.host.workspace) else ""
                 raise _StepFailure(
-                    f"working-directory {str(cwd)!r} does not exist in the checkout (step {name!r})"
+                    f"working-directory {str(cwd)!r} does not exist{where} (step {name!r})"
                 )
         script_path = self.host.temp / f"{uuid.uuid4().hex}{suffix}"
         script_path.write_text(script, encoding="utf-8")
@@ -654,7 +657,12 @@ class _Execution:
         penv["RUNNER_TRACKING_ID"] = self.tracking_id
         if self.step_debug:
             penv["RUNNER_DEBUG"] = "1"
-        launcher = self.host.wrap(argv) if self.host.wrap is not None else argv
+        launcher = argv
+        if self.host.sandbox is not None:
+            # bwrap itself starts in the workspace; the step in `cwd` as the
+            # sandbox has it (a directory in its private /tmp, say).
+            launcher = self.host.sandbox.wrap(argv, cwd)
+            cwd = str(self.host.workspace)
         parser = WorkflowCommandParser(self.masker, self.job_key, name, debug=self.step_debug)
 
         def on_lines(raws: list[str]) -> None:

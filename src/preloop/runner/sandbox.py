@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from preloop.errors import PreloopError, UsageError
@@ -46,10 +47,15 @@ from preloop.fingerprint import prepare_host_coordination, sandbox_bind_args
 __all__ = [
     "SANDBOX_NETWORKS",
     "SandboxUnavailable",
+    "StepSandbox",
     "borrowed_object_dirs",
     "bubblewrap_argv",
     "bubblewrap_wrapper",
 ]
+
+#: Where a step sees its private temporary directories, and their names in
+#: the job directory.
+PRIVATE_DIRS = (("/tmp", "tmp"), ("/var/tmp", "var-tmp"))
 
 #: `--sandbox-network` choices; the first is the default.
 SANDBOX_NETWORKS = ("host", "none")
@@ -102,10 +108,8 @@ def bubblewrap_argv(
         raise UsageError(f"--sandbox-network {network!r}: use one of {', '.join(SANDBOX_NETWORKS)}")
     job_dir = Path(os.path.realpath(job_dir))
     state_dir = Path(os.path.realpath(state_dir))
-    private_tmp = job_dir / "tmp"
-    private_var_tmp = job_dir / "var-tmp"
     home = job_dir / "home"
-    for d in (private_tmp, private_var_tmp, home):
+    for d in (home, *(job_dir / name for _, name in PRIVATE_DIRS)):
         d.mkdir(parents=True, exist_ok=True)
     argv = [
         bwrap,
@@ -128,15 +132,10 @@ def bubblewrap_argv(
         "/proc",
         "--tmpfs",
         "/dev/shm",
-        "--bind",
-        str(private_tmp),
-        "/tmp",
-        "--bind",
-        str(private_var_tmp),
-        "/var/tmp",
-        "--tmpfs",
-        str(state_dir),
     ]
+    for seen, name in PRIVATE_DIRS:
+        argv += ["--bind", str(job_dir / name), seen]
+    argv += ["--tmpfs", str(state_dir)]
     borrowed = borrowed_object_dirs(workspace) if workspace is not None else []
     for objects in borrowed:
         argv += ["--ro-bind", str(objects), str(objects)]
@@ -156,6 +155,26 @@ def bubblewrap_argv(
     return argv
 
 
+@dataclass(frozen=True, slots=True)
+class StepSandbox:
+    """How a job's steps run under bwrap: `wrap(argv, cwd)` is the argv to
+    spawn (from any directory of the host) for a step that works in `cwd` as
+    the step sees it; `host_path(path)` is where a path a step sees is on
+    the host (its private `/tmp` and `/var/tmp` are in the job directory)."""
+
+    prefix: tuple[str, ...]  # ends with "--"
+    private: tuple[tuple[Path, Path], ...]  # (seen at, on the host)
+
+    def wrap(self, argv: list[str], cwd: str) -> list[str]:
+        return [*self.prefix[:-1], "--chdir", cwd, "--", *argv]
+
+    def host_path(self, path: Path) -> Path:
+        for seen, host in self.private:
+            if path == seen or path.is_relative_to(seen):
+                return host / path.relative_to(seen)
+        return path
+
+
 def bubblewrap_wrapper(
     job_dir: Path,
     state_dir: Path,
@@ -163,8 +182,8 @@ def bubblewrap_wrapper(
     workspace: Path | None = None,
     network: str = "host",
     read_only: Sequence[Path] = (),
-) -> Callable[[list[str]], list[str]]:
-    """An argv wrapper running each step under bwrap (see the module docstring)."""
+) -> StepSandbox:
+    """The sandbox of a job's steps (see the module docstring)."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailable(
@@ -181,8 +200,6 @@ def bubblewrap_wrapper(
         read_only=read_only,
         bwrap=bwrap,
     )
-
-    def wrap(argv: list[str]) -> list[str]:
-        return [*prefix, *argv]
-
-    return wrap
+    job_dir = Path(os.path.realpath(job_dir))
+    private = tuple((Path(seen), job_dir / name) for seen, name in PRIVATE_DIRS)
+    return StepSandbox(tuple(prefix), private)

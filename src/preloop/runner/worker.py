@@ -543,7 +543,7 @@ class Runner:
             if "ACTIONS_RUNTIME_TOKEN" in service_env:
                 masker.add(service_env["ACTIONS_RUNTIME_TOKEN"])  # as GitHub's runner does
             overrides = Overrides.from_env(os.environ, opts.action_overrides)
-            wrap = (
+            sandbox = (
                 bubblewrap_wrapper(
                     job_dir,
                     opts.state_dir,
@@ -562,7 +562,7 @@ class Runner:
             temp=temp,
             run_id=str(lease.run_id),
             runner_name=opts.name,
-            wrap=wrap,
+            sandbox=sandbox,
             base_env={**os.environ, **service_env},
             tool_cache=Path(service_env["RUNNER_TOOL_CACHE"]),
             tracking_key=str(tracking_key) if tracking_key else None,

@@ -377,6 +377,43 @@ def test_sandboxed_job_sees_overrides_node_and_its_own_tmp(
     assert "in /tmp/wd-demo made" in text, text
 
 
+def test_sandboxed_job_runs_a_host_tool_installed_under_tmp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tool cache links to the host's uv; one installed under /tmp (a
+    venv there) is bound into the sandbox, where /tmp is the job's own."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent))
+    if uv is None:
+        pytest.skip("needs uv (the test extra installs it)")
+    prefix = tmp_path / "uvvenv"
+    (prefix / "bin").mkdir(parents=True)
+    shutil.copy2(uv, prefix / "bin" / "uv")
+    monkeypatch.setenv("PATH", f"{prefix / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PRELOOP_TOOL_CACHE_LAYOUT", "always")
+    monkeypatch.setenv("PRELOOP_COORDINATION_DIR", str(tmp_path / "coord"))
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              boxed:
+                runs-on: ubuntu-latest
+                steps:
+                  - run: |
+                      "$(ls -d "$RUNNER_TOOL_CACHE"/uv/*/x86_64)/uv" --version
+            """
+        ),
+    )
+    state = tmp_path / "state"
+    outcome, h = run_engine(repo, f"sqlite:///{state / 'preloop.db'}", state, sandbox=True)
+    text = "\n".join(h.lines["boxed"])
+    assert outcome.conclusion == "success", text
+    assert "uv 0." in text, text
+
+
 def test_preloop_run_sandbox_end_to_end_as_nobody(public_tmp: Path, host_dir: Path) -> None:
     """`preloop run --sandbox` started by an unprivileged user (bubblewrap in a
     user namespace): the same escapes fail."""

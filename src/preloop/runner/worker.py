@@ -167,6 +167,7 @@ def _sandbox_reads(state_dir: Path, overrides: Overrides) -> list[Path]:
         path.mkdir(parents=True, exist_ok=True)
     hidden = [Path(os.path.realpath(p)) for p in (state_dir, "/tmp", "/var/tmp")]
     extra = [o.directory for o in overrides.entries if o.directory is not None]
+    extra += _host_tool_prefixes(reads[1])
     try:
         node = find_node()
     except NodeNotFound:
@@ -177,9 +178,25 @@ def _sandbox_reads(state_dir: Path, overrides: Overrides) -> list[Path]:
         extra += [Path(node.path).parent.parent, Path(os.path.realpath(node.path)).parent.parent]
     for path in extra:
         real = Path(os.path.realpath(path))
-        if real.exists() and any(real.is_relative_to(h) for h in hidden) and real not in reads:
+        hidden_here = any(real.is_relative_to(h) for h in hidden)
+        if real.exists() and hidden_here and not any(real.is_relative_to(r) for r in reads):
             reads.append(real)
     return reads
+
+
+def _host_tool_prefixes(tool_cache: Path) -> list[Path]:
+    """The installations of the host tools the tool cache links to
+    (`<tool>/<version>/<arch>`, a link or a directory of links to binaries):
+    `<prefix>` of each `<prefix>/bin/<binary>`, or the linked directory."""
+    found: list[Path] = []
+    for entry in tool_cache.glob("*/*/*"):
+        if entry.is_symlink():
+            found.append(Path(os.path.realpath(entry)))
+        elif entry.is_dir():
+            for binary in (*entry.glob("*"), *entry.glob("bin/*")):
+                if binary.is_symlink():
+                    found.append(Path(os.path.realpath(binary)).parent.parent)
+    return found
 
 
 async def store_call(store: Store, fn: Callable[[], T]) -> T:

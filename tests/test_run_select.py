@@ -355,6 +355,12 @@ jobs:
     runs-on: ${{ needs.pick.outputs.windows }}
     steps:
       - run: echo "top-level ran"
+  named:
+    needs: pick
+    name: named after ${{ needs.pick.outputs.linux }}
+    runs-on: ubuntu-latest
+    steps:
+      - run: echo "named ran"
 """
 
 CALLEE_RUNS_ON = """on:
@@ -379,7 +385,7 @@ def test_runs_on_known_only_at_run_time_is_run_or_skipped_by_its_value(
     # outputs through a reusable workflow's input) is still this run's to
     # take, and another OS known only then is skipped rather than run here
     # or left queued forever. A name that waited for the inputs is evaluated
-    # with them.
+    # with them, one that waited for `needs` when its job starts.
     repo = make_repo(
         tmp_path / "repo",
         {WF + "ci.yml": RESOLVED_RUNS_ON, WF + "callee.yml": CALLEE_RUNS_ON},
@@ -409,6 +415,9 @@ def test_runs_on_known_only_at_run_time_is_run_or_skipped_by_its_value(
     assert jobs["top-level"].reason == windows
     assert "built on windows-2022" not in h.all_text()
     assert "top-level ran" not in h.all_text()
+    # A name that uses `needs`, evaluated as the job starts (GitHub's too).
+    assert jobs["named"].name == "named after ubuntu-22.04"
+    assert "named ran" in h.lines["named"]
     assert out.ok
 
 

@@ -36,6 +36,10 @@ INSERT INTO runs (workflow, name, event, status, remaining_jobs, conc_group, con
 -- store: Store.heartbeat.tx_fn
 UPDATE jobs SET lease_expires = ? WHERE run_id = ? AND id = ? AND lease_token = ? AND status = 'running' RETURNING cancel_requested
 
+-- name_job_update_jobs --
+-- store: Store.name_job
+UPDATE jobs SET name = ? WHERE run_id = ? AND id = ? AND lease_token = ? AND status = 'running'
+
 -- job_context_select_jobs --
 -- store: Store.job_context.tx_fn
 SELECT run_id, id, kind, needs, matrix, strategy, caller FROM jobs WHERE run_id = ? AND id = ?

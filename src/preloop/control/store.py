@@ -35,7 +35,7 @@ Lock order (PostgreSQL; SQLite has one writer and cannot deadlock)
  cross, PostgreSQL detects it and the transaction is retried whole (counted
  in `counters.deadlock_retries`; the concurrency tests assert it stays 0).
 
-Operations: submit_run, claim_job, claim_jobs, heartbeat, job_context,
+Operations: submit_run, claim_job, claim_jobs, heartbeat, name_job, job_context,
 complete_job, complete_and_claim, settle_job, cancel_run, expire_leases,
 rerun, and the queries get_run, list_runs, get_job, list_jobs.
  On PostgreSQL a batch of one run's completions and the runner's next claims
@@ -410,6 +410,16 @@ class Store:
         if self.dialect == "pg":
             return self._db.statement("claim_job", lambda tx: self._pg_call(tx, [], claim)[1])
         return self._db.transaction("claim_job", lambda tx: _claim_lite(tx, claim))
+
+    def name_job(self, lease: Lease, name: str) -> None:
+        """Records the display name of a leased job whose `name:` could be
+        evaluated only when it started (it uses `needs`), as GitHub shows it."""
+        self._db.statement(
+            "name_job",
+            lambda tx: tx.execute(
+                Q["name_job_update_jobs"], (name, lease.run_id, lease.job_id, lease.token)
+            ),
+        )
 
     def heartbeat(self, lease: Lease, *, lease_seconds: float = DEFAULT_LEASE_SECONDS) -> Heartbeat:
         """Extends `lease`; tells the runner whether to stop."""

@@ -68,6 +68,7 @@ from preloop.services.toolcache import (
     job_uses_tool_cache,
 )
 from preloop.workflow import PlanError, PlannedJob, expand_deferred
+from preloop.workflow import expressions as ex
 
 __all__ = ["DEFAULT_LABELS", "JobEvents", "Runner", "RunnerOptions"]
 
@@ -402,6 +403,8 @@ class Runner:
                 for text in texts:
                     on_line(lease, text)
 
+        if "${{" in lease.name:
+            lease = await self._named(lease)
         if self.events.on_start is not None:
             self.events.on_start(lease)
         result: JobResult | None = None
@@ -462,6 +465,22 @@ class Runner:
                 if self.events.on_end is not None:
                     self.events.on_end(lease, final)
         return final
+
+    async def _named(self, lease: Lease) -> Lease:
+        """`lease` with its display name evaluated, as GitHub's runner does
+        when the job starts (a `name:` that uses `needs`), and recorded; as
+        it is when that fails (the job's own evaluation reports it)."""
+        try:
+            contexts = await store_call(
+                self.store, lambda: self.store.job_context(lease.run_id, lease.job_id)
+            )
+            if "inputs" in lease.spec:
+                contexts["inputs"] = lease.spec["inputs"]
+            name = ex.interpolate(lease.name, contexts)
+            await store_call(self.store, lambda: self.store.name_job(lease, name))
+        except (PreloopError, OSError):
+            return lease
+        return dataclasses.replace(lease, name=name)
 
     @staticmethod
     def _outputs_refused(lease: Lease, result: JobResult, why: str) -> JobResult:

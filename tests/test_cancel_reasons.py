@@ -126,3 +126,38 @@ def test_user_cancel_reason_on_running_and_queued_jobs(store: Store) -> None:
     other = store.submit_run(b.plan())
     assert store.cancel_run(other, "its `preloop run` process died")
     assert outcome(store, other).cancel_reason == "its `preloop run` process died"
+
+
+def test_a_group_that_uses_the_run_id_is_each_runs_own(store: Store, tmp_path: Path) -> None:
+    """`${{ github.head_ref || github.run_id }}` (pre-commit's pattern): a
+    push's group is its run's own, so another run never cancels it; a job's
+    group can use the run id too."""
+    from preloop.workflow import load_workflow, plan
+
+    wf = tmp_path / "w.yml"
+    wf.write_text(
+        "on: push\n"
+        "concurrency:\n"
+        "  group: ci-${{ github.head_ref || github.run_id }}\n"
+        "  cancel-in-progress: true\n"
+        "jobs:\n"
+        "  a:\n"
+        "    runs-on: x\n"
+        "    concurrency:\n"
+        "      group: job-${{ github.run_id }}\n"
+        "      cancel-in-progress: true\n"
+        "    steps: [{run: echo}]\n"
+    )
+    planned = plan(load_workflow(wf), "push", github={"ref": "refs/heads/main"})
+    assert planned.concurrency is not None and planned.concurrency.group is None
+    first = store.submit_run(planned, github={"ref": "refs/heads/main"})
+    lease = store.claim_job("r", ["x"])
+    assert lease is not None and lease.run_id == first
+    second = store.submit_run(planned, github={"ref": "refs/heads/main"})
+    assert not store.heartbeat(lease).cancel_requested
+    assert not store.get_run(first).cancel_requested
+    store.complete_job(lease, "success")
+    other = store.claim_job("r", ["x"])
+    assert other is not None and other.run_id == second
+    store.complete_job(other, "success")
+    assert store.get_run(first).conclusion == store.get_run(second).conclusion == "success"

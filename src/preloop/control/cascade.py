@@ -104,7 +104,11 @@ class _Cascade:
         if ctx is None:
             row = self.tx.one(Q["context_select_runs"], (run_id,))
             assert row is not None
-            ctx = run["_ctx"] = json.loads(row["context"])
+            ctx = json.loads(row["context"])
+            assert isinstance(ctx, dict)
+            # A job's concurrency group may use github.run_id (GitHub's has it).
+            ctx["github"] = {"run_id": str(run_id), **(ctx.get("github") or {})}
+            run["_ctx"] = ctx
         assert isinstance(ctx, dict)
         return ctx
 

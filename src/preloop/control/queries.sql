@@ -24,6 +24,10 @@ SELECT run_row, job_row, unit_row, admitted, wait_us, refused_used FROM preloop_
 -- store: Store._settle_pg (outputs over the run's limit)
 UPDATE jobs SET reason = ? WHERE run_id = ? AND id = ?
 
+-- submit_run_update_runs_group --
+-- store: Store.submit_run.tx_fn (a group that uses github.run_id, known once inserted)
+UPDATE runs SET conc_group = ? WHERE id = ?
+
 -- submit_run_insert_runs --
 -- store: Store.submit_run.tx_fn
 INSERT INTO runs (workflow, name, event, status, remaining_jobs, conc_group, conc_cancel, conc_queue_max, context, created_at) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?) RETURNING id

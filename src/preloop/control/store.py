@@ -294,11 +294,7 @@ class Store:
         def tx_fn(tx: Tx) -> int:
             now = time.time()
             conc = plan.concurrency
-            group = None
-            if conc is not None:
-                group = conc.group
-                if group is None and conc.group_expr:
-                    group = str(evaluate_expr(conc.group_expr, context))
+            group = conc.group if conc is not None else None
             row = tx.one(
                 Q["submit_run_insert_runs"],
                 (
@@ -316,6 +312,11 @@ class Store:
             assert row is not None
             run_id = int(row["id"])
             tx.lock_run(run_id)
+            if conc is not None and group is None and conc.group_expr:
+                # Evaluated with the run's id, as the scheduler's job groups are.
+                github_ctx = {"run_id": str(run_id), **context["github"]}
+                group = str(evaluate_expr(conc.group_expr, {**context, "github": github_ctx}))
+                tx.execute(Q["submit_run_update_runs_group"], (group, run_id))
             _insert_plan(tx, run_id, plan)
             c = _Cascade(tx, self)
             c.admit_run(run_id, group, conc)

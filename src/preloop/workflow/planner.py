@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -100,6 +101,9 @@ def template_expression(text: str) -> str:
 
 
 _template_contexts = template_contexts
+
+
+_RUN_SCOPED = re.compile(r"github\s*(?:\.\s*run_id\b|\[\s*'run_id'\s*\])", re.IGNORECASE)
 
 
 def _evaluable(value: Any, available: frozenset[str]) -> bool:
@@ -445,7 +449,9 @@ class _Planner:
             cancel = ex.truthy(ex.evaluate_template(cancel, ctx)) if known(cancel) else False
         if "${{" not in conc.group:
             return ConcurrencySpec(conc.group, None, cancel, conc.queue_max)
-        if known(conc.group):
+        # `github.run_id` exists once the run is stored: such a group (the
+        # common `head_ref || run_id`) is evaluated then (Store.submit_run).
+        if known(conc.group) and not _RUN_SCOPED.search(conc.group):
             return ConcurrencySpec(ex.interpolate(conc.group, ctx), None, cancel, conc.queue_max)
         return ConcurrencySpec(None, template_expression(conc.group), cancel, conc.queue_max)
 

@@ -568,6 +568,27 @@ def test_composite_required_input_missing_is_a_warning(env: Env) -> None:
     assert warnings == ["./act: Input required and not supplied: who"]
 
 
+def test_a_composite_run_after_a_failure_has_a_status_of_its_own(env: Env) -> None:
+    # `if: always()` on the step after a failure: the composite's own steps
+    # run (success() inside it is of its steps), as on GitHub.
+    result, lines = env.run(
+        [{"run": "exit 1"}, {"uses": "./cleanup", "if": "always()"}],
+        files={
+            "cleanup/action.yml": """\
+                runs:
+                  using: composite
+                  steps:
+                    - run: echo "inner step ran"
+                      shell: bash
+                    - run: echo "inner failure() ${{ failure() }}"
+                      shell: bash
+                """
+        },
+    )
+    assert result.conclusion == "failure"
+    assert "inner step ran" in lines and "inner failure() false" in lines, lines
+
+
 def test_docker_actions_through_a_daemon(
     env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -806,6 +806,11 @@ class _Execution:
             inputs.setdefault(key, value)
         inner = _Scope(steps_ctx={}, inputs=inputs, action_path=directory, prefix=f"{uses}:")
         outer_status = self.status
+        if outer_status == "failure":
+            # Inside a composite, success() and failure() are of its own steps
+            # (GitHub's runner gives it a status of its own): one called with
+            # `if: always()` after a failure still runs its steps.
+            self.status = "success"
         steps = list(data["runs"].get("steps") or [])
         saved_env = dict(self.job_env)
         self.job_env = dict(env)  # the composite's steps see the calling step's env

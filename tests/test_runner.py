@@ -730,3 +730,24 @@ def test_snapshot_tags_lists_those_of_heads_history_and_skips_names_json_cannot_
     tags = {name: (obj, peeled) for name, obj, peeled in snapshot_tags(ws, "HEAD")}
     assert tags == {"light": (commit, commit), "heavy": (heavy.stdout.strip(), commit)}
     assert snapshot_tags(tmp_path, "HEAD") == ()  # not a repository
+
+
+def test_a_container_that_evaluates_to_nothing_is_no_container(tmp_path: Path) -> None:
+    # urllib3's matrix gives `container: ''` to the legs that need none.
+    result, _ = run_job(
+        tmp_path,
+        [{"run": "echo on-the-host"}],
+        extra_spec={"container": "${{ matrix.container }}"},
+        contexts={"matrix": {"container": ""}},
+    )
+    assert result.conclusion == "success"
+    assert [a.message for a in result.annotations if a.level == "warning"] == []
+    (tmp_path / "other").mkdir()
+    result, _ = run_job(
+        tmp_path / "other",
+        [{"run": "echo on-the-host"}],
+        extra_spec={"container": "${{ matrix.container }}"},
+        contexts={"matrix": {"container": "python:3.12"}},
+    )
+    warnings = [a.message for a in result.annotations if a.level == "warning"]
+    assert any("`container:`" in w for w in warnings)

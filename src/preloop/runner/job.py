@@ -833,7 +833,12 @@ def _warn_unsupported(spec: Mapping[str, Any], run: _Execution) -> None:
     not drive: say so in the log and the summary instead of silently running
     the steps on the host as if they had been honoured."""
     job = str(spec.get("job", ""))
-    if spec.get("container"):
+    container = spec.get("container")
+    if isinstance(container, str) and "${{" in container:
+        # `container: ${{ matrix.container }}` with '' on some legs: none there.
+        with contextlib.suppress(ex.ExpressionError):
+            container = run.template(container, run.base)
+    if container:
         why = (
             f"job {job!r} declares `container:`; preloop runs its steps on this host, "
             "not in that image"

@@ -569,6 +569,12 @@ def test_local_github_context_from_git(repo: Path) -> None:
     git(repo, "tag", "v1")
     git(repo, "checkout", "-q", "--detach")
     assert local_github_context(repo)["ref"] == "refs/tags/v1"
+    # A clone of a local path names no GitHub repository.
+    for local in ("/srv/git/myproj", "file:///srv/git/myproj.git", "../myproj"):
+        git(repo, "remote", "set-url", "origin", local)
+        assert "repository" not in local_github_context(repo), local
+    git(repo, "remote", "set-url", "origin", "git@github.com:acme/widget.git")
+    assert local_github_context(repo)["repository"] == "acme/widget"
 
 
 def test_cli_uses_the_repository_for_github_context(repo: Path) -> None:

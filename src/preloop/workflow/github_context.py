@@ -58,7 +58,10 @@ def local_github_context(root: str | Path) -> dict[str, Any]:
         if tag is not None:
             ctx.update(ref=f"refs/tags/{tag}", ref_name=tag, ref_type="tag")
     url = _git(root, "remote", "get-url", "origin")
-    m = _REMOTE.search(url) if url else None
+    # A host's URL (`https://host/o/r`, `git@host:o/r`), not a local path or
+    # `file://` clone, whose last two directories name no repository.
+    hosted = url is not None and not url.startswith(("/", ".", "~", "file:"))
+    m = _REMOTE.search(url) if url and hosted else None
     if m:
         ctx.update(repository=f"{m.group(1)}/{m.group(2)}", repository_owner=m.group(1))
     return ctx

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -313,6 +314,22 @@ def test_preloop_run_sandbox_end_to_end_as_root(
     assert not Path(f"/var/tmp/preloop-e2e-{os.getpid()}").exists()
 
 
+def run_boxed_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: str, **kw: object
+) -> tuple[str, str]:
+    """Runs job `boxed` with `steps` (YAML lines under `steps:`) sandboxed as
+    root; its conclusion and log."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    monkeypatch.setenv("PRELOOP_COORDINATION_DIR", str(tmp_path / "coord"))
+    jobs = "on: push\njobs:\n  boxed:\n    runs-on: ubuntu-latest\n    steps:\n"
+    steps = textwrap.indent(textwrap.dedent(steps), " " * 6)
+    repo = make_repo(tmp_path / "repo", workflow(jobs + steps))
+    state = tmp_path / "state"
+    outcome, h = run_engine(repo, f"sqlite:///{state / 'preloop.db'}", state, sandbox=True, **kw)
+    return outcome.conclusion, "\n".join(h.lines["boxed"])
+
+
 def test_sandboxed_job_sees_overrides_node_and_its_own_tmp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -342,37 +359,23 @@ def test_sandboxed_job_sees_overrides_node_and_its_own_tmp(
     script.mkdir()
     (script / "index.js").write_text("console.log('hello from node ' + process.version)\n")
     (script / "action.yml").write_text("name: js\nruns:\n  using: node20\n  main: index.js\n")
-    repo = make_repo(
-        tmp_path / "repo",
-        workflow(
-            """\
-            on: push
-            jobs:
-              boxed:
-                runs-on: ubuntu-latest
-                steps:
-                  - uses: example/hello@v1
-                  - uses: example/js@v1
-                  # The sandbox's own /tmp, as a working directory too.
-                  - run: mkdir -p /tmp/wd-demo && echo made > /tmp/wd-demo/f
-                  - run: echo "in $PWD $(cat f)"
-                    working-directory: /tmp/wd-demo
-            """
-        ),
-    )
-    state = tmp_path / "state"
-    outcome, h = run_engine(
-        repo,
-        f"sqlite:///{state / 'preloop.db'}",
-        state,
-        sandbox=True,
+    conclusion, text = run_boxed_steps(
+        tmp_path,
+        monkeypatch,
+        """\
+        - uses: example/hello@v1
+        - uses: example/js@v1
+        # The sandbox's own /tmp, as a working directory too.
+        - run: mkdir -p /tmp/wd-demo && echo made > /tmp/wd-demo/f
+        - run: echo "in $PWD $(cat f)"
+          working-directory: /tmp/wd-demo
+        """,
         action_overrides=(
             Override("example", "hello", None, composite),
             Override("example", "js", None, script),
         ),
     )
-    text = "\n".join(h.lines["boxed"])
-    assert outcome.conclusion == "success", text
+    assert conclusion == "success", text
     assert "hello from the override" in text and "hello from node v" in text, text
     assert "in /tmp/wd-demo made" in text, text
 
@@ -392,25 +395,15 @@ def test_sandboxed_job_runs_a_host_tool_installed_under_tmp(
     shutil.copy2(uv, prefix / "bin" / "uv")
     monkeypatch.setenv("PATH", f"{prefix / 'bin'}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("PRELOOP_TOOL_CACHE_LAYOUT", "always")
-    monkeypatch.setenv("PRELOOP_COORDINATION_DIR", str(tmp_path / "coord"))
-    repo = make_repo(
-        tmp_path / "repo",
-        workflow(
-            """\
-            on: push
-            jobs:
-              boxed:
-                runs-on: ubuntu-latest
-                steps:
-                  - run: |
-                      "$(ls -d "$RUNNER_TOOL_CACHE"/uv/*/x86_64)/uv" --version
-            """
-        ),
+    conclusion, text = run_boxed_steps(
+        tmp_path,
+        monkeypatch,
+        """\
+        - run: |
+            "$(ls -d "$RUNNER_TOOL_CACHE"/uv/*/x86_64)/uv" --version
+        """,
     )
-    state = tmp_path / "state"
-    outcome, h = run_engine(repo, f"sqlite:///{state / 'preloop.db'}", state, sandbox=True)
-    text = "\n".join(h.lines["boxed"])
-    assert outcome.conclusion == "success", text
+    assert conclusion == "success", text
     assert "uv 0." in text, text
 
 

@@ -96,8 +96,8 @@ from preloop.workflow.changes import LocalEvent, event_facts
 from preloop.workflow.event_inputs import (
     check_inputs,
     default_action,
-    default_payload,
     load_payload,
+    local_event_payload,
 )
 from preloop.workflow.expressions import coerce_string
 from preloop.workflow.github_context import default_branch_ref, event_github_context
@@ -197,6 +197,7 @@ class Selection:
     event: LocalEvent
     github: dict[str, Any]
     payload: dict[str, Any]
+    default_ref: str  # the repository's default branch (`refs/heads/...`)
     invalid: list[InvalidWorkflow] = field(default_factory=list)  # not run
 
 
@@ -523,22 +524,14 @@ class Engine:
             mine = {k: v for k, v in req.inputs.items() if k in own or not several}
             checked.append(check_inputs(wf, event, mine))
         github = event_github_context(root, event, local)
+        default_ref = default_branch_ref(root)
         if payload is None:
             event_inputs: dict[str, str] = {}
             for typed in checked:
                 for name, value in typed.items():
                     event_inputs.setdefault(name, coerce_string(value))
-            payload = default_payload(
-                root,
-                event,
-                github=github,
-                head_ref=local.head_ref,
-                base_sha=_push_before(req.before, local.merge_base)
-                if event == "push"
-                else local.merge_base,
-                base_ref=local.facts.ref if event.startswith("pull_request") else None,
-                inputs=event_inputs,
-                default_branch=default_branch_ref(root),
+            payload = local_event_payload(
+                root, event, github, local, default_ref, inputs=event_inputs, before=req.before
             )
         github["event"] = payload
         names = [*req.jobs, *([req.job] if req.job else [])]
@@ -584,7 +577,9 @@ class Engine:
             lost = sorted(set(req.matrix) - keys)
             if lost:
                 raise UsageError(f"--matrix {lost[0]}: no matrix job to run has that key{unread}")
-        return Selection(root, plans, reasons, skipped, local, github, payload, invalid)
+        return Selection(
+            root, plans, reasons, skipped, local, github, payload, default_ref, invalid
+        )
 
     async def run(self) -> RunOutcome:
         """Runs what the event triggers; returns the first run's outcome (see
@@ -660,7 +655,7 @@ class Engine:
                 if isinstance(payload.get("head_commit"), dict) and not snap.on_head:
                     payload["head_commit"].update(id=snap.commit, tree_id=snap.tree)
             # The cache scope of the run's jobs, for remote runners' services too.
-            default_ref = await anyio.to_thread.run_sync(default_branch_ref, root)
+            default_ref = selection.default_ref
             base = str(selection.github.get("base_ref") or "")
             base_ref = f"refs/heads/{base}" if base else ""  # pull requests only
             if store.dialect == "pg":
@@ -936,14 +931,6 @@ def _declared_inputs(wf: Any, event: str) -> set[str]:
     if event == "workflow_dispatch":
         return set(wf.workflow_dispatch_inputs)
     return set()
-
-
-def _push_before(before: str | None, merge_base: str | None) -> str | None:
-    """github.event.before of a push: the old remote commit when known (None
-    for a new ref, all zeros in git's pre-push input), else the merge base."""
-    if before is None:
-        return merge_base
-    return None if before.strip("0") == "" else before
 
 
 async def settle_cancelled(store: Store, run_id: int, reason: str) -> None:

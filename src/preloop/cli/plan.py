@@ -20,7 +20,7 @@ from preloop.workflow.changes import event_facts
 from preloop.workflow.event_inputs import (
     check_inputs,
     default_action,
-    default_payload,
+    local_event_payload,
     parse_pairs,
 )
 from preloop.workflow.github_context import default_branch_ref, event_github_context
@@ -117,15 +117,8 @@ def plan_command(
     # or a name reads (`github.head_ref || github.ref`, the pull request's
     # number) is what `preloop run` would use.
     github = event_github_context(root, event, local)
-    github["event"] = default_payload(
-        root,
-        event,
-        github=github,
-        head_ref=local.head_ref,
-        base_sha=local.merge_base,
-        base_ref=local.facts.ref if event.startswith("pull_request") else None,
-        inputs={k: str(v) for k, v in given.items()},
-        default_branch=default_branch_ref(root),
+    github["event"] = local_event_payload(
+        root, event, github, local, default_branch_ref(root), inputs=given
     )
     if file is not None:
         paths = [file]

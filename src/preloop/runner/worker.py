@@ -403,8 +403,9 @@ class Runner:
                 for text in texts:
                     on_line(lease, text)
 
+        contexts: dict[str, Any] | None = None
         if "${{" in lease.name:
-            lease = await self._named(lease)
+            lease, contexts = await self._named(lease)
         if self.events.on_start is not None:
             self.events.on_start(lease)
         result: JobResult | None = None
@@ -414,7 +415,7 @@ class Runner:
                 try:
                     if result is None:
                         result = await self._execute(
-                            lease, control, job_dir, line, lines, masker, where
+                            lease, control, job_dir, line, lines, masker, where, contexts
                         )
                 except Exception as exc:
                     # A bug or a spec this runner cannot read: the job fails
@@ -466,21 +467,21 @@ class Runner:
                     self.events.on_end(lease, final)
         return final
 
-    async def _named(self, lease: Lease) -> Lease:
+    async def _named(self, lease: Lease) -> tuple[Lease, dict[str, Any] | None]:
         """`lease` with its display name evaluated, as GitHub's runner does
-        when the job starts (a `name:` that uses `needs`), and recorded; as
-        it is when that fails (the job's own evaluation reports it)."""
+        when the job starts (a `name:` that uses `needs`), and recorded, and
+        the job's contexts read for it (kept for the job); `lease` as it is
+        when that fails (the job's own evaluation reports it)."""
         try:
-            contexts = await store_call(
+            contexts: dict[str, Any] = await store_call(
                 self.store, lambda: self.store.job_context(lease.run_id, lease.job_id)
             )
-            if "inputs" in lease.spec:
-                contexts["inputs"] = lease.spec["inputs"]
-            name = ex.interpolate(lease.name, contexts)
+            scope = {**contexts, "inputs": lease.spec.get("inputs", contexts.get("inputs"))}
+            name = ex.interpolate(lease.name, scope)
             await store_call(self.store, lambda: self.store.name_job(lease, name))
         except (PreloopError, OSError):
-            return lease
-        return dataclasses.replace(lease, name=name)
+            return lease, None
+        return dataclasses.replace(lease, name=name), contexts
 
     @staticmethod
     def _outputs_refused(lease: Lease, result: JobResult, why: str) -> JobResult:
@@ -505,12 +506,15 @@ class Runner:
         lines: Callable[[list[str]], None],
         masker: Masker,
         where: str,
+        contexts: dict[str, Any] | None = None,
     ) -> JobResult:
+        """Runs the job; `contexts` are its contexts when already read."""
         opts = self.options
         try:
-            contexts: dict[str, Any] = await store_call(
-                self.store, lambda: self.store.job_context(lease.run_id, lease.job_id)
-            )
+            if contexts is None:
+                contexts = await store_call(
+                    self.store, lambda: self.store.job_context(lease.run_id, lease.job_id)
+                )
             spec = runnable_spec(lease, contexts)
             if "inputs" in spec:
                 # An inner job of a reusable workflow sees the caller's inputs.

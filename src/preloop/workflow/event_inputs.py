@@ -22,13 +22,23 @@ import os
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from preloop.errors import UsageError
 from preloop.workflow import expressions as ex
 from preloop.workflow.model import Workflow
 
-__all__ = ["check_inputs", "default_action", "default_payload", "load_payload", "parse_pairs"]
+if TYPE_CHECKING:
+    from preloop.workflow.changes import LocalEvent
+
+__all__ = [
+    "check_inputs",
+    "default_action",
+    "default_payload",
+    "load_payload",
+    "local_event_payload",
+    "parse_pairs",
+]
 
 _ZERO = "0" * 40
 
@@ -141,6 +151,35 @@ def _git(root: Path, *args: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def local_event_payload(
+    root: Path,
+    event: str,
+    github: Mapping[str, Any],
+    local: LocalEvent,
+    default_ref: str,
+    *,
+    inputs: Mapping[str, Any] | None = None,
+    before: str | None = None,
+) -> dict[str, Any]:
+    """The default payload of `event` as `preloop run` and `preloop plan`
+    build it from the local event's facts: a push's `before` is the old
+    remote commit when known (`before`: None for a new ref, all zeros in
+    git's pre-push input), else the merge base changes count from."""
+    base_sha = local.merge_base
+    if event == "push" and before is not None:
+        base_sha = None if before.strip("0") == "" else before
+    return default_payload(
+        root,
+        event,
+        github=github,
+        head_ref=local.head_ref,
+        base_sha=base_sha,
+        base_ref=local.facts.ref if event.startswith("pull_request") else None,
+        inputs=inputs,
+        default_branch=default_ref,
+    )
 
 
 def default_payload(

@@ -102,13 +102,9 @@ def event_github_context(root: Path, event: str, local: LocalEvent) -> dict[str,
 def default_branch_ref(root: Path) -> str:
     """The ref of `root`'s default branch (caches saved there are readable from
     every ref, as on GitHub): origin's HEAD, else `init.defaultBranch`, else main."""
-    for argv in (
-        ["git", "symbolic-ref", "-q", "refs/remotes/origin/HEAD"],
-        ["git", "config", "init.defaultBranch"],
-    ):
-        res = subprocess.run(argv, cwd=root, capture_output=True, text=True, check=False)
-        name = res.stdout.strip()
-        if res.returncode == 0 and name:
-            name = name.removeprefix("refs/remotes/origin/").removeprefix("refs/heads/")
-            return f"refs/heads/{name}"
-    return "refs/heads/main"
+    name = _git(root, "symbolic-ref", "-q", "refs/remotes/origin/HEAD") or _git(
+        root, "config", "init.defaultBranch"
+    )
+    if name is None:
+        return "refs/heads/main"
+    return f"refs/heads/{name.removeprefix('refs/remotes/origin/').removeprefix('refs/heads/')}"

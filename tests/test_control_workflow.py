@@ -112,3 +112,53 @@ def test_deferred_matrix_of_reusable_callers(store: Store, tmp_path: Path) -> No
     assert store.get_job(run_id, "fan#0").conclusion == "success"
     assert store.get_job(run_id, "fan").inner_job_ids == ("fan#0", "fan#1")
     assert store.get_run(run_id).conclusion == "success"
+
+
+def test_matrix_keys_keep_their_written_order(store: Store, tmp_path: Path) -> None:
+    """A matrix's keys as written name its legs and order the leg's
+    `matrix` (what `toJSON(matrix)` prints), for a matrix known at plan time
+    and for one waiting for its needs alike: the store keeps JSON keys in
+    their order rather than sorting them."""
+    wf = write(
+        tmp_path,
+        "ci.yml",
+        """
+        on: push
+        jobs:
+          gen:
+            runs-on: linux
+            outputs: {m: "${{ steps.s.outputs.m }}"}
+            steps: [{id: s, run: echo}]
+          now:
+            runs-on: linux
+            strategy:
+              matrix: {zz: [x], aa: [p], mm: [{zeta: "1", alpha: a}]}
+            steps: [{run: echo}]
+          later:
+            needs: gen
+            runs-on: linux
+            strategy:
+              matrix:
+                zz: [x]
+                aa: ${{ fromJSON(needs.gen.outputs.m) }}
+            steps: [{run: echo}]
+        """,
+    )
+    p = plan(load_workflow(wf, root=tmp_path), "push")
+    run_id = store.submit_run(p)
+    matrices: dict[str, list[str]] = {}
+
+    def outcome(lease: object) -> tuple[str, dict[str, str]]:
+        matrix = lease.matrix  # type: ignore[attr-defined]
+        if matrix:
+            matrices[lease.name] = list(matrix)  # type: ignore[attr-defined]
+            if "mm" in matrix:
+                matrices["mm"] = list(matrix["mm"])
+        return "success", {"m": '[{"zeta": "2", "alpha": "b"}]'}
+
+    drive(store, p, run_id, outcome, labels=["linux"])
+    assert matrices == {
+        "now (x, p, 1, a)": ["zz", "aa", "mm"],
+        "mm": ["zeta", "alpha"],
+        "later (x, 2, b)": ["zz", "aa"],
+    }

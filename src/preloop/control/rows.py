@@ -26,7 +26,9 @@ _JOB = (
 
 
 def _dumps(v: Any) -> str:
-    return json.dumps(v, sort_keys=True, separators=(",", ":"))
+    # Keys keep their order: a matrix's keys as written name its legs and
+    # order `toJSON(matrix)`, as on GitHub.
+    return json.dumps(v, separators=(",", ":"))
 
 
 def _loads(v: str | None) -> Any:

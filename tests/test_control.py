@@ -556,6 +556,38 @@ def test_unfinished_runs_and_run_context_read_no_jobs(store: Store) -> None:
         store.run_context(newer + 100)
 
 
+def test_runs_are_numbered_per_workflow_and_repository(store: Store) -> None:
+    """`github.run_number` counts a workflow's runs in its repository from 1;
+    a re-run keeps the number and counts its attempt (`run_attempt`)."""
+    b = PlanBuilder()
+    b.job("a")
+    ci, docs = b.plan("ci"), b.plan("docs")
+    gh = {"repository": "o/r"}
+    first = store.submit_run(ci, github=gh)
+    second = store.submit_run(ci, github=gh)
+    other_repo = store.submit_run(ci, github={"repository": "o/other"})
+    other_wf = store.submit_run(docs, github=gh)
+    given = store.submit_run(ci, github={**gh, "run_number": "41"})
+
+    def number(run_id: int) -> tuple[str, str | None]:
+        github = store.run_context(run_id)["github"]
+        return github["run_number"], github.get("run_attempt")
+
+    assert [number(r)[0] for r in (first, second, other_repo, other_wf, given)] == [
+        "1",
+        "2",
+        "1",
+        "1",
+        "41",
+    ]
+    drive(store, ci, second)
+    again = store.rerun(second, failed_only=False)
+    drive(store, ci, again)
+    assert number(again) == ("2", "2")
+    assert number(store.rerun(again, failed_only=False)) == ("2", "3")
+    assert number(store.submit_run(ci, github=gh))[0] == "3"
+
+
 def test_submit_empty_plan_completes(store: Store) -> None:
     run_id = store.submit_run(PlanBuilder().plan())
     assert store.get_run(run_id).conclusion == "success"

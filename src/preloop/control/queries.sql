@@ -32,9 +32,17 @@ UPDATE runs SET conc_group = ? WHERE id = ?
 -- store: Store.submit_run.tx_fn
 INSERT INTO runs (workflow, name, event, status, remaining_jobs, conc_group, conc_cancel, conc_queue_max, context, created_at) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?) RETURNING id
 
+-- rerun_select_runs_context --
+-- store: Store.rerun.tx_fn (the run's contexts, for the next attempt's)
+SELECT context FROM runs WHERE id = ?
+
 -- rerun_insert_runs --
 -- store: Store.rerun.tx_fn
-INSERT INTO runs (workflow, name, event, status, remaining_jobs, conc_group, conc_cancel, conc_queue_max, context, created_at, rerun_of) SELECT workflow, name, event, 'running', 0, conc_group, conc_cancel, conc_queue_max, context, ?, id FROM runs WHERE id = ? RETURNING id
+INSERT INTO runs (workflow, name, event, status, remaining_jobs, conc_group, conc_cancel, conc_queue_max, context, created_at, rerun_of) SELECT workflow, name, event, 'running', 0, conc_group, conc_cancel, conc_queue_max, ?, ?, id FROM runs WHERE id = ? RETURNING id
+
+-- number_run_upsert_run_numbers --
+-- store: Store._number_run (a workflow's next run number in its repository)
+INSERT INTO run_numbers (repository, workflow, last) VALUES (?, ?, 1) ON CONFLICT (repository, workflow) DO UPDATE SET last = run_numbers.last + 1 RETURNING last
 
 -- heartbeat_update_jobs --
 -- store: Store.heartbeat.tx_fn

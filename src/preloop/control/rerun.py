@@ -6,6 +6,19 @@ from __future__ import annotations
 import re
 from typing import Any
 
+
+def next_attempt(context: dict[str, Any]) -> dict[str, Any]:
+    """A re-run's contexts: the run's, with `github.run_attempt` one more
+    (GitHub counts a run's attempts from 1; the run number stays)."""
+    github = dict(context.get("github") or {})
+    try:
+        attempt = int(github.get("run_attempt") or 1)
+    except (TypeError, ValueError):
+        attempt = 1
+    github["run_attempt"] = str(attempt + 1)
+    return {**context, "github": github}
+
+
 # A job of the old run that a failed-only re-run keeps: it succeeded with
 # every ancestor succeeding, or an enclosing reusable caller is kept whole.
 # (`:keep` is 1 for a failed-only re-run, 0 to re-run everything.)

@@ -2405,6 +2405,17 @@ _V28_ARTIFACT_TYPE: list[Statement] = [
     "ALTER TABLE preloop_artifacts ADD COLUMN mime_type TEXT NOT NULL DEFAULT 'application/zip'"
 ]
 
+# GitHub numbers a workflow's runs in its repository from 1 (`github.run_number`);
+# a re-run keeps its run's number.
+_V29_RUN_NUMBERS: list[Statement] = [
+    """CREATE TABLE IF NOT EXISTS run_numbers (
+        repository TEXT NOT NULL,
+        workflow TEXT NOT NULL,
+        last BIGINT NOT NULL,
+        PRIMARY KEY (repository, workflow)
+    )"""
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -2439,6 +2450,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V26_WARM_SETTLE,
     _V27_EARLY_GROUPS,
     _V28_ARTIFACT_TYPE,
+    _V29_RUN_NUMBERS,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -110,7 +110,7 @@ from preloop.control.conditions import evaluate_expr
 from preloop.control.counters import Counters
 from preloop.control.db import Backend, LiteBackend, PgBackend, Row, StoreError, Tx
 from preloop.control.queries import Q
-from preloop.control.rerun import _RERUN_SQL, _rerun_statement
+from preloop.control.rerun import _RERUN_SQL, _rerun_statement, next_attempt
 from preloop.control.reusable import scoped_inputs
 from preloop.control.rows import (
     _JOB,
@@ -287,8 +287,14 @@ class Store:
     # ------------------------------------------------------------------ submit
 
     def submit_run(self, plan: Plan, *, github: dict[str, Any] | None = None) -> int:
-        """Stores `plan` as a new run and promotes its root jobs; returns the run id."""
-        context = {"env": plan.env, "inputs": plan.inputs, "github": github or {}}
+        """Stores `plan` as a new run and promotes its root jobs; returns the run id.
+        Unless `github` has a `run_number`, the run gets its workflow's next one
+        in the repository `github.repository` names (from 1, as on GitHub)."""
+        github = dict(github or {})
+        if "run_number" not in github:
+            repository = str(github.get("repository") or "")
+            github["run_number"] = str(self._number_run(repository, plan.workflow))
+        context = {"env": plan.env, "inputs": plan.inputs, "github": github}
         cascade_groups: set[str] = set()
 
         def tx_fn(tx: Tx) -> int:
@@ -327,6 +333,18 @@ class Store:
         self._retry_groups(cascade_groups)
         return run_id
 
+    def _number_run(self, repository: str, workflow: str) -> int:
+        """The next run number of `workflow` in `repository`, in a transaction
+        of its own: submits of one workflow wait for each other only this
+        long, not for each other's whole plan."""
+
+        def tx_fn(tx: Tx) -> int:
+            row = tx.one(Q["number_run_upsert_run_numbers"], (repository, workflow))
+            assert row is not None
+            return int(row["last"])
+
+        return self._db.transaction("number_run", tx_fn)
+
     def rerun(self, run_id: int, *, failed_only: bool = True) -> int:
         """A new run from an ended one (GitHub's re-run). With `failed_only`,
         jobs that succeeded with every ancestor succeeding are kept as they
@@ -345,9 +363,11 @@ class Store:
                     f"run {run_id} is still {old['status']}: cancel it or wait for it to end "
                     "before re-running"
                 )
+            ctx_row = tx.one(Q["rerun_select_runs_context"], (run_id,))
+            assert ctx_row is not None
             row = tx.one(
                 Q["rerun_insert_runs"],
-                (time.time(), run_id),
+                (_dumps(next_attempt(_loads(ctx_row["context"]))), time.time(), run_id),
             )
             assert row is not None
             new = int(row["id"])

@@ -650,6 +650,11 @@ def test_setup_action_hint_names_the_versions_the_host_has(tmp_path: Path) -> No
     assert setup_action_hint(root, "actions/cache@v4", {"python-version": "3.9"}) is None
     node = setup_action_hint(root, "actions/setup-node@v4", {"node-version": "22"})
     assert node is not None and "node none" in node
+    assert "node 22 first on PATH" in node and "pyenv" not in node
+    go = setup_action_hint(root, "actions/setup-go@v5", {"go-version": "1.22"})
+    assert go is not None and "Go 1.22 toolchain" in go
+    uv = setup_action_hint(root, "astral-sh/setup-uv@v6", {"version": "0.5.1"})
+    assert uv is not None and "uv==0.5.1" in uv
 
 
 def test_uploads_of_a_dead_service_are_swept_a_day_later(tmp_path: Path) -> None:

@@ -959,6 +959,18 @@ SETUP_ACTIONS = {
 }
 
 
+# How a host gets a version of each tool where `refresh_tool_cache` finds it:
+# every Python pyenv or uv installed, but only the first node, go, uv and
+# java on PATH.
+_INSTALL_ADVICE = {
+    "Python": "Install it on the host (`uv python install {spec}` or `pyenv install {spec}`)",
+    "node": "Put a node {spec} first on PATH (e.g. `fnm install {spec}` or `nvm install {spec}`)",
+    "go": "Put a Go {spec} toolchain's `go` first on PATH",
+    "uv": "Put a uv {spec} first on PATH (e.g. `pip install uv=={spec}`)",
+    "Java_Temurin-Hotspot_jdk": "Put a JDK {spec}'s `java` (with `javac`) first on PATH",
+}
+
+
 def _matches(version: str, spec: str) -> bool:
     """`3.11` / `3.11.4` / `3.x` / `v20` style specs against a full version."""
     want = spec.strip().lstrip("v").split(".")
@@ -984,8 +996,8 @@ def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str |
     if any(_matches(v, spec) for v in versions):
         return None
     have = ", ".join(versions) if versions else "none"
+    install = _INSTALL_ADVICE[tool].format(spec=spec.lstrip("v"))
     return (
         f"{action}: this host has no {tool} matching {spec!r}; the tool cache ({root}) has "
-        f"{tool} {have}. Install {spec} on the host (for Python e.g. `pyenv install {spec}` "
-        f"or `uv python install {spec}`) or ask for one of these; `preloop toolcache` lists them"
+        f"{tool} {have}. {install}, or ask for one of these; `preloop toolcache` lists them"
     )

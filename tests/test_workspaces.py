@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tests.run_support import make_repo, run_engine, workflow
 
+from preloop.runner.checkout import sweep_work_dir, work_dir
 from preloop.runner.workspaces import safe_dir_name, take_workspace_slot
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
@@ -63,6 +64,30 @@ def test_a_slot_held_by_another_process_is_passed_over(tmp_path: Path) -> None:
     assert slot.workspace.parent.parent.name == "0"
     assert not (tmp_path / "ws" / "0" / "left-over").exists()
     slot.release()
+
+
+def test_the_sweep_removes_what_released_slots_moved_aside(tmp_path: Path) -> None:
+    """A slot whose contents would not go when released (a step's leftover
+    process still writing there) moved them to `ws/.stale-*`; the work
+    directory's sweep removes them, read-only directories too, but never one
+    a live process works in."""
+    ws = work_dir(tmp_path) / "ws"
+    left = ws / ".stale-0-0123abcd" / "widget" / "pkg"
+    left.mkdir(parents=True)
+    (left / "f").write_text("x")
+    left.chmod(0o555)
+    busy = ws / ".stale-1-4567cdef"
+    busy.mkdir()
+    slot = take_workspace_slot(work_dir(tmp_path), "acme/widget")
+    with subprocess.Popen(["sleep", "60"], cwd=busy) as holder:
+        try:
+            removed = sweep_work_dir(tmp_path)
+        finally:
+            holder.kill()
+    assert removed == [ws / ".stale-0-0123abcd"]
+    assert sorted(p.name for p in ws.iterdir()) == [".stale-1-4567cdef", "0", "0.lock"]
+    slot.release()
+    assert sweep_work_dir(tmp_path) == [busy]
 
 
 def test_safe_dir_name() -> None:

@@ -626,8 +626,13 @@ def sweep_work_dir(state_dir: Path) -> list[Path]:
     kills them): they are SIGKILLed first by the tracking id recorded in the
     directory (`watchdog.TRACKING_FILE`). A directory that some process still
     has as its working directory (or under it) is then left alone: it is
-    never removed under a live process."""
+    never removed under a live process.
+
+    So are the workspace contents a released slot moved aside when they
+    would not go at once (`<work>/ws/.stale-*`: a step's leftover process
+    still writing there, say): nothing uses them."""
     from preloop.runner.watchdog import TRACKING_FILE, kill_tracked_ids
+    from preloop.runner.workspaces import remove_tree, stale_workspaces
 
     root = work_dir(state_dir)
     removed: list[Path] = []
@@ -640,7 +645,8 @@ def sweep_work_dir(state_dir: Path) -> list[Path]:
         head = name.split("-", 1)[0]
         if head.isdigit() and not pid_exists(int(head)):
             dead.append(root / name)
-    if not dead:
+    stale = stale_workspaces(root)
+    if not dead and not stale:
         return removed
     ids = []
     for path in dead:
@@ -648,9 +654,13 @@ def sweep_work_dir(state_dir: Path) -> list[Path]:
             ids.append((path / TRACKING_FILE).read_text(encoding="utf-8").strip())
     kill_tracked_ids(ids)
     in_use = _working_directories()
-    for path in dead:
+    for path in [*dead, *stale]:
         prefix = str(path) + os.sep
         if any(cwd == str(path) or cwd.startswith(prefix) for cwd in in_use):
+            continue
+        if path in stale:
+            if remove_tree(path):
+                removed.append(path)
             continue
         with contextlib.suppress(OSError):
             shutil.rmtree(path)

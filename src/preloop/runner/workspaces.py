@@ -11,7 +11,8 @@ the first of several runners does; side by side jobs get the next slots.
 A slot's directory is emptied when it is taken (what a dead runner left) and
 when it is given back, before its lock is released. What cannot be removed
 (a directory a job made read-only and chmod cannot open) is moved aside to
-`<work>/ws/.stale-*` so that it never blocks the slot.
+`<work>/ws/.stale-*` so that it never blocks the slot; the work directory's
+sweep (`preloop.runner.checkout.sweep_work_dir`) tries again.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ import stat
 import uuid
 from pathlib import Path
 
-__all__ = ["WorkspaceSlot", "safe_dir_name", "take_workspace_slot"]
+__all__ = [
+    "WorkspaceSlot",
+    "remove_tree",
+    "safe_dir_name",
+    "stale_workspaces",
+    "take_workspace_slot",
+]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -50,12 +57,25 @@ class WorkspaceSlot:
             os.close(fd)  # the lock goes with the descriptor
 
 
-def _remove(root: Path) -> None:
+_STALE = ".stale-"
+
+
+def stale_workspaces(work: Path) -> list[Path]:
+    """What released slots under `work` moved aside (`ws/.stale-*`), for the
+    work directory's sweep."""
+    try:
+        names = os.listdir(work / "ws")
+    except FileNotFoundError:
+        return []
+    return [work / "ws" / n for n in names if n.startswith(_STALE)]
+
+
+def remove_tree(root: Path) -> bool:
     """Removes `root`, opening read-only directories on the way (Go's module
-    cache makes its directories read-only); moves aside what is left."""
+    cache makes its directories read-only); whether it is gone."""
 
     def opened(func: object, path: str, exc_info: object) -> None:
-        with contextlib.suppress(OSError):  # what is left is moved aside below
+        with contextlib.suppress(OSError):  # what is left is reported below
             parent = os.path.dirname(path)
             os.chmod(parent, os.stat(parent).st_mode | stat.S_IRWXU)
             if os.path.isdir(path) and not os.path.islink(path):
@@ -64,12 +84,16 @@ def _remove(root: Path) -> None:
             else:
                 os.unlink(path)
 
-    if not root.exists():
-        return
-    shutil.rmtree(root, onerror=opened)
-    if root.exists():
+    if os.path.lexists(root):
+        shutil.rmtree(root, onerror=opened)
+    return not os.path.lexists(root)
+
+
+def _remove(root: Path) -> None:
+    """`remove_tree`, moving aside what is left (`sweep_work_dir` tries again)."""
+    if not remove_tree(root):
         with contextlib.suppress(OSError):  # else the slot's mkdir reports it
-            os.rename(root, root.parent / f".stale-{root.name}-{uuid.uuid4().hex[:8]}")
+            os.rename(root, root.parent / f"{_STALE}{root.name}-{uuid.uuid4().hex[:8]}")
 
 
 def safe_dir_name(text: str, fallback: str) -> str:

@@ -423,7 +423,11 @@ def test_checkout_path_gets_its_own_checkout_and_notes_what_is_not_honoured(
 @pytest.mark.parametrize(
     ("inputs", "error"),
     [
-        ({"repository": "other/lib", "path": "lib"}, "of repository 'other/lib': preloop checks"),
+        (
+            {"repository": "other/lib", "path": "lib"},
+            "of repository 'other/lib' failed: file:///nowhere/other/lib: fatal: ",
+        ),
+        ({"repository": "other/lib", "path": "lib", "fetch-depth": "x"}, "fetch-depth 'x' is"),
         ({"path": "../outside"}, "path '../outside' is not under the workspace"),
         ({"path": "taken"}, "path 'taken' exists and is not an empty directory"),
         ({"path": "hello.txt"}, "path 'hello.txt' exists and is not an empty directory"),
@@ -431,8 +435,9 @@ def test_checkout_path_gets_its_own_checkout_and_notes_what_is_not_honoured(
     ],
 )
 def test_checkout_inputs_it_cannot_honour_fail_the_step_in_one_line(
-    tmp_path: Path, inputs: dict[str, str], error: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inputs: dict[str, str], error: str
 ) -> None:
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", "file:///nowhere")
     _git_workspace(tmp_path)
     (tmp_path / "ws" / "taken").mkdir()
     (tmp_path / "ws" / "taken" / "file").write_text("x")
@@ -445,6 +450,102 @@ def test_checkout_inputs_it_cannot_honour_fail_the_step_in_one_line(
     failures = [line for line in lines if line.startswith("✖ Checkout: actions/checkout")]
     assert len(failures) == 1 and error in failures[0], lines
     assert not (tmp_path / "outside").exists() and not (tmp_path / "ws" / "lib").exists()
+
+
+def _mirror_of_another_repository(mirrors: Path) -> dict[str, str]:
+    """`<mirrors>/other/lib.git`: main (two commits, the default), tag v1 on
+    its first, dev (v1 and one more); the commit of v1 and of main."""
+    work = mirrors.parent / "lib-work"
+    subprocess.run(["git", "init", "-q", "-b", "main", str(work)], check=True)
+
+    def git(*args: str) -> str:
+        cmd = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-C", str(work)]
+        done = subprocess.run([*cmd, *args], capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
+    def commit(name: str, text: str) -> str:
+        (work / name).write_text(text + "\n")
+        git("add", "-A")
+        git("commit", "-qm", text)
+        return git("rev-parse", "HEAD")
+
+    commits = {"v1": commit("lib.txt", "one")}
+    git("tag", "v1")
+    commits["main"] = commit("lib.txt", "two")
+    git("checkout", "-qb", "dev", "v1")
+    commit("dev.txt", "dev")
+    git("checkout", "-q", "main")
+    (mirrors / "other").mkdir(parents=True)
+    git("clone", "-q", "--bare", str(work), str(mirrors / "other" / "lib.git"))
+    return commits
+
+
+def test_checkout_of_another_repository_fetches_it_from_the_actions_base(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`repository: other/lib` comes from `$PRELOOP_ACTIONS_URL/other/lib`,
+    as from github.com: its default branch as a local branch, one commit
+    deep; a tag or commit detached; `fetch-depth: 0` with every branch and
+    tag; without `path:` in place of the snapshot."""
+    _git_workspace(tmp_path)
+    commits = _mirror_of_another_repository(tmp_path / "mirrors")
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path / 'mirrors'}")
+
+    def checkout(**inputs: Any) -> dict[str, Any]:
+        return {"uses": "actions/checkout@v4", "with": {"repository": "other/lib", **inputs}}
+
+    def show(path: str) -> dict[str, Any]:
+        script = (
+            'echo "$(git branch --show-current)|$(git rev-parse HEAD)|'
+            "$(git rev-list --count HEAD)|$(git tag | tr '\\n' ' ')|$(cat lib.txt)\""
+        )
+        return {"run": script, "working-directory": path}
+
+    steps = [
+        {"uses": "actions/checkout@v4"},
+        checkout(path="lib"),
+        show("lib"),
+        checkout(path="tagged", ref="v1"),
+        show("tagged"),
+        checkout(path="full", ref="dev", **{"fetch-depth": "0"}),
+        show("full"),
+        checkout(path="bysha", ref=commits["v1"]),
+        show("bysha"),
+        {"run": "test -f hello.txt && test -f lib/lib.txt"},
+        checkout(),
+        {"run": "test ! -e hello.txt && test ! -e lib && cat lib.txt && git branch --show-current"},
+    ]
+    result, lines = run_job(
+        tmp_path, steps, contexts={"github": {"event_name": "push", "repository": "acme/tool"}}
+    )
+    assert result.conclusion == "success", lines
+    main, v1 = commits["main"], commits["v1"]
+    assert f"main|{main}|1||two" in lines
+    assert f"|{v1}|1|v1 |one" in lines
+    dev = [line for line in lines if line.startswith("dev|")]
+    assert len(dev) == 1 and dev[0].endswith("|2|v1 |one")
+    assert f"|{v1}|1||one" in lines
+    # Without `path:`, in place of the snapshot's files.
+    assert lines.index("two") > lines.index(f"|{v1}|1||one") and "main" in lines
+    assert any(f"actions/checkout: other/lib@refs/heads/main ({main[:12]}) into lib" in line
+               for line in lines)  # fmt: skip
+
+
+def test_checkout_of_another_repository_at_a_ref_it_lacks_fails_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _git_workspace(tmp_path)
+    _mirror_of_another_repository(tmp_path / "mirrors")
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path / 'mirrors'}")
+    step = {"name": "Lib", "uses": "actions/checkout@v4",
+            "with": {"repository": "other/lib", "ref": "nope", "path": "lib"}}  # fmt: skip
+    result, lines = run_job(
+        tmp_path, [step], contexts={"github": {"event_name": "push", "repository": "acme/tool"}}
+    )
+    assert result.conclusion == "failure"
+    failures = [line for line in lines if line.startswith("✖ Lib: actions/checkout")]
+    assert len(failures) == 1 and "it has no branch or tag 'nope'" in failures[0], lines
+    assert not (tmp_path / "ws" / "lib").exists()
 
 
 def test_checkout_of_the_runs_own_repository_is_satisfied(tmp_path: Path) -> None:

@@ -35,6 +35,8 @@ import anyio
 
 from preloop.errors import PreloopError
 from preloop.process import CommandFailed, CommandTimeout, run_command
+from preloop.runner.remote_checkout import checkout_repository
+from preloop.runner.workspaces import remove_tree, stale_workspaces
 from preloop.snapshot.bundles import SnapshotBundles
 from preloop.snapshot.gitcmd import git, git_env
 from preloop.snapshot.holders import release_run_repository
@@ -270,9 +272,10 @@ async def checkout_step(
     """`uses: actions/checkout`: the workspace already holds the run's
     snapshot. `path:` gets a checkout of its own (a `--shared` clone of the
     workspace's repository) under the workspace, as GitHub's would; another
-    `repository:` is refused (the snapshot has only the run's files); `ref:`
-    is noted in the log, not honoured. The checkout always has the history
-    and tags `fetch-depth: 0` would fetch (`_name_refs`).
+    `repository:` is fetched from where actions come from
+    (`preloop.runner.remote_checkout`); for the run's own one `ref:` is noted
+    in the log, not honoured. The checkout always has the history and tags
+    `fetch-depth: 0` would fetch (`_name_refs`).
     Raises `CheckoutError` with a one-line message (the caller names the step)."""
     repository = inputs.get("repository", "").strip()
     current = str(github.get("repository") or "")
@@ -283,11 +286,8 @@ async def checkout_step(
                 "(it has no GitHub remote); the run's snapshot is what is checked out"
             )
         else:
-            raise CheckoutError(
-                f"actions/checkout of repository {repository!r}: preloop checks out only the "
-                f"run's own repository ({current}); check that one out in a `run:` step "
-                "(`git clone`) or skip the step with `if:`"
-            )
+            await _checkout_other(repository, inputs, workspace, log)
+            return
     ref = inputs.get("ref", "").strip()
     if ref and ref not in _current_refs(github):
         log(_REF_INPUT_NOTE.format(ref=ref))
@@ -305,9 +305,8 @@ async def checkout_step(
         ) from None
 
 
-async def _checkout_into(path: str, workspace: Path, log: Callable[[str], None]) -> None:
-    """`path:` of `checkout_step`: the workspace itself, or a clone of its
-    checkout (its HEAD when the step runs) at `path` under it."""
+def _destination(path: str, workspace: Path) -> Path:
+    """Where a checkout's `path:` is: under the workspace, never outside it."""
     root = workspace.resolve()
     dest = (workspace / path).resolve() if path else root
     if dest != root and root not in dest.parents:
@@ -315,6 +314,53 @@ async def _checkout_into(path: str, workspace: Path, log: Callable[[str], None])
             f"actions/checkout path {path!r} is not under the workspace {root}: give a "
             "path relative to it"
         )
+    return dest
+
+
+async def _checkout_other(
+    repository: str, inputs: Mapping[str, str], workspace: Path, log: Callable[[str], None]
+) -> None:
+    """Another repository, fetched into `path:` (an empty or new directory)
+    or, without one, into the workspace in place of the snapshot, as
+    GitHub's checkout replaces a workspace holding another repository."""
+    path = inputs.get("path", "").strip()
+    dest = _destination(path, workspace)
+    if dest == workspace.resolve():
+        for entry in list(dest.iterdir()):
+            if not remove_tree(entry):
+                raise CheckoutError(
+                    f"actions/checkout of {repository!r}: the workspace's {entry.name} "
+                    "cannot be removed to make room for it; give the step a `path:`"
+                )
+    elif dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise CheckoutError(
+            f"actions/checkout path {path!r} exists and is not an empty directory: remove "
+            "it first or check out to another path"
+        )
+    depth_text = inputs.get("fetch-depth", "").strip() or "1"
+    try:
+        depth = int(depth_text)
+    except ValueError:
+        raise CheckoutError(
+            f"actions/checkout: fetch-depth {depth_text!r} is not a whole number"
+        ) from None
+    ref = inputs.get("ref", "").strip()
+    try:
+        source = await checkout_repository(repository, ref, dest, depth)
+    except ValueError as exc:
+        raise CheckoutError(
+            f"actions/checkout of repository {repository!r} failed: {exc}; check the network "
+            "or PRELOOP_ACTIONS_URL (its base), or check it out in a `run:` step"
+        ) from None
+    where = path or "the workspace"
+    log(f"actions/checkout: {repository}@{source.ref} ({source.commit[:12]}) into {where}")
+
+
+async def _checkout_into(path: str, workspace: Path, log: Callable[[str], None]) -> None:
+    """`path:` of `checkout_step`: the workspace itself, or a clone of its
+    checkout (its HEAD when the step runs) at `path` under it."""
+    root = workspace.resolve()
+    dest = _destination(path, workspace)
     if dest == root:
         log("actions/checkout: satisfied by the snapshot checkout in the workspace")
         return
@@ -632,7 +678,6 @@ def sweep_work_dir(state_dir: Path) -> list[Path]:
     would not go at once (`<work>/ws/.stale-*`: a step's leftover process
     still writing there, say): nothing uses them."""
     from preloop.runner.watchdog import TRACKING_FILE, kill_tracked_ids
-    from preloop.runner.workspaces import remove_tree, stale_workspaces
 
     root = work_dir(state_dir)
     removed: list[Path] = []

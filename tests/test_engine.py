@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import select
 import shutil
+import textwrap
 from pathlib import Path
 
 import anyio
@@ -580,3 +581,40 @@ def test_repository_is_owner_slash_name_without_a_github_origin(
     outcome, h = run_engine(repo, store_url, tmp_path / "state")
     assert outcome.conclusion == "success"
     assert "repo=local/widget owner=local" in h.lines["show"]
+
+
+def test_github_workflow_is_its_name_or_path_with_its_ref_and_sha(
+    tmp_path: Path, store_url: str
+) -> None:
+    """`github.workflow` is the workflow's `name:`, or the file's path when it
+    has none (as GitHub gives it, in concurrency groups too); `workflow_ref`
+    names the file at the run's ref and `workflow_sha` is the run's commit."""
+    show = """\
+        on: push
+        jobs:
+          show:
+            runs-on: ubuntu-latest
+            steps:
+              - run: |
+                  echo "wf=${{ github.workflow }}|$GITHUB_WORKFLOW"
+                  echo "ref=$GITHUB_WORKFLOW_REF|${{ github.workflow_ref }}"
+                  echo "sha=${{ github.workflow_sha == github.sha }} $GITHUB_WORKFLOW_SHA"
+                  echo "protected=${{ github.ref_protected }} url=${{ github.repositoryUrl }}"
+        """
+    repo = make_repo(
+        tmp_path / "widget",
+        {
+            ".github/workflows/ci.yml": show,
+            ".github/workflows/named.yml": "name: Named\n" + textwrap.dedent(show),
+        },
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "success"
+    lines = [line for job_lines in h.lines.values() for line in job_lines]
+    assert "wf=.github/workflows/ci.yml|.github/workflows/ci.yml" in lines, lines
+    assert "wf=Named|Named" in lines
+    ref = "local/widget/.github/workflows/ci.yml@refs/heads/main"
+    assert f"ref={ref}|{ref}" in lines
+    sha = [line for line in lines if line.startswith("sha=")]
+    assert len(sha) == 2 and all(line.startswith("sha=true ") and len(line) == 49 for line in sha)
+    assert "protected=false url=git://github.com/local/widget.git" in lines

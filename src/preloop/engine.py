@@ -672,6 +672,7 @@ class Engine:
                     repo_key=snap.cache_key,
                     bundles=self.published.chain,
                 )
+            repository = str(selection.github.get("repository") or "")
             for planned in selection.plans:
                 if self._interrupted:
                     break
@@ -688,7 +689,10 @@ class Engine:
                         "run_key": run_key,
                     },
                     "event_name": req.event,
-                    "workflow": planned.name,
+                    "workflow": planned.github_workflow or planned.name,
+                    # The caller's file, also in its reusable workflows' jobs.
+                    "workflow_ref": f"{repository}/{planned.workflow}@{ref}",
+                    "workflow_sha": location.checked_out,
                 }
                 submit = functools.partial(store.submit_run, planned, github=gh)
                 run_id = await anyio.to_thread.run_sync(submit)

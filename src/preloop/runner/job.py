@@ -290,6 +290,14 @@ class _Execution:
         github.setdefault("graphql_url", "https://api.github.com/graphql")
         github.setdefault("triggering_actor", github.get("actor", ""))
         github.setdefault("retention_days", str(config.get("PRELOOP_ARTIFACT_RETENTION_DAYS")))
+        github.setdefault("ref_protected", False)
+        github.setdefault("base_ref", "")  # set, empty outside pull requests
+        github.setdefault("head_ref", "")
+        github.setdefault("workflow_sha", github.get("sha", ""))
+        github["event_path"] = str(host.temp / "_github_event.json")
+        if repository := str(github.get("repository") or ""):
+            server = str(github["server_url"]).removeprefix("https://").removeprefix("http://")
+            github.setdefault("repositoryUrl", f"git://{server}/{repository}.git")
         self.github = github
         event = github.get("event") if isinstance(github.get("event"), dict) else {}
         (host.temp / "_github_event.json").write_text(json.dumps(event), encoding="utf-8")
@@ -405,6 +413,8 @@ class _Execution:
             "GITHUB_RUN_ATTEMPT": _str(gh.get("run_attempt", "1")),
             "GITHUB_EVENT_NAME": _str(gh.get("event_name", "")),
             "GITHUB_WORKFLOW": _str(gh.get("workflow", "")),
+            "GITHUB_WORKFLOW_REF": _str(gh.get("workflow_ref", "")),
+            "GITHUB_WORKFLOW_SHA": _str(gh.get("workflow_sha", "")),
             "GITHUB_SHA": _str(gh.get("sha", "")),
             "GITHUB_REF": _str(gh.get("ref", "")),
             "GITHUB_REF_NAME": _str(gh.get("ref_name", "")),
@@ -422,7 +432,7 @@ class _Execution:
             "GITHUB_ACTOR": _str(gh.get("actor", "")),
             "GITHUB_SERVER_URL": _str(gh.get("server_url", "")),
             "GITHUB_ACTION": _str(gh.get("action", "")),
-            "GITHUB_EVENT_PATH": str(self.host.temp / "_github_event.json"),
+            "GITHUB_EVENT_PATH": str(gh["event_path"]),
             "RUNNER_OS": "Linux",
             "RUNNER_ARCH": "X64",
             "RUNNER_NAME": self.host.runner_name,

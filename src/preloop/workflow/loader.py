@@ -538,7 +538,8 @@ class _Reader:
         else:
             on, call, dispatch = self.on(on_node)
         with self.at("name"):
-            name = self.string(m.get("name"), "`name`") or Path(self.path).name
+            declared = self.string(m.get("name"), "`name`")
+            name = declared or Path(self.path).name
         with self.at("run-name"):
             run_name = self.string(m.get("run-name"), "`run-name`")
         with self.at("defaults.run"):
@@ -566,6 +567,7 @@ class _Reader:
             permissions=permissions,
             workflow_call=call,
             workflow_dispatch_inputs=dispatch,
+            named=declared is not None and declared != "",
         )
 
     def on(

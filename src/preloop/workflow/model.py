@@ -177,6 +177,13 @@ class Workflow:
     permissions: Any = None
     workflow_call: WorkflowCall | None = None
     workflow_dispatch_inputs: Mapping[str, Mapping[str, Any]] = field(default_factory=_empty)
+    named: bool = False  # `name:` is written (else `name` is the file's name)
+
+    @property
+    def github_workflow(self) -> str:
+        """`github.workflow`: the workflow's `name:`, or without one the
+        file's path in the repository, as GitHub gives it."""
+        return self.name if self.named else self.path
 
     def job(self, job_id: str) -> Job:
         for j in self.jobs:

@@ -208,6 +208,7 @@ class Plan:
     concurrency: ConcurrencySpec | None = None
     env: dict[str, str] = field(default_factory=dict)
     inputs: dict[str, Any] = field(default_factory=dict)  # workflow_dispatch / call inputs
+    github_workflow: str = ""  # `github.workflow`: `name:`, else the file's path
     version: int = PLAN_FORMAT_VERSION
 
     def job(self, job_id: str) -> PlannedJob:
@@ -227,6 +228,7 @@ class Plan:
             "concurrency": asdict(self.concurrency) if self.concurrency else None,
             "env": dict(self.env),
             "inputs": dict(self.inputs),
+            "github_workflow": self.github_workflow,
         }
 
     @classmethod
@@ -245,6 +247,7 @@ class Plan:
             concurrency=ConcurrencySpec(**conc) if conc else None,
             env=dict(d.get("env", {})),
             inputs=dict(d.get("inputs", {})),
+            github_workflow=str(d.get("github_workflow") or ""),
         )
 
     def to_json(self) -> str:

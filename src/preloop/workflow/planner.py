@@ -715,7 +715,7 @@ def plan(
             raise PlanError(f"{workflow.path}: input '{name}' is required; pass it with inputs")
     for name, value in given.items():
         all_inputs.setdefault(name, value)
-    gh = {"event_name": event, "workflow": workflow.name, **dict(github or {})}
+    gh = {"event_name": event, "workflow": workflow.github_workflow, **dict(github or {})}
     contexts: dict[str, Any] = {"github": gh, "inputs": all_inputs, "vars": dict(vars or {})}
     planner = _Planner(workflow.path)
     scope = _Scope(workflow, "", None, contexts, _PLAN_CONTEXTS)
@@ -737,6 +737,7 @@ def plan(
         concurrency=conc,
         env=dict(thaw(workflow.env)),
         inputs=all_inputs,
+        github_workflow=workflow.github_workflow,
     )
 
 

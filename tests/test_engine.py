@@ -357,6 +357,52 @@ def test_checkout_has_the_pushed_branch_and_the_tags_of_its_history(
     assert any(line.startswith("describe v1.1-2-g") for line in h.lines["version"])
 
 
+def test_checkout_after_a_step_moved_or_emptied_the_workspace_checks_out_again(
+    tmp_path: Path, store_url: str
+) -> None:
+    # python-trio/trio's smoke test moves the workspace away, then checks the
+    # repository out into a path of the new one; another job empties the
+    # workspace and checks out into it. GitHub's checkout fetches the
+    # repository again in both; preloop failed the first ("holds no git
+    # checkout") and called the second satisfied with no files there.
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            **workflow(
+                """\
+                on: push
+                jobs:
+                  moved:
+                    runs-on: ubuntu-latest
+                    steps:
+                      - run: |
+                          mv "$GITHUB_WORKSPACE" "$RUNNER_TEMP/elsewhere"
+                          mkdir -p "$GITHUB_WORKSPACE/kept"
+                        working-directory: ${{ runner.temp }}
+                      - uses: actions/checkout@v4
+                        with:
+                          path: git-src
+                      - run: echo moved "$(cat git-src/hello.txt) $(git -C git-src rev-parse @)" *
+                  emptied:
+                    runs-on: ubuntu-latest
+                    steps:
+                      - run: rm -rf ./* ./.git ./.github && touch stray
+                      - uses: actions/checkout@v4
+                      - run: echo emptied "$(cat hello.txt)" "$(git rev-parse --abbrev-ref HEAD)" *
+                """
+            ),
+            "hello.txt": "hi\n",
+        },
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "success", h.lines
+    head = git(repo, "rev-parse", "HEAD").strip()
+    assert f"moved hi {head} git-src kept" in h.lines["moved"], h.lines["moved"]
+    # The workspace's stray file is gone, as GitHub's checkout deletes what a
+    # directory without a repository holds before fetching into it.
+    assert "emptied hi main hello.txt" in h.lines["emptied"], h.lines["emptied"]
+
+
 def test_secret_never_in_logs(tmp_path: Path, store_url: str) -> None:
     repo = make_repo(
         tmp_path / "repo",

@@ -26,7 +26,7 @@ import socket
 import subprocess
 import threading
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -268,10 +268,14 @@ async def checkout_step(
     workspace: Path,
     github: Mapping[str, Any],
     log: Callable[[str], None],
+    recheckout: Callable[[Path], Awaitable[None]] | None = None,
 ) -> None:
     """`uses: actions/checkout`: the workspace already holds the run's
     snapshot. `path:` gets a checkout of its own (a `--shared` clone of the
-    workspace's repository) under the workspace, as GitHub's would; another
+    workspace's repository) under the workspace, as GitHub's would. Where
+    an earlier step moved or removed the workspace's checkout, GitHub's
+    fetches the repository again: `recheckout` (a fresh copy of the job's
+    checkout at a path that does not exist) stands in for it. Another
     `repository:` is fetched from where actions come from
     (`preloop.runner.remote_checkout`); for the run's own one `ref:` is noted
     in the log, not honoured. The checkout always has the history and tags
@@ -293,7 +297,7 @@ async def checkout_step(
         log(_REF_INPUT_NOTE.format(ref=ref))
     path = inputs.get("path", "").strip()
     try:
-        await _checkout_into(path, workspace, log)
+        await _checkout_into(path, workspace, log, recheckout)
     except CommandTimeout:
         raise CheckoutError(
             f"actions/checkout into {path!r} timed out after {_CHECKOUT_TIMEOUT:g} s"
@@ -356,27 +360,41 @@ async def _checkout_other(
     log(f"actions/checkout: {repository}@{source.ref} ({source.commit[:12]}) into {where}")
 
 
-async def _checkout_into(path: str, workspace: Path, log: Callable[[str], None]) -> None:
+async def _checkout_into(
+    path: str,
+    workspace: Path,
+    log: Callable[[str], None],
+    recheckout: Callable[[Path], Awaitable[None]] | None,
+) -> None:
     """`path:` of `checkout_step`: the workspace itself, or a clone of its
-    checkout (its HEAD when the step runs) at `path` under it."""
+    checkout (its HEAD when the step runs) at `path` under it; a fresh
+    checkout (`recheckout`) where the workspace's is gone."""
     root = workspace.resolve()
     dest = _destination(path, workspace)
-    if dest == root:
+    has_checkout = (root / ".git").exists()
+    if dest == root and (has_checkout or recheckout is None):
         log("actions/checkout: satisfied by the snapshot checkout in the workspace")
         return
-    if (dest / ".git").exists():
+    if dest != root and (dest / ".git").exists():
         log(f"actions/checkout: {path} already holds a checkout; left as it is")
         return
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+    if dest != root and dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise CheckoutError(
             f"actions/checkout path {path!r} exists and is not an empty directory: remove "
             "it first or check out to another path"
         )
-    if not (root / ".git").exists():
-        raise CheckoutError(
-            f"actions/checkout: the workspace {root} holds no git checkout to clone into "
-            f"{path!r}; drop the step's `path:`"
+    if not has_checkout:
+        if recheckout is None:
+            raise CheckoutError(
+                f"actions/checkout: the workspace {root} holds no git checkout to clone into "
+                f"{path!r}; drop the step's `path:`"
+            )
+        await _fresh_checkout(dest, recheckout)
+        log(
+            "actions/checkout: the workspace's checkout was moved or removed by an earlier "
+            f"step; the run's snapshot checked out again into {path or root}"
         )
+        return
     dest.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         dest.rmdir()  # an empty directory: git clone makes its own
@@ -389,6 +407,28 @@ async def _checkout_into(path: str, workspace: Path, log: Callable[[str], None])
     with contextlib.suppress(FileNotFoundError):
         (dest / ".git/refs/remotes/origin/HEAD").unlink()  # as in the workspace's
     log(f"actions/checkout: the snapshot checked out into {path}")
+
+
+async def _fresh_checkout(dest: Path, recheckout: Callable[[Path], Awaitable[None]]) -> None:
+    """A fresh checkout of the run's snapshot at `dest`, an empty or missing
+    directory, or the workspace itself, whose contents GitHub's checkout
+    deletes first when it holds no repository. Made beside `dest` and moved
+    into it, so the directory itself (a step's or a shell's working
+    directory) stays."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fresh = dest.parent / f".{dest.name}.checkout-{uuid.uuid4().hex[:12]}"
+    try:
+        await recheckout(fresh)
+        dest.mkdir(exist_ok=True)
+        for entry in list(dest.iterdir()):
+            if entry.is_dir() and not entry.is_symlink():
+                await anyio.to_thread.run_sync(shutil.rmtree, entry)
+            else:
+                entry.unlink()
+        for entry in list(fresh.iterdir()):
+            entry.rename(dest / entry.name)
+    finally:
+        await anyio.to_thread.run_sync(lambda: shutil.rmtree(fresh, ignore_errors=True))
 
 
 def _same_name(wanted: str, current: str) -> bool:

@@ -37,7 +37,7 @@ import shlex
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +125,11 @@ class JobHost:
     actions: ActionSource | None = None
     # The job's RUNNER_TRACKING_ID when the runner chose it (default: a fresh one).
     tracking_id: str | None = None
+    # Puts a fresh checkout of the run's snapshot at a path that does not
+    # exist (the runner's copy of its template): `actions/checkout` after a
+    # step moved or removed the workspace's checkout fetches it again on
+    # GitHub. None: such a checkout step fails, saying so.
+    recheckout: Callable[[Path], Awaitable[None]] | None = None
 
 
 @dataclass(slots=True)
@@ -762,6 +767,7 @@ class _Execution:
                     self.host.workspace,
                     self.github,
                     self.log,
+                    self.host.recheckout,
                 )
             except CheckoutError as exc:
                 raise _StepFailure(str(exc)) from None

@@ -608,6 +608,7 @@ class Runner:
             tracking_key=str(tracking_key) if tracking_key else None,
             actions=ActionSource(opts.state_dir, overrides),
             tracking_id=tracking_id,
+            recheckout=functools.partial(self.templates.checkout, location, where=where),
         )
         # If this process dies mid-job (even SIGKILL), the watchdog kills the steps.
         watchdog.register(tracking_id)

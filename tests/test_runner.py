@@ -17,6 +17,7 @@ from preloop.actions.steps import ActionSource
 from preloop.runner import JobControl, JobHost, JobResult, execute_job
 from preloop.runner.checkout import sweep_work_dir, work_dir
 from preloop.runner.commands import EnvFileError, Masker, parse_env_file
+from preloop.runner.job import step_action_names
 
 
 def _exited(pidfd: int, wait: float = 10.0) -> bool:
@@ -600,6 +601,70 @@ def test_composite_action_inputs_outputs(tmp_path: Path) -> None:
     )
     assert result.conclusion == "success", lines
     assert "Hello, world from greet" in lines and "said=Hello world" in lines
+
+
+def test_github_action_names_each_step_as_github_does(tmp_path: Path) -> None:
+    # GITHUB_ACTION and github.action were empty for every step; GitHub's
+    # runner sets them to the step's id, else to the name its workflow parser
+    # generates (tools use it to tell steps apart, or to detect a runner).
+    action = """\
+        runs:
+          using: composite
+          steps:
+            - id: inner
+              shell: bash
+              run: echo "in composite $GITHUB_ACTION ${{ github.action }}"
+        """
+    show = 'echo "$GITHUB_ACTION ${{ github.action }}"'
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"run": show},
+            {"id": "named", "run": show},
+            {"run": show},
+            {"uses": "actions/checkout@v4"},
+            {"uses": "./.github/actions/comp"},
+            {"uses": "./.github/actions/comp"},
+            {"run": show},
+        ],
+        files={".github/actions/comp/action.yml": action},
+    )
+    assert result.conclusion == "success", lines
+    shown = [line for line in lines if line.startswith(("__", "named", "in composite"))]
+    assert shown == [
+        "__run __run",
+        "named named",
+        "__run_2 __run_2",
+        # a composite's steps have the name of the step that called it
+        "in composite __self __self",
+        "in composite __self_2 __self_2",
+        "__run_3 __run_3",
+    ]
+
+
+def test_step_action_names_follow_githubs_id_builder() -> None:
+    steps: list[dict[str, Any]] = [
+        {"uses": "actions/checkout@v4"},
+        {"uses": "actions/checkout@v4"},
+        {"uses": "owner/repo.name/sub/dir@main"},
+        {"uses": "docker://alpine:3.19"},
+        {"uses": "weird"},  # no @ref: a script's name
+        {"id": "__run", "run": "true"},  # not a valid id, but taken
+        {"run": "true"},
+        {"id": "__run_3", "run": "true"},
+        {"run": "true"},
+    ]
+    assert step_action_names(steps) == [
+        "__actions_checkout",
+        "__actions_checkout_2",
+        "__owner_repo_name",
+        "__alpine_3_19",
+        "__run_2",
+        "__run",
+        "__run_4",
+        "__run_3",
+        "__run_5",
+    ]
 
 
 def test_composite_action_failure_fails_the_step(tmp_path: Path) -> None:

@@ -33,11 +33,12 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shlex
 import shutil
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,10 @@ class _Scope:
     action_path: Path | None = None
     prefix: str = ""
     failed: bool = False
+    # `github.action` / GITHUB_ACTION of the step running in this scope: the
+    # job's step's name (`step_action_names`); a composite's steps have the
+    # step that called it's, as on GitHub (only the job's steps set it).
+    action: str = ""
 
 
 class _Execution:
@@ -304,6 +309,12 @@ class _Execution:
             server = str(github["server_url"]).removeprefix("https://").removeprefix("http://")
             github.setdefault("repositoryUrl", f"git://{server}/{repository}.git")
         self.github = github
+        # By identity: the job's step mappings are the same objects throughout.
+        job_steps = list(spec.get("steps") or [])
+        self.step_actions = {
+            id(step): name
+            for step, name in zip(job_steps, step_action_names(job_steps), strict=True)
+        }
         event = github.get("event") if isinstance(github.get("event"), dict) else {}
         (host.temp / "_github_event.json").write_text(json.dumps(event), encoding="utf-8")
         self.runner_ctx = {
@@ -397,10 +408,17 @@ class _Execution:
         ctx["env"] = dict(env)
         ctx["steps"] = scope.steps_ctx
         ctx["job"] = {**self.base["job"], "status": self.status}
+        ctx["github"] = {**self.github, "action": scope.action}
         if scope.action_path is not None:
             ctx["inputs"] = scope.inputs
-            ctx["github"] = {**self.github, "action_path": str(scope.action_path)}
+            ctx["github"]["action_path"] = str(scope.action_path)
         return ctx
+
+    def enter_step(self, step: Mapping[str, Any], scope: _Scope) -> None:
+        """Makes `step` (a job's step, its pre or post) the one `github.action`
+        names in `scope`; a composite's steps keep its caller's."""
+        if scope.action_path is None:
+            scope.action = self.step_actions.get(id(step), "")
 
     def process_env(
         self, env: Mapping[str, str], files: Mapping[str, Path], scope: _Scope
@@ -436,7 +454,7 @@ class _Execution:
             "GITHUB_REPOSITORY": _str(gh.get("repository", "")),
             "GITHUB_ACTOR": _str(gh.get("actor", "")),
             "GITHUB_SERVER_URL": _str(gh.get("server_url", "")),
-            "GITHUB_ACTION": _str(gh.get("action", "")),
+            "GITHUB_ACTION": scope.action,
             "GITHUB_EVENT_PATH": str(gh["event_path"]),
             "RUNNER_OS": "Linux",
             "RUNNER_ARCH": "X64",
@@ -466,6 +484,7 @@ class _Execution:
 
     async def run_step(self, step: Mapping[str, Any], index: int, scope: _Scope) -> None:
         step_id = str(step.get("id") or f"__{scope.prefix}{index}")
+        self.enter_step(step, scope)
         pre_env = {**self.job_env, **self.env_from_files}
         ctx = self.contexts(scope, pre_env)
         name = self.step_name(step, ctx)
@@ -820,7 +839,13 @@ class _Execution:
                     self.actions.warn(f"{uses}: Input required and not supplied: {key}", name)
         for key, value in given.items():
             inputs.setdefault(key, value)
-        inner = _Scope(steps_ctx={}, inputs=inputs, action_path=directory, prefix=f"{uses}:")
+        inner = _Scope(
+            steps_ctx={},
+            inputs=inputs,
+            action_path=directory,
+            prefix=f"{uses}:",
+            action=scope.action,
+        )
         outer_status = self.status
         if outer_status == "failure":
             # Inside a composite, success() and failure() are of its own steps
@@ -842,6 +867,43 @@ class _Execution:
             value = decl.get("value", "") if isinstance(decl, dict) else decl
             outputs[key] = self.template(value, inner_ctx)
         return outputs, ("failure" if failed else "success")
+
+
+_ACTION_ID_CHAR = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def step_action_names(steps: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each step's `github.action` (GITHUB_ACTION), as GitHub's workflow
+    parser names them (WorkflowTemplateConverter, IdBuilder): its `id`, else
+    `__run` for a script, `__owner_repo` for `owner/repo[/path]@ref`,
+    `__self` for `./path`, `__image` for `docker://image`, characters other
+    than letters, digits, `_` and `-` made `_`; a name already taken (an
+    `id`, an earlier default) gets `_2`, `_3`..."""
+    taken = {str(step["id"]) for step in steps if step.get("id")}
+    names = []
+    for step in steps:
+        if step.get("id"):
+            names.append(str(step["id"]))
+            continue
+        uses = str(step.get("uses") or "")
+        kind = ""
+        if uses.startswith("docker://"):
+            kind = uses.removeprefix("docker://")
+        elif uses.startswith(("./", ".\\")):
+            kind = "self"
+        elif uses:
+            path, at, ref = uses.partition("@")
+            parts = [p for p in re.split(r"[/\\]", path) if p]
+            if at and ref and len(parts) >= 2 and "@" not in ref:
+                kind = f"{parts[0]}/{parts[1]}"
+        base = "__" + _ACTION_ID_CHAR.sub("_", kind or "run")
+        name, attempt = base, 1
+        while name in taken:
+            attempt += 1
+            name = f"{base}_{attempt}"
+        taken.add(name)
+        names.append(name)
+    return names
 
 
 def _warn_unsupported(spec: Mapping[str, Any], run: _Execution) -> None:

@@ -664,3 +664,39 @@ def test_github_workflow_is_its_name_or_path_with_its_ref_and_sha(
     sha = [line for line in lines if line.startswith("sha=")]
     assert len(sha) == 2 and all(line.startswith("sha=true ") and len(line) == 49 for line in sha)
     assert "protected=false url=git://github.com/local/widget.git" in lines
+
+
+def test_workflow_ref_and_sha_name_the_running_workflow_file(
+    tmp_path: Path, store_url: str
+) -> None:
+    # github.workflow_ref / workflow_sha (and GITHUB_WORKFLOW_REF/_SHA) were
+    # missing: a concurrency group or job name built from them read ''.
+    repo = make_repo(
+        tmp_path / "widget",
+        workflow(
+            """\
+            on: push
+            concurrency: ${{ github.workflow_ref }}
+            jobs:
+              show:
+                name: show ${{ github.workflow_ref }}
+                runs-on: ubuntu-latest
+                steps:
+                  - run: |
+                      echo "ref=${{ github.workflow_ref }} sha=${{ github.workflow_sha }}"
+                      echo "env=$GITHUB_WORKFLOW_REF $GITHUB_WORKFLOW_SHA $GITHUB_SHA"
+            """
+        ),
+    )
+    git(repo, "remote", "add", "origin", "https://github.com/acme/widget.git")
+    (repo / "dirty.txt").write_text("uncommitted\n")  # the run's sha is a snapshot commit
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "success", h.lines
+    ref = "acme/widget/.github/workflows/ci.yml@refs/heads/main"
+    [job] = outcome.jobs
+    assert job.name == f"show {ref}"
+    lines = h.lines["show"]
+    sha = next(line for line in lines if line.startswith("env=")).rsplit(" ", 1)[1]
+    assert sha != git(repo, "rev-parse", "HEAD").strip() and len(sha) == 40
+    assert f"ref={ref} sha={sha}" in lines
+    assert f"env={ref} {sha} {sha}" in lines

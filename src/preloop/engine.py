@@ -100,7 +100,11 @@ from preloop.workflow.event_inputs import (
     local_event_payload,
 )
 from preloop.workflow.expressions import coerce_string
-from preloop.workflow.github_context import default_branch_ref, event_github_context
+from preloop.workflow.github_context import (
+    default_branch_ref,
+    event_github_context,
+    workflow_github_context,
+)
 from preloop.workflow.loader import EVENTS
 from preloop.workflow.selection import (
     foreign_platform,
@@ -539,7 +543,9 @@ class Engine:
         reasons: list[str] = []
         all_jobs: set[str] = set()
         for (wf, reason), inputs in zip(chosen, checked, strict=True):
-            planned = plan(wf, event, inputs=inputs, github=github)
+            planned = plan(
+                wf, event, inputs=inputs, github=workflow_github_context(github, root, wf.path)
+            )
             all_jobs.update(known_jobs(planned))
             if names:
                 narrowed = select_jobs(planned, names)
@@ -672,12 +678,13 @@ class Engine:
                     repo_key=snap.cache_key,
                     bundles=self.published.chain,
                 )
-            repository = str(selection.github.get("repository") or "")
             for planned in selection.plans:
                 if self._interrupted:
                     break
                 gh = {
-                    **selection.github,
+                    **workflow_github_context(
+                        selection.github, root, planned.workflow, location.checked_out
+                    ),
                     "sha": location.checked_out,
                     SNAPSHOT_CONTEXT_KEY: location.to_dict(),
                     SERVICES_CONTEXT_KEY: services_scope(str(root), ref, default_ref, base_ref),
@@ -690,9 +697,6 @@ class Engine:
                     },
                     "event_name": req.event,
                     "workflow": planned.github_workflow or planned.name,
-                    # The caller's file, also in its reusable workflows' jobs.
-                    "workflow_ref": f"{repository}/{planned.workflow}@{ref}",
-                    "workflow_sha": location.checked_out,
                 }
                 submit = functools.partial(store.submit_run, planned, github=gh)
                 run_id = await anyio.to_thread.run_sync(submit)

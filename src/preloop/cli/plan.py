@@ -23,7 +23,11 @@ from preloop.workflow.event_inputs import (
     local_event_payload,
     parse_pairs,
 )
-from preloop.workflow.github_context import default_branch_ref, event_github_context
+from preloop.workflow.github_context import (
+    default_branch_ref,
+    event_github_context,
+    workflow_github_context,
+)
 from preloop.workflow.loader import EVENTS
 from preloop.workflow.triggers import Trigger, check_event_name, evaluate_trigger
 from preloop.workflow.yamltree import Diagnostic
@@ -151,7 +155,8 @@ def plan_command(
         # of that one workflow would); one workflow: every input is checked.
         mine = given if len(paths) == 1 else {k: v for k, v in given.items() if k in declared}
         typed = check_inputs(wf, event, mine) if event in wf.on else dict(given)
-        plans.append((plan(wf, event, inputs=typed, github=github), trig.reason))
+        wf_github = workflow_github_context(github, root, wf.path)
+        plans.append((plan(wf, event, inputs=typed, github=wf_github), trig.reason))
     invalid = WorkflowError(problems) if problems else None
     if invalid is not None and not plans:
         raise invalid

@@ -16,13 +16,19 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from preloop.workflow.changes import LocalEvent
 
-__all__ = ["default_branch_ref", "event_github_context", "local_github_context"]
+__all__ = [
+    "default_branch_ref",
+    "event_github_context",
+    "local_github_context",
+    "workflow_github_context",
+]
 
 _REMOTE = re.compile(r"(?:[:/])([^/:]+)/([^/]+?)(?:\.git)?/?$")
 
@@ -97,6 +103,24 @@ def event_github_context(root: Path, event: str, local: LocalEvent) -> dict[str,
             ref_type="tag" if is_tag else "branch",
         )
     return gh
+
+
+def workflow_github_context(
+    github: Mapping[str, Any], root: Path, path: str | Path, sha: str | None = None
+) -> dict[str, Any]:
+    """`github` for a run of the workflow file `path` (under `root`), with
+    what GitHub says of that file: `workflow_ref`, `owner/repo/<path>@<ref>`
+    (a concurrency group or an attestation reads it), and `workflow_sha`,
+    the commit the file was read from (`sha`, default `github.sha`)."""
+    try:
+        rel = Path(path).absolute().relative_to(root.absolute()).as_posix()
+    except ValueError:
+        rel = Path(path).as_posix()
+    return {
+        **github,
+        "workflow_ref": f"{github.get('repository', '')}/{rel}@{github.get('ref', '')}",
+        "workflow_sha": sha if sha is not None else str(github.get("sha") or ""),
+    }
 
 
 def default_branch_ref(root: Path) -> str:

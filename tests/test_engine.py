@@ -700,3 +700,40 @@ def test_workflow_ref_and_sha_name_the_running_workflow_file(
     assert sha != git(repo, "rev-parse", "HEAD").strip() and len(sha) == 40
     assert f"ref={ref} sha={sha}" in lines
     assert f"env={ref} {sha} {sha}" in lines
+
+
+def test_a_job_without_a_matrix_has_githubs_default_strategy(
+    tmp_path: Path, store_url: str
+) -> None:
+    # `strategy` was {} for a job without a matrix; GitHub gives every such
+    # job fail-fast true, job-index 0, job-total 1, max-parallel 1 (a shard
+    # count `${{ strategy.job-total }}` is 1, not '').
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              one:
+                name: shard ${{ strategy.job-index }} of ${{ strategy.job-total }}
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo 'strategy ${{ toJSON(strategy) }}' | tr -d ' \\n'
+              legs:
+                needs: one
+                strategy:
+                  matrix:
+                    n: [a, b]
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo "leg ${{ strategy.job-index }} of ${{ strategy.job-total }}"
+            """
+        ),
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "success", h.lines
+    assert {j.id: j.name for j in outcome.jobs}["one"] == "shard 0 of 1"
+    expected = 'strategy{"fail-fast":true,"job-index":0,"job-total":1,"max-parallel":1}'
+    assert expected in h.lines["one"], h.lines["one"]
+    legs = sorted(line for k, v in h.lines.items() if k.startswith("legs") for line in v)
+    assert [line for line in legs if line.startswith("leg ")] == ["leg 0 of 2", "leg 1 of 2"]

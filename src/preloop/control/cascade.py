@@ -36,7 +36,13 @@ from preloop.control.rows import (
     _unit_result,
 )
 from preloop.control.schema import QUEUE_MAX, if_true_when_clean
-from preloop.workflow.plan import TRUE_WHEN_CLEAN, Cohort, ConcurrencySpec, PlannedJob
+from preloop.workflow.plan import (
+    TRUE_WHEN_CLEAN,
+    Cohort,
+    ConcurrencySpec,
+    PlannedJob,
+    strategy_context,
+)
 from preloop.workflow.planner import PlanError, expand_deferred
 
 if TYPE_CHECKING:
@@ -118,7 +124,7 @@ class _Cascade:
             self.tx, int(job["run_id"]), json.loads(job["needs"]), job["caller"]
         )
         ctx["matrix"] = _loads(job["matrix"]) or {}
-        ctx["strategy"] = _loads(job["strategy"]) or {}
+        ctx["strategy"] = strategy_context(_loads(job["strategy"]))
         if (inputs := scoped_inputs(self.tx, job)) is not None:
             ctx["inputs"] = inputs  # inside a reusable workflow: the callee's
         return ctx

@@ -23,6 +23,7 @@ from typing import Any
 
 from preloop.control.db import Row, Tx
 from preloop.workflow import expressions as ex
+from preloop.workflow.plan import strategy_context
 from preloop.workflow.planner import caller_inputs
 from preloop.workflow.templates import mapping_items
 
@@ -82,7 +83,7 @@ def start_caller(tx: Tx, caller: Row, contexts: dict[str, Any]) -> None:
             **base,
             "inputs": inputs,
             "matrix": json.loads(row["matrix"]) if row["matrix"] else {},
-            "strategy": json.loads(row["strategy"]) if row["strategy"] else {},
+            "strategy": strategy_context(json.loads(row["strategy"]) if row["strategy"] else None),
         }
         name = _name(row["name"], ctx)
         if name is not None:

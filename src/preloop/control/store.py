@@ -136,7 +136,7 @@ from preloop.control.types import (
 )
 from preloop.control.wakeups import JOBS
 from preloop.errors import PreloopError
-from preloop.workflow.plan import ConcurrencySpec, Plan
+from preloop.workflow.plan import ConcurrencySpec, Plan, strategy_context
 
 __all__ = [
     "TERMINAL",
@@ -471,7 +471,7 @@ class Store:
             ctx: dict[str, Any] = dict(json.loads(run["context"]))
             ctx["needs"] = _needs_view(tx, run_id, json.loads(job["needs"]), job["caller"])
             ctx["matrix"] = _loads(job["matrix"]) or {}
-            ctx["strategy"] = _loads(job["strategy"]) or {}
+            ctx["strategy"] = strategy_context(_loads(job["strategy"]))
             if (inputs := scoped_inputs(tx, job)) is not None:
                 ctx["inputs"] = inputs  # inside a reusable workflow: the callee's
             return ctx

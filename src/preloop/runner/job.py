@@ -67,6 +67,7 @@ from preloop.runner.watchdog import kill_tracked_ids
 from preloop.services.toolcache import setup_action_hint, uv_base_bin
 from preloop.workflow import expressions as ex
 from preloop.workflow.hashfiles import hash_files
+from preloop.workflow.plan import strategy_context
 from preloop.workflow.templates import mapping_items
 
 __all__ = [
@@ -330,7 +331,7 @@ class _Execution:
             "inputs": contexts.get("inputs") or {},
             "needs": contexts.get("needs") or {},
             "matrix": contexts.get("matrix") or {},
-            "strategy": contexts.get("strategy") or {},
+            "strategy": strategy_context(contexts.get("strategy")),
             "vars": contexts.get("vars") or {},
             "secrets": {**dict(secrets), "GITHUB_TOKEN": ""},
             "runner": self.runner_ctx,

@@ -91,6 +91,7 @@ __all__ = [
     "Plan",
     "PlannedJob",
     "canonical_if",
+    "strategy_context",
 ]
 
 PLAN_FORMAT_VERSION = 1
@@ -103,6 +104,16 @@ JobKind = Literal["job", "caller", "deferred"]
 #: `ready`, the PostgreSQL batch's unit end), instead of evaluating it job by
 #: job. The planner stores them in this spelling (`canonical_if`).
 TRUE_WHEN_CLEAN = ("success()", "always()", "!cancelled()", "!failure()")
+
+
+def strategy_context(leg: dict[str, Any] | None) -> dict[str, Any]:
+    """A job's `strategy` context: its leg's (`PlannedJob.strategy`), else,
+    for a job without a matrix, what GitHub gives every such job: fail-fast
+    true, job-index 0, job-total 1, max-parallel 1 (not an empty mapping:
+    `strategy.job-total` is 1, `strategy.job-index` 0)."""
+    if leg:
+        return leg
+    return {"fail-fast": True, "job-index": 0, "job-total": 1, "max-parallel": 1}
 
 
 def canonical_if(expr: str | None) -> str | None:

@@ -50,7 +50,14 @@ from preloop.workflow.model import (
     thaw,
     to_data,
 )
-from preloop.workflow.plan import Cohort, ConcurrencySpec, Plan, PlannedJob, canonical_if
+from preloop.workflow.plan import (
+    Cohort,
+    ConcurrencySpec,
+    Plan,
+    PlannedJob,
+    canonical_if,
+    strategy_context,
+)
 from preloop.workflow.templates import evaluate_data, mapping_items, overlay, template_contexts
 
 __all__ = [
@@ -347,7 +354,7 @@ class _Planner:
             available = available | {"matrix", "strategy"}
         else:
             ctx["matrix"] = {}
-            ctx["strategy"] = {}
+            ctx["strategy"] = strategy_context(None)
             available = available | {"matrix", "strategy"}
 
         def known(v: Any) -> bool:

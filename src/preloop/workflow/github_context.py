@@ -13,6 +13,7 @@ Anything git cannot tell is left out (and reads as null in expressions).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -112,10 +113,10 @@ def workflow_github_context(
     what GitHub says of that file: `workflow_ref`, `owner/repo/<path>@<ref>`
     (a concurrency group or an attestation reads it), and `workflow_sha`,
     the commit the file was read from (`sha`, default `github.sha`)."""
-    try:
-        rel = Path(path).absolute().relative_to(root.absolute()).as_posix()
-    except ValueError:
-        rel = Path(path).as_posix()
+    rel = Path(path).as_posix()  # a workflow's path is relative to the repository
+    if Path(path).is_absolute():
+        with contextlib.suppress(ValueError):
+            rel = Path(path).relative_to(root.absolute()).as_posix()
     return {
         **github,
         "workflow_ref": f"{github.get('repository', '')}/{rel}@{github.get('ref', '')}",

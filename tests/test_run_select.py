@@ -17,6 +17,8 @@ from tests.run_support import Harness, git, make_repo
 from preloop.engine import Engine, NothingTriggered, RunRequest, RunsOutcome
 from preloop.errors import UsageError
 from preloop.workflow import WorkflowError
+from preloop.workflow.event_inputs import split_pairs
+from preloop.workflow.selection import matrix_filter
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
 
@@ -249,6 +251,22 @@ def test_matrix_legs_and_repeated_jobs(tmp_path: Path, store_url: str) -> None:
         run_all(repo, store_url, tmp_path / "state", jobs=("nope",))
 
 
+def test_a_matrix_key_given_twice_takes_either_value(tmp_path: Path, store_url: str) -> None:
+    """`--matrix python=3.11 --matrix python=3.13` runs both legs (it kept
+    only the last one, silently); no leg with any of them is an error."""
+    repo = make_repo(tmp_path / "repo", {WF + "m.yml": MATRIX})
+    wanted = matrix_filter(
+        split_pairs("--matrix", ["python=3.11", "os=bsd", "python=3.13", "python=3.11"])
+    )
+    assert wanted == {"python": ("3.11", "3.13"), "os": ("bsd",)}
+    out, _h = run_all(repo, store_url, tmp_path / "state", jobs=("test",), matrix=wanted)
+    assert out.ok
+    names = sorted(j.name for j in out.runs[0].jobs)
+    assert names == ["build", "test (3.11, bsd)", "test (3.13, bsd)"]
+    with pytest.raises(UsageError, match=r"no leg of job 'test' has python=2.7 or 3.1 \("):
+        run_all(repo, store_url, tmp_path / "state", matrix={"python": ("2.7", "3.1")})
+
+
 COMPUTED = """\
 on: push
 jobs:
@@ -283,6 +301,16 @@ def test_matrix_selection_applies_to_a_matrix_computed_at_run_time(
         assert leg.reason == f"not selected by --matrix os=linux (this leg has os={other})"
     assert "ran linux" in h.all_text()
     assert "ran bsd" not in h.all_text() and "ran hurd" not in h.all_text()
+    out, h = run_all(repo, store_url, tmp_path / "state2", matrix={"os": ("linux", "hurd")})
+    jobs = {j.name: j for j in out.runs[0].jobs}
+    assert [jobs[f"test ({os}, 3)"].conclusion for os in ("linux", "hurd", "bsd")] == [
+        "success",
+        "success",
+        "skipped",
+    ]
+    assert jobs["test (bsd, 3)"].reason == (
+        "not selected by --matrix os=linux --matrix os=hurd (this leg has os=bsd)"
+    )
 
 
 PLATFORMS = """\

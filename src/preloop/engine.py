@@ -154,7 +154,8 @@ class RunRequest:
     runner_name: str = "local"
     action_overrides: tuple[Override, ...] = ()  # `--action owner/repo=DIR|skip`
     jobs: tuple[str, ...] = ()  # with `job`: run only these (and what they need)
-    matrix: dict[str, str] = field(default_factory=dict)  # run only the legs with these values
+    # run only the legs with one of these values for each key (`matrix_filter`)
+    matrix: dict[str, tuple[str, ...]] = field(default_factory=dict)
     inputs: dict[str, str] = field(default_factory=dict)  # --input NAME=VALUE
     event_path: Path | None = None  # a JSON payload for github.event
     ref: str | None = None  # the ref the event is about (default: the current branch)

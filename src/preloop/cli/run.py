@@ -34,7 +34,8 @@ from preloop.engine import (
 from preloop.errors import UsageError
 from preloop.runner import JobResult
 from preloop.workflow import Plan
-from preloop.workflow.event_inputs import parse_pairs
+from preloop.workflow.event_inputs import parse_pairs, split_pairs
+from preloop.workflow.selection import matrix_filter
 
 __all__ = [
     "annotation_lines",
@@ -432,7 +433,7 @@ async def _run(engine: Engine, progress: _Progress) -> RunsOutcome | None:
     "--matrix",
     multiple=True,
     metavar="KEY=VALUE",
-    help="Run only the matrix legs with this value; repeatable.",
+    help="Run only the matrix legs with this value; repeatable (a key given twice: either value).",
 )
 @click.option(
     "--platform",
@@ -496,7 +497,7 @@ def run_command(
         action_overrides=parse_overrides(actions, "--action"),
         inputs=parse_pairs("--input", inputs),
         event_path=event_path,
-        matrix=parse_pairs("--matrix", matrix),
+        matrix=matrix_filter(split_pairs("--matrix", matrix)),
         platforms=platform_map,
         ref=ref,
         base=base,

@@ -38,6 +38,7 @@ __all__ = [
     "load_payload",
     "local_event_payload",
     "parse_pairs",
+    "split_pairs",
 ]
 
 _ZERO = "0" * 40
@@ -53,15 +54,20 @@ def default_action(event: str) -> str | None:
     return _DEFAULT_ACTIONS.get(event)
 
 
-def parse_pairs(option: str, pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
-    """`NAME=VALUE` items of a repeatable option."""
-    out: dict[str, str] = {}
+def split_pairs(option: str, pairs: tuple[str, ...] | list[str]) -> list[tuple[str, str]]:
+    """`NAME=VALUE` items of a repeatable option, in order, names repeated."""
+    out: list[tuple[str, str]] = []
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name.strip():
             raise UsageError(f"{option} {pair!r}: expected NAME=VALUE")
-        out[name.strip()] = value
+        out.append((name.strip(), value))
     return out
+
+
+def parse_pairs(option: str, pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """`NAME=VALUE` items of a repeatable option (a name given twice: the last)."""
+    return dict(split_pairs(option, pairs))
 
 
 def _declared(workflow: Workflow, event: str) -> Mapping[str, Mapping[str, Any]] | None:

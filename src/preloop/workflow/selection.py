@@ -3,7 +3,8 @@
 - `select_jobs(plan, names)`: the named jobs (job keys, or `caller/inner`)
   and every job they need; None when the plan has none of them.
 - `select_legs(plan, wanted)`: only the matrix legs whose values match every
-  `KEY=VALUE` given for a key their matrix has (`--matrix`); jobs without
+  key given for a key their matrix has (`--matrix KEY=VALUE`; a key given
+  more than once takes any of its values); jobs without
   those keys are kept whole. A matrix job with the key but no matching leg is
   an error naming the values it has. A matrix known only at run time
   (`fromJSON(needs.x.outputs.y)`) is filtered when its legs are leased:
@@ -30,6 +31,7 @@ __all__ = [
     "foreign_platform",
     "known_jobs",
     "leg_not_selected",
+    "matrix_filter",
     "runs_on_labels",
     "select_jobs",
     "select_legs",
@@ -80,10 +82,30 @@ def known_jobs(p: Plan) -> list[str]:
     return sorted({j.base_id for j in p.jobs if "/" not in j.base_id})
 
 
-def select_legs(p: Plan, wanted: Mapping[str, str]) -> Plan:
+def matrix_filter(pairs: Sequence[tuple[str, str]]) -> dict[str, tuple[str, ...]]:
+    """`--matrix KEY=VALUE` pairs as each key's wanted values, in order: a key
+    given twice (`toxenv=lint`, `toxenv=type`) takes either."""
+    wanted: dict[str, tuple[str, ...]] = {}
+    for key, value in pairs:
+        if value not in wanted.get(key, ()):
+            wanted[key] = (*wanted.get(key, ()), value)
+    return wanted
+
+
+def _wanted(wanted: Mapping[str, Sequence[str] | str]) -> dict[str, tuple[str, ...]]:
+    """Each key's values; a plain string is the one value (never its letters)."""
+    return {k: (v,) if isinstance(v, str) else tuple(v) for k, v in wanted.items()}
+
+
+def _asked(key: str, values: Sequence[str]) -> str:
+    return " ".join(f"--matrix {key}={v}" for v in values)
+
+
+def select_legs(p: Plan, wanted: Mapping[str, Sequence[str] | str]) -> Plan:
     """Keeps the matrix legs matching `wanted` (see the module docstring)."""
     if not wanted:
         return p
+    wanted = _wanted(wanted)
     keep: list[PlannedJob] = []
     offered: dict[str, dict[str, set[str]]] = {}
     kept_by_base: dict[str, int] = {}
@@ -96,7 +118,7 @@ def select_legs(p: Plan, wanted: Mapping[str, str]) -> Plan:
             for k, v in relevant.items():
                 have = _text(matrix[k])
                 values.setdefault(k, set()).add(have)
-                if have != v:
+                if have not in v:
                     ok = False
             if not ok:
                 continue
@@ -105,20 +127,23 @@ def select_legs(p: Plan, wanted: Mapping[str, str]) -> Plan:
     for base, values in offered.items():
         if not kept_by_base.get(base):
             shown = "; ".join(f"{k}: {', '.join(sorted(v))}" for k, v in sorted(values.items()))
-            asked = ", ".join(f"{k}={v}" for k, v in wanted.items() if k in values)
+            asked = ", ".join(f"{k}={' or '.join(v)}" for k, v in wanted.items() if k in values)
             raise UsageError(f"{p.workflow}: no leg of job {base!r} has {asked} ({shown})")
     return _rebuild(p, keep)
 
 
-def leg_not_selected(matrix: Mapping[str, Any] | None, wanted: Mapping[str, str]) -> str | None:
+def leg_not_selected(
+    matrix: Mapping[str, Any] | None, wanted: Mapping[str, Sequence[str] | str]
+) -> str | None:
     """Why a matrix leg with values `matrix` is not run under `--matrix`
     `wanted` (a value differs for a key its matrix has), or None."""
     if not matrix:
         return None
-    differ = [(k, v) for k, v in wanted.items() if k in matrix and _text(matrix[k]) != v]
+    wanted = _wanted(wanted)
+    differ = [(k, v) for k, v in wanted.items() if k in matrix and _text(matrix[k]) not in v]
     if not differ:
         return None
-    asked = " ".join(f"--matrix {k}={v}" for k, v in differ)
+    asked = " ".join(_asked(k, v) for k, v in differ)
     has = ", ".join(f"{k}={_text(matrix[k])}" for k, _ in differ)
     return f"not selected by {asked} (this leg has {has})"
 

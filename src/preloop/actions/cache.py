@@ -50,6 +50,7 @@ from preloop.actions.reference import FULL_SHA, RemoteRef
 from preloop.errors import PreloopError
 from preloop.fs import tree_bytes
 from preloop.process import CommandFailed, CommandTimeout, run_command
+from preloop.snapshot.gitcmd import git_failure
 
 __all__ = [
     "ActionCache",
@@ -89,15 +90,6 @@ class FetchedAction:
 
 def _git_env() -> dict[str, str]:
     return {**os.environ, **_GIT_ENV}
-
-
-def _first_line(exc: CommandFailed | CommandTimeout) -> str:
-    if isinstance(exc, CommandTimeout):
-        return f"no answer within {exc.timeout:g}s"
-    lines = [ln.strip() for ln in exc.result.stderr_text().splitlines() if ln.strip()]
-    # git's own diagnosis, not the advice it prints after it.
-    fatal = [ln for ln in lines if ln.startswith(("fatal:", "error:"))]
-    return (fatal or lines or [str(exc)])[0]
 
 
 def _discard(path: Path, tmp_root: Path) -> threading.Thread:
@@ -345,7 +337,7 @@ class ActionCache:
         try:
             resolved, ambiguous = await self._ls_remote(ref)
         except (CommandFailed, CommandTimeout) as exc:
-            why = f"{self.url(ref)} is unreachable ({_first_line(exc)})"
+            why = f"{self.url(ref)} is unreachable ({git_failure(exc)})"
             if not before or not (self._repo_dir(ref) / before).is_dir():
                 raise self._cant(ref, why) from None
             warn(f"action {ref}: {why}; using {ref.ref} = {before[:12]} as resolved before")
@@ -375,7 +367,7 @@ class ActionCache:
             try:
                 named, _ = await self._ls_remote(ref)
             except (CommandFailed, CommandTimeout) as exc:
-                why = f"{self.url(ref)} is unreachable ({_first_line(exc)})"
+                why = f"{self.url(ref)} is unreachable ({git_failure(exc)})"
                 raise self._cant(ref, why) from None
             if named is None:
                 raise self._no_such_ref(ref) from None
@@ -449,7 +441,7 @@ class ActionCache:
         except CommandFailed as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise self._cant(
-                ref, f"cannot fetch {what!r} from {url} ({_first_line(exc)})"
+                ref, f"cannot fetch {what!r} from {url} ({git_failure(exc)})"
             ) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from preloop import config
 from preloop.process import CommandFailed, CommandTimeout
-from preloop.snapshot.gitcmd import git, git_env
+from preloop.snapshot.gitcmd import git, git_env, git_failure
 
 __all__ = ["CheckoutSource", "checkout_repository", "repository_url"]
 
@@ -42,14 +42,6 @@ def repository_url(repository: str, base: str | None = None) -> str:
     `$PRELOOP_ACTIONS_URL`), as actions are."""
     root = (base or config.get("PRELOOP_ACTIONS_URL")).rstrip("/")
     return f"{root}/{repository.strip().removesuffix('.git')}"
-
-
-def _first_line(exc: CommandFailed | CommandTimeout) -> str:
-    if isinstance(exc, CommandTimeout):
-        return f"no answer within {exc.timeout:g} s"
-    lines = [ln.strip() for ln in exc.result.stderr_text().splitlines() if ln.strip()]
-    fatal = [ln for ln in lines if ln.startswith(("fatal:", "error:"))]
-    return (fatal or lines or [str(exc)])[0]
 
 
 async def _resolve(url: str, ref: str, timeout: float) -> str:
@@ -128,6 +120,6 @@ async def checkout_repository(
         commit = (await git(["rev-parse", "HEAD"], env=env)).stdout_text().strip()
     except (CommandFailed, CommandTimeout, _NotFound) as exc:
         _empty(dest)
-        reason = str(exc) if isinstance(exc, _NotFound) else _first_line(exc)
+        reason = str(exc) if isinstance(exc, _NotFound) else git_failure(exc)
         raise ValueError(f"{url}: {reason}") from None
     return CheckoutSource(url, full, commit)

@@ -12,9 +12,15 @@ import shlex
 from collections.abc import Mapping, Sequence
 
 from preloop.errors import PreloopError
-from preloop.process import CommandFailed, CommandResult, run_command, run_command_with_stdin
+from preloop.process import (
+    CommandFailed,
+    CommandResult,
+    CommandTimeout,
+    run_command,
+    run_command_with_stdin,
+)
 
-__all__ = ["git", "git_env", "redact"]
+__all__ = ["git", "git_env", "git_failure", "redact"]
 
 # Variables that would point git at another repository, index or object store
 # than the one each call names explicitly.
@@ -130,3 +136,13 @@ async def git(
         )
         raise CommandFailed(display, shown, os.fspath(cwd) if cwd is not None else None)
     return result
+
+
+def git_failure(exc: CommandFailed | CommandTimeout) -> str:
+    """A failed or timed-out git call in one line: git's own diagnosis
+    (`fatal:`/`error:`), not the advice it prints after it."""
+    if isinstance(exc, CommandTimeout):
+        return f"no answer within {exc.timeout:g}s"
+    lines = [ln.strip() for ln in exc.result.stderr_text().splitlines() if ln.strip()]
+    fatal = [ln for ln in lines if ln.startswith(("fatal:", "error:"))]
+    return (fatal or lines or [str(exc)])[0]

@@ -650,3 +650,23 @@ def test_cli_marks_every_problem_and_shows_a_called_workflows_once(tmp_path: Pat
         assert sum("two.yml" in line for line in errors) == 2, (args, errors)
         assert sum("callee.yml:6:" in line for line in errors) == 1, (args, errors)
         assert len(errors) == 3, (args, errors)
+
+
+def test_cli_shows_bracketed_matrix_values_as_they_are(tmp_path: Path) -> None:
+    """A leg value like `[trio]` (agronholm/anyio's `extras`) is text, not rich
+    markup: the summary table, the live lines and `preloop list` show it."""
+    wf = (
+        "on: push\njobs:\n  test:\n    runs-on: ubuntu-latest\n"
+        "    strategy:\n      matrix:\n        extras: ['[trio]']\n"
+        "    steps:\n      - run: echo 'extras=${{ matrix.extras }}'\n"
+    )
+    repo = make_repo(tmp_path / "repo", {WF + "t.yml": wf})
+    state = tmp_path / "state"
+    out = cli(repo, state, "run")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert "[test ([trio])] extras=[trio]" in lines
+    assert any("│ test ([trio]) │ ✓ success │" in line for line in lines), out.stdout
+    listed = cli(repo, state, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "test ([trio])" in listed.stdout

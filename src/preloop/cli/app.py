@@ -36,9 +36,14 @@ def plural(count: int, word: str, many: str | None = None) -> str:
 
 def make_console(**kw: Any) -> Console:
     """A console for command output: on a terminal, rich's own; anywhere else
-    (a pipe, a file, CI logs) lines are never wrapped or truncated."""
+    (a pipe, a file, CI logs) lines are never wrapped or truncated.
+
+    Rich markup is off: what it prints is the user's text (a leg named
+    `test (3.13, [trio])`, a path, a step's output), where `[trio]` would be
+    read as a style tag and dropped from every table cell."""
     from rich.console import Console  # here: `preloop du` and `--version` never load rich
 
+    kw.setdefault("markup", False)
     probe = Console(**kw)
     if probe.is_terminal:
         return probe

@@ -275,6 +275,59 @@ def test_githubs_default_variables_are_set_even_when_empty(tmp_path: Path) -> No
     assert "GITHUB_BASE_REF=" in lines and "GITHUB_HEAD_REF=" in lines, lines
 
 
+def test_github_event_path_is_in_the_context(tmp_path: Path) -> None:
+    """`${{ github.event_path }}` is GITHUB_EVENT_PATH, the event's file."""
+    script = (
+        'test "${{ github.event_path }}" = "$GITHUB_EVENT_PATH" && echo same=true\n'
+        "cat '${{ github.event_path }}'; echo"
+    )
+    result, lines = run_job(
+        tmp_path,
+        [{"run": script}],
+        contexts={"github": {"event_name": "push", "event": {"ref": "refs/heads/main"}}},
+    )
+    assert result.conclusion == "success", lines
+    assert "same=true" in lines and '{"ref": "refs/heads/main"}' in lines, lines
+
+
+def test_step_command_files_are_in_the_github_context(tmp_path: Path) -> None:
+    """`${{ github.output }}`, `github.env`, `github.path`, `github.state` and
+    `github.step_summary` are the step's own command files, as GitHub's
+    runner has them (a composite's steps each get theirs)."""
+    composite = """\
+        outputs:
+          y: {value: "${{ steps.i.outputs.y }}"}
+        runs:
+          using: composite
+          steps:
+            - id: i
+              run: echo "y=2" >> "${{ github.output }}"
+              shell: bash
+        """
+    write = (
+        'echo "x=1" >> "${{ github.output }}"\n'
+        'echo "FROM_CTX=yes" >> "${{ github.env }}"\n'
+        'echo "$PWD/bin" >> "${{ github.path }}"\n'
+        'echo "# from the context" >> "${{ github.step_summary }}"\n'
+        'test "${{ github.state }}" = "$GITHUB_STATE" && echo state-file\n'
+        "mkdir -p bin && printf '#!/bin/sh\\necho tool\\n' > bin/tool && chmod +x bin/tool\n"
+    )
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"id": "one", "run": write},
+            {"run": 'echo "x=${{ steps.one.outputs.x }} env=$FROM_CTX"; tool'},
+            {"id": "c", "uses": "./act"},
+            {"run": 'echo "y=${{ steps.c.outputs.y }}"'},
+        ],
+        files={"act/action.yml": composite},
+    )
+    assert result.conclusion == "success", lines
+    assert "state-file" in lines and "x=1 env=yes" in lines and "tool" in lines, lines
+    assert "y=2" in lines, lines
+    assert result.summary.strip() == "# from the context"
+
+
 def test_githubs_variables_are_in_the_github_context_and_env_cannot_override_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -347,6 +347,7 @@ class ActionSteps:
         """One pre or post step: its own `if`, log line and step result."""
         run = self.run
         run.enter_step(step, scope)  # GitHub's pre and post steps are the step's action
+        run.prepare_step_files()
         env = dict(env if env is not None else {**run.job_env, **run.env_from_files})
         ctx = {**run.contexts(scope, env), "env": env}
         status = "cancelled" if run.control.cancelled else run.status

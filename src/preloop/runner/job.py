@@ -227,6 +227,17 @@ def kill_tracked(tracking_id: str, *, prefix: bool = False) -> int:
     return kill_tracked_ids([tracking_id], prefix=prefix)
 
 
+#: The github context's name for each step command file (GitHubContext's
+#: `env`, `output`, ... from which the runner's GITHUB_ENV, ... come).
+_FILE_CONTEXT = {
+    "env": "GITHUB_ENV",
+    "output": "GITHUB_OUTPUT",
+    "path": "GITHUB_PATH",
+    "state": "GITHUB_STATE",
+    "step_summary": "GITHUB_STEP_SUMMARY",
+}
+
+
 def _str(v: Any) -> str:
     return ex.coerce_string(v)
 
@@ -270,6 +281,8 @@ class _Execution:
         self.step_results: list[StepResult] = []
         self.path_prepend: list[str] = []
         self.env_from_files: dict[str, str] = {}
+        # The command files of the step about to run (see prepare_step_files).
+        self.pending_files: dict[str, Path] | None = None
         self.status = "success"  # the job status the next step's `if` sees
         # GitHub's runner marks every step process with RUNNER_TRACKING_ID and
         # kills what still carries it when the job ends (orphans, daemons
@@ -486,6 +499,7 @@ class _Execution:
     async def run_step(self, step: Mapping[str, Any], index: int, scope: _Scope) -> None:
         step_id = str(step.get("id") or f"__{scope.prefix}{index}")
         self.enter_step(step, scope)
+        self.prepare_step_files()
         pre_env = {**self.job_env, **self.env_from_files}
         ctx = self.contexts(scope, pre_env)
         name = self.step_name(step, ctx)
@@ -614,6 +628,17 @@ class _Execution:
         first = script.lstrip(" \t\r\n").splitlines()
         return f"Run {first[0]}" if first else "Run"
 
+    def prepare_step_files(self) -> None:
+        """Create the command files of the step about to run, before its
+        `with:`, `env:` and script are evaluated: GitHub's runner has them in
+        the github context too (`${{ github.output }}`, `github.env`,
+        `github.path`, `github.state`, `github.step_summary`), the paths its
+        GITHUB_OUTPUT etc. name. The step's process takes them (run_process)."""
+        files = self.step_files()
+        self.pending_files = files
+        for key, path in _FILE_CONTEXT.items():
+            self.github[key] = str(files[path])
+
     def step_files(self) -> dict[str, Path]:
         tag = uuid.uuid4().hex[:12]
         files = {
@@ -687,7 +712,7 @@ class _Execution:
     ) -> tuple[dict[str, str], str]:
         """Runs one step process with the step protocols; `state` (a JavaScript
         action's) receives what it wrote to GITHUB_STATE."""
-        files = self.step_files()
+        files, self.pending_files = self.pending_files or self.step_files(), None
         penv = self.process_env(env, files, scope)
         penv["RUNNER_TRACKING_ID"] = self.tracking_id
         if self.step_debug:

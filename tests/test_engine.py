@@ -737,3 +737,31 @@ def test_a_job_without_a_matrix_has_githubs_default_strategy(
     assert expected in h.lines["one"], h.lines["one"]
     legs = sorted(line for k, v in h.lines.items() if k.startswith("legs") for line in v)
     assert [line for line in legs if line.startswith("leg ")] == ["leg 0 of 2", "leg 1 of 2"]
+
+
+def test_a_job_without_a_matrix_has_a_null_matrix_context(tmp_path: Path, store_url: str) -> None:
+    """`toJSON(matrix)` is `null` in a job without a matrix (in its name and
+    its steps), as on GitHub; a matrix leg's is its values."""
+    repo = make_repo(
+        tmp_path / "widget",
+        workflow(
+            """\
+            on: push
+            jobs:
+              plain:
+                name: plain ${{ toJSON(matrix) }}
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo 'plain=${{ toJSON(matrix) }}'
+              legs:
+                strategy: {matrix: {x: [1]}}
+                runs-on: ubuntu-latest
+                steps:
+                  - run: echo 'legs=${{ toJSON(matrix) }}' | tr -d ' \\n'; echo
+            """
+        ),
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "success"
+    assert sorted(j.name for j in outcome.jobs) == ["legs (1)", "plain null"]
+    assert "plain=null" in h.all_text() and 'legs={"x":1}' in h.all_text()

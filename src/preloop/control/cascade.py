@@ -123,7 +123,7 @@ class _Cascade:
         ctx["needs"] = _needs_view(
             self.tx, int(job["run_id"]), json.loads(job["needs"]), job["caller"]
         )
-        ctx["matrix"] = _loads(job["matrix"]) or {}
+        ctx["matrix"] = _loads(job["matrix"])  # null without a matrix, as on GitHub
         ctx["strategy"] = strategy_context(_loads(job["strategy"]))
         if (inputs := scoped_inputs(self.tx, job)) is not None:
             ctx["inputs"] = inputs  # inside a reusable workflow: the callee's

@@ -82,7 +82,7 @@ def start_caller(tx: Tx, caller: Row, contexts: dict[str, Any]) -> None:
         ctx = {
             **base,
             "inputs": inputs,
-            "matrix": json.loads(row["matrix"]) if row["matrix"] else {},
+            "matrix": json.loads(row["matrix"]) if row["matrix"] else None,
             "strategy": strategy_context(json.loads(row["strategy"]) if row["strategy"] else None),
         }
         name = _name(row["name"], ctx)

@@ -470,7 +470,7 @@ class Store:
                 raise UnknownRun(f"run {run_id} has no job {job_id!r}")
             ctx: dict[str, Any] = dict(json.loads(run["context"]))
             ctx["needs"] = _needs_view(tx, run_id, json.loads(job["needs"]), job["caller"])
-            ctx["matrix"] = _loads(job["matrix"]) or {}
+            ctx["matrix"] = _loads(job["matrix"])  # null without a matrix, as on GitHub
             ctx["strategy"] = strategy_context(_loads(job["strategy"]))
             if (inputs := scoped_inputs(tx, job)) is not None:
                 ctx["inputs"] = inputs  # inside a reusable workflow: the callee's

@@ -343,7 +343,8 @@ class _Execution:
             "github": github,
             "inputs": contexts.get("inputs") or {},
             "needs": contexts.get("needs") or {},
-            "matrix": contexts.get("matrix") or {},
+            # null in a job without a matrix, as on GitHub (`toJSON(matrix)`)
+            "matrix": contexts.get("matrix"),
             "strategy": strategy_context(contexts.get("strategy")),
             "vars": contexts.get("vars") or {},
             "secrets": {**dict(secrets), "GITHUB_TOKEN": ""},

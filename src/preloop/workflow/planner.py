@@ -353,7 +353,7 @@ class _Planner:
             ctx["strategy"] = strat
             available = available | {"matrix", "strategy"}
         else:
-            ctx["matrix"] = {}
+            ctx["matrix"] = None  # as on GitHub: a job without a matrix has none
             ctx["strategy"] = strategy_context(None)
             available = available | {"matrix", "strategy"}
 

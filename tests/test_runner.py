@@ -482,6 +482,8 @@ def test_checkout_path_gets_its_own_checkout_and_notes_what_is_not_honoured(
             "of repository 'other/lib' failed: file:///nowhere/other/lib: fatal: ",
         ),
         ({"repository": "other/lib", "path": "lib", "fetch-depth": "x"}, "fetch-depth 'x' is"),
+        ({"repository": "../../x"}, "'../../x' is not an owner/name repository"),
+        ({"repository": "o/--upload-pack=touch x"}, "is not an owner/name repository"),
         ({"path": "../outside"}, "path '../outside' is not under the workspace"),
         ({"path": "taken"}, "path 'taken' exists and is not an empty directory"),
         ({"path": "hello.txt"}, "path 'hello.txt' exists and is not an empty directory"),
@@ -504,6 +506,7 @@ def test_checkout_inputs_it_cannot_honour_fail_the_step_in_one_line(
     failures = [line for line in lines if line.startswith("✖ Checkout: actions/checkout")]
     assert len(failures) == 1 and error in failures[0], lines
     assert not (tmp_path / "outside").exists() and not (tmp_path / "ws" / "lib").exists()
+    assert (tmp_path / "ws" / "hello.txt").exists()  # a refused checkout changes nothing
 
 
 def _mirror_of_another_repository(mirrors: Path) -> dict[str, str]:

@@ -35,7 +35,7 @@ import anyio
 
 from preloop.errors import PreloopError
 from preloop.process import CommandFailed, CommandTimeout, run_command
-from preloop.runner.remote_checkout import checkout_repository
+from preloop.runner.remote_checkout import checkout_repository, repository_url
 from preloop.runner.workspaces import remove_tree, stale_workspaces
 from preloop.snapshot.bundles import SnapshotBundles
 from preloop.snapshot.gitcmd import git, git_env
@@ -329,6 +329,10 @@ async def _checkout_other(
     GitHub's checkout replaces a workspace holding another repository."""
     path = inputs.get("path", "").strip()
     dest = _destination(path, workspace)
+    try:
+        repository_url(repository)  # a name that is no repository changes nothing
+    except ValueError as exc:
+        raise CheckoutError(f"actions/checkout: {exc}; give `repository:` as owner/name") from None
     if dest == workspace.resolve():
         for entry in list(dest.iterdir()):
             if not remove_tree(entry):

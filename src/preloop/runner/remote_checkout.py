@@ -25,6 +25,8 @@ from preloop.snapshot.gitcmd import git, git_env, git_failure
 __all__ = ["CheckoutSource", "checkout_repository", "repository_url"]
 
 _SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+# GitHub's owner and repository names: no `..`, no URL or option syntax.
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +41,13 @@ class CheckoutSource:
 
 def repository_url(repository: str, base: str | None = None) -> str:
     """Where `owner/name` is fetched from: under `base` (default
-    `$PRELOOP_ACTIONS_URL`), as actions are."""
+    `$PRELOOP_ACTIONS_URL`), as actions are. Raises ValueError for anything
+    but `owner/name`."""
+    parts = repository.strip().removesuffix(".git").split("/")
+    if len(parts) != 2 or not all(_NAME.fullmatch(p) and p.strip(".") for p in parts):
+        raise ValueError(f"{repository!r} is not an owner/name repository")
     root = (base or config.get("PRELOOP_ACTIONS_URL")).rstrip("/")
-    return f"{root}/{repository.strip().removesuffix('.git')}"
+    return f"{root}/{parts[0]}/{parts[1]}"
 
 
 async def _resolve(url: str, ref: str, timeout: float) -> str:
@@ -87,7 +93,7 @@ async def checkout_repository(
     """Checks `repository` (`owner/name`) out at `ref` into `dest`, an empty
     or absent directory. Raises ValueError with a one-line reason (git's own
     diagnosis, or the ref that is not there); `dest` is then left empty."""
-    url = repository_url(repository)
+    url = repository_url(repository)  # before anything is written
     limit = float(timeout or config.get("PRELOOP_ACTIONS_FETCH_TIMEOUT"))
     env = git_env({"GIT_DIR": str(dest / ".git"), "GIT_WORK_TREE": str(dest)})
     depth = [f"--depth={fetch_depth}"] if fetch_depth > 0 else []

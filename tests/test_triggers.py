@@ -212,6 +212,19 @@ def test_pull_request_filters_and_types(tmp_path: Path) -> None:
     assert not trig.triggered and "activity 'labeled'" in trig.reason
 
 
+def test_a_filter_with_no_value_is_there_with_no_patterns(tmp_path: Path) -> None:
+    """PyCQA/flake8's main.yml: `push: {branches: [main], tags: }` runs on a
+    push to main and on every tag push (GitHub's service runs it; only its
+    editor parser refuses the null), never on another branch."""
+    main_and_tags = wf(tmp_path, "on:\n  push:\n    branches: [main]\n    tags:\n  pull_request:")
+    assert main_and_tags.on["push"] == {"branches": ("main",), "tags": None}  # type: ignore[attr-defined]
+    assert decide(main_and_tags, "push", "refs/heads/main")
+    assert decide(main_and_tags, "push", "refs/tags/6.1.0")
+    assert not decide(main_and_tags, "push", "refs/heads/feature")
+    paths = wf(tmp_path, "on:\n  pull_request:\n    paths:\n    types:")
+    assert decide(paths, "pull_request", "refs/heads/x", ("a.py",))
+
+
 def test_filters_of_an_event_that_takes_none_are_ignored(tmp_path: Path) -> None:
     """helm/helm .github/workflows/release.yml: `create: {tags: [v*]}`. GitHub
     takes the file and runs it on every `create`, a branch's too: `create`

@@ -630,6 +630,11 @@ class _Reader:
         for k, v in value.items:
             if k.value == "inputs" or k.value not in filters:
                 continue
+            if isinstance(v, YScalar) and v.value is None:
+                # `tags:` with no value (flake8's and pre-commit's `push: {branches:
+                # [main], tags: }`): GitHub's service runs the workflow, the key
+                # there with no patterns, so every tag push (`triggers`).
+                continue
             items = v.items if isinstance(v, YSeq) else (v,)
             for item in items:
                 if not (isinstance(item, YScalar) and isinstance(item.value, str)):

@@ -297,6 +297,53 @@ def test_action_option_overrides_a_remote_reusable_workflow(
     assert "got=remote-dev" in h.lines["after"]
 
 
+def test_a_remote_reusable_workflow_skipped_by_an_override_ends_skipped(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--action acme/flows=skip:offline` on a reusable workflow nobody can
+    fetch (it was refused: "cannot be skipped"): its caller ends skipped
+    with the reason, its dependents see `skipped` and empty outputs, and
+    the rest of the run goes on."""
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path}/offline")
+    monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
+    files = workflow(
+        """\
+        on: push
+        jobs:
+          call:
+            uses: acme/flows/.github/workflows/build.yml@v1
+            with:
+              name: dev
+          test:
+            runs-on: ubuntu-latest
+            steps: [{run: echo tested}]
+          after:
+            needs: call
+            if: always()
+            runs-on: ubuntu-latest
+            steps:
+              - run: echo "result=${{ needs.call.result }} got=${{ needs.call.outputs.said }}."
+        """
+    )
+    repo = make_repo(tmp_path / "repo", files)
+    outcome, h = run_engine(
+        repo,
+        store_url,
+        tmp_path / "state",
+        action_overrides=parse_overrides(["acme/flows=skip:offline"], "--action"),
+    )
+    assert outcome.conclusion == "success", h.all_text()
+    assert {j.id: j.conclusion for j in outcome.jobs} == {
+        "call": "skipped",
+        "test": "success",
+        "after": "success",
+    }
+    call = next(j for j in outcome.jobs if j.id == "call")
+    reason = "acme/flows/.github/workflows/build.yml@v1 skipped by an override: offline"
+    assert call.reason == reason
+    assert "result=skipped got=." in h.lines["after"]
+
+
 def test_remote_reusable_workflow_resolves_once_per_run(
     tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -267,7 +267,7 @@ class ActionCache:
     def _cant(self, ref: RemoteRef, what: str) -> ActionFetchError:
         return ActionFetchError(
             f"action {ref}: {what}; check the network or PRELOOP_ACTIONS_URL "
-            f"({self.base_url}), or use --action {ref.slug}=DIR for offline work"
+            f"({self.base_url}), or use --action {ref.slug}=DIR (or =skip) for offline work"
         )
 
     async def _git(self, *args: str, cwd: Path | None = None) -> str:

@@ -41,6 +41,7 @@ __all__ = [
     "is_workflow_path",
     "loading_for_run",
     "planning",
+    "skipped_workflow",
 ]
 
 _log = logging.getLogger(__name__)
@@ -187,6 +188,21 @@ def _run_sync(fn: Callable[[], Awaitable[T]]) -> T:
     return box["value"]  # type: ignore[return-value]
 
 
+def skipped_workflow(uses: str) -> str | None:
+    """The reason a remote reusable workflow is skipped by an override
+    (`--action owner/repo=skip[:why]`, through the active `PlanRun` or the
+    environment), or None when it is fetched."""
+    ref = parse_remote(uses)
+    if ref is None or not is_workflow_path(ref.path):
+        return None
+    run = _RUN.get()
+    extra = run.overrides if run is not None else ()
+    override = Overrides.from_env(os.environ, extra).find(ref)
+    if override is None or override.directory is not None:
+        return None
+    return f"{uses} skipped by an override" + (f": {override.reason}" if override.reason else "")
+
+
 def fetch_remote_workflow(
     uses: str, *, state_dir: Path | None = None, base_url: str | None = None
 ) -> tuple[Path, Path]:
@@ -206,11 +222,8 @@ def fetch_remote_workflow(
         run = PlanRun(state_dir, base_url=base_url)
     override = Overrides.from_env(os.environ, run.overrides).find(ref)
     if override is not None:
-        if override.directory is None:
-            raise RemoteWorkflowError(
-                f"'{uses}': a reusable workflow cannot be skipped (its jobs are planned); "
-                f"override it with {ref.slug}=DIR instead"
-            )
+        if override.directory is None:  # the loader asks `skipped_workflow` first
+            raise RemoteWorkflowError(f"'{uses}' is skipped by an override")
         found = override.directory / ref.path
         if not found.is_file():
             raise RemoteWorkflowError(f"'{uses}': the override has no {ref.path} ({found})")

@@ -202,6 +202,8 @@ def plan_command(
                 extra = ""
                 if j.kind == "deferred":
                     extra = f"  [matrix deferred: {j.deferred_matrix}]"
+                elif j.spec.get("skipped_call"):
+                    extra = f"  [skipped: {j.spec['skipped_call']}]"
                 elif j.runs_on:
                     extra = f"  [runs-on: {', '.join(j.runs_on)}]"
                 click.echo(f"    {j.name}{extra}")

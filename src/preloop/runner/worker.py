@@ -519,7 +519,11 @@ class Runner:
             if "inputs" in spec:
                 # An inner job of a reusable workflow sees the caller's inputs.
                 contexts["inputs"] = spec["inputs"]
-            skip = opts.skip(lease, contexts) if opts.skip is not None else None
+            # A reusable workflow call an override skipped (planned so) ends
+            # skipped on any runner; `opts.skip` is the submitter's own rules.
+            skip = spec.get("skipped_call") or None
+            if skip is None and opts.skip is not None:
+                skip = opts.skip(lease, contexts)
             if skip is not None:
                 line(f"skipped: {skip}")
                 return JobResult("skipped", {}, [], [], "", skip)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from preloop.actions.workflows import fetch_remote_workflow, planning
+from preloop.actions.workflows import fetch_remote_workflow, planning, skipped_workflow
 from preloop.errors import PreloopError
 from preloop.workflow import expressions as ex
 from preloop.workflow.availability import EVENTS as SCHEMA_EVENTS
@@ -1352,6 +1352,10 @@ class _Reader:
                 secrets = frozen_map({str(k.value): plain(v) for k, v in sm.items})
                 secret_keys = {str(k.value): v for k, v in sm.items if isinstance(v, YScalar)}
         callee = None
+        if uses is not None and (skipped := skipped_workflow(uses)) is not None:
+            return Job(
+                **common, uses=uses, with_=frozen_map(with_), secrets=secrets, skipped_call=skipped
+            )
         if uses is not None:
             callee = self.callee(uses_node, uses, with_, with_keys, secrets, secret_keys)
         if callee is not None:

@@ -156,6 +156,9 @@ class Job:
     with_: Mapping[str, Any] = field(default_factory=_empty)
     secrets: Mapping[str, Any] | str | None = None  # mapping or "inherit"
     callee: Workflow | None = None
+    # Why a remote reusable workflow is not called (`--action ...=skip`): the
+    # caller is planned as a job that ends skipped with this reason.
+    skipped_call: str | None = None
     line: int = 0
     column: int = 0
 

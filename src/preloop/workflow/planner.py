@@ -380,7 +380,7 @@ class _Planner:
             concurrency=conc,
             caller=scope.caller,
         )
-        if job.is_caller:
+        if job.is_caller and job.skipped_call is None:
             return self.plan_caller(job, scope, ctx, known, common)
         try:
             runs_on = self.runs_on(job.runs_on, ctx, known)
@@ -410,6 +410,10 @@ class _Planner:
             "environment": thaw(job.environment),
             "permissions": thaw(job.permissions),
         }
+        if job.skipped_call is not None:
+            # No callee to plan: a job that ends skipped, outputs empty.
+            spec.update({"skipped_call": job.skipped_call, "uses": job.uses, "runs-on": None})
+            runs_on = ()
         if scope.chain:
             spec["secrets_chain"] = list(scope.chain)
         self.jobs.append(

@@ -86,7 +86,7 @@ def test_run_action_option_actions_list_prune_and_cache_status(tmp_path: Path) -
     # Without the override the unfetchable action fails its step, naming what to do.
     r = preloop("run", "-j", "1")
     assert r.returncode == 1
-    assert "use --action acme/setup-thing=DIR for offline work" in r.stdout
+    assert "use --action acme/setup-thing=DIR (or =skip) for offline work" in r.stdout
     r = preloop("run", "--action", "acme/greet")
     assert r.returncode == 2 and r.stderr.startswith("preloop: error: --action: 'acme/greet'")
     env["PRELOOP_ACTIONS_URL"] = "github.com"

@@ -161,3 +161,38 @@ def test_a_group_that_uses_the_run_id_is_each_runs_own(store: Store, tmp_path: P
     assert other is not None and other.run_id == second
     store.complete_job(other, "success")
     assert store.get_run(first).conclusion == store.get_run(second).conclusion == "success"
+
+
+def test_a_group_that_uses_the_run_number_is_each_runs_own(store: Store, tmp_path: Path) -> None:
+    """`ci-${{ github.run_number }}` with cancel-in-progress: each run's group
+    is its own number's (`ci-1`, `ci-2`), so the second never cancels the
+    first; it was `ci-` for both (the number is given as the run is stored)."""
+    from preloop.workflow import load_workflow, plan
+
+    wf = tmp_path / "w.yml"
+    wf.write_text(
+        "on: push\n"
+        "concurrency:\n"
+        "  group: ci-${{ github.run_number }}\n"
+        "  cancel-in-progress: true\n"
+        "jobs:\n"
+        "  a:\n"
+        "    runs-on: x\n"
+        "    concurrency:\n"
+        "      group: job-${{ github.run_attempt }}-${{ github.run_number }}\n"
+        "      cancel-in-progress: true\n"
+        "    steps: [{run: echo}]\n"
+    )
+    planned = plan(load_workflow(wf), "push", github={"ref": "refs/heads/main"})
+    assert planned.concurrency is not None and planned.concurrency.group is None
+    first = store.submit_run(planned, github={"repository": "o/r"})
+    lease = store.claim_job("r", ["x"])
+    assert lease is not None and lease.run_id == first
+    second = store.submit_run(planned, github={"repository": "o/r"})
+    assert not store.heartbeat(lease).cancel_requested
+    assert not store.get_run(first).cancel_requested
+    store.complete_job(lease, "success")
+    other = store.claim_job("r", ["x"])
+    assert other is not None and other.run_id == second
+    store.complete_job(other, "success")
+    assert store.get_run(first).conclusion == store.get_run(second).conclusion == "success"

@@ -765,3 +765,29 @@ def test_a_job_without_a_matrix_has_a_null_matrix_context(tmp_path: Path, store_
     assert outcome.conclusion == "success"
     assert sorted(j.name for j in outcome.jobs) == ["legs (1)", "plain null"]
     assert "plain=null" in h.all_text() and 'legs={"x":1}' in h.all_text()
+
+
+def test_a_job_name_that_uses_the_run_number_is_evaluated_as_the_job_starts(
+    tmp_path: Path, store_url: str
+) -> None:
+    """A name using `github.run_number` (or `run_id`) is the stored run's,
+    not '' from planning before the run had one: `build 1`, then `build 2`."""
+    repo = make_repo(
+        tmp_path / "widget",
+        workflow(
+            """\
+            on: push
+            jobs:
+              build:
+                name: build ${{ github.run_number }}
+                runs-on: ubuntu-latest
+                steps: [{run: 'echo "n=${{ github.run_number }}"'}]
+            """
+        ),
+    )
+    names = []
+    for _ in range(2):
+        outcome, _h = run_engine(repo, store_url, tmp_path / "state")
+        assert outcome.conclusion == "success"
+        names += [j.name for j in outcome.jobs]
+    assert names == ["build 1", "build 2"]

@@ -469,6 +469,8 @@ class Store:
             if job is None or run is None:
                 raise UnknownRun(f"run {run_id} has no job {job_id!r}")
             ctx: dict[str, Any] = dict(json.loads(run["context"]))
+            # As the cascade's contexts (a job name may use github.run_id).
+            ctx["github"] = {"run_id": str(run_id), **(ctx.get("github") or {})}
             ctx["needs"] = _needs_view(tx, run_id, json.loads(job["needs"]), job["caller"])
             ctx["matrix"] = _loads(job["matrix"])  # null without a matrix, as on GitHub
             ctx["strategy"] = strategy_context(_loads(job["strategy"]))

@@ -110,7 +110,12 @@ def template_expression(text: str) -> str:
 _template_contexts = template_contexts
 
 
-_RUN_SCOPED = re.compile(r"github\s*(?:\.\s*run_id\b|\[\s*'run_id'\s*\])", re.IGNORECASE)
+# What the `github` context has once a run is stored (Store.submit_run): its
+# id, number and attempt. A group or job name using them is evaluated then.
+_RUN_SCOPED = re.compile(
+    r"github\s*(?:\.\s*run_(?:id|number|attempt)\b|\[\s*'run_(?:id|number|attempt)'\s*\])",
+    re.IGNORECASE,
+)
 
 
 def _evaluable(value: Any, available: frozenset[str]) -> bool:
@@ -441,7 +446,10 @@ class _Planner:
         if own is not None and "${{" in own:
             # A name that uses expressions is the whole display name (GitHub
             # appends the matrix values only to a plain name).
-            own = ex.interpolate(own, ctx) if known(own) else own
+            # One that uses the run's id or number is evaluated as the job
+            # starts (`Runner._named`), with the stored run's `github`.
+            evaluable = known(own) and not _RUN_SCOPED.search(own)
+            own = ex.interpolate(own, ctx) if evaluable else own
         else:
             own = default_job_name((own or job.id) + (leg_suffix(named) if named else ""))
         own = own or job.id
@@ -460,8 +468,9 @@ class _Planner:
             cancel = ex.truthy(ex.evaluate_template(cancel, ctx)) if known(cancel) else False
         if "${{" not in conc.group:
             return ConcurrencySpec(conc.group, None, cancel, conc.queue_max)
-        # `github.run_id` exists once the run is stored: such a group (the
-        # common `head_ref || run_id`) is evaluated then (Store.submit_run).
+        # `github.run_id` (run_number, run_attempt) exists once the run is
+        # stored: such a group (the common `head_ref || run_id`) is evaluated
+        # then (Store.submit_run).
         if known(conc.group) and not _RUN_SCOPED.search(conc.group):
             return ConcurrencySpec(ex.interpolate(conc.group, ctx), None, cancel, conc.queue_max)
         return ConcurrencySpec(None, template_expression(conc.group), cancel, conc.queue_max)

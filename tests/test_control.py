@@ -584,8 +584,38 @@ def test_runs_are_numbered_per_workflow_and_repository(store: Store) -> None:
     again = store.rerun(second, failed_only=False)
     drive(store, ci, again)
     assert number(again) == ("2", "2")
-    assert number(store.rerun(again, failed_only=False)) == ("2", "3")
+    third = store.rerun(again, failed_only=False)
+    drive(store, ci, third)
+    assert number(third) == ("2", "3")
+    # Attempts only count up, whichever attempt is re-run (GitHub's too).
+    assert number(store.rerun(second, failed_only=False)) == ("2", "4")
     assert number(store.submit_run(ci, github=gh))[0] == "3"
+
+
+def test_runs_submitted_at_once_get_distinct_numbers(store_url: str) -> None:
+    """Four processes' worth of stores submitting the same workflow at once:
+    every run a number of its own, none skipped."""
+    import threading
+
+    b = PlanBuilder()
+    b.job("a")
+    plan = b.plan("ci")
+    numbers: list[str] = []
+    go = threading.Barrier(4)
+
+    def submitter() -> None:
+        with open_store(store_url) as mine:
+            go.wait()
+            for _ in range(5):
+                run_id = mine.submit_run(plan, github={"repository": "o/r"})
+                numbers.append(mine.run_context(run_id)["github"]["run_number"])
+
+    threads = [threading.Thread(target=submitter) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(numbers, key=int) == [str(n) for n in range(1, 21)]
 
 
 def test_submit_empty_plan_completes(store: Store) -> None:

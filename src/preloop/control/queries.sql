@@ -33,8 +33,12 @@ UPDATE runs SET conc_group = ? WHERE id = ?
 INSERT INTO runs (workflow, name, event, status, remaining_jobs, conc_group, conc_cancel, conc_queue_max, context, created_at) VALUES (?, ?, ?, 'running', ?, ?, ?, ?, ?, ?) RETURNING id
 
 -- rerun_select_runs_context --
--- store: Store.rerun.tx_fn (the run's contexts, for the next attempt's)
-SELECT context FROM runs WHERE id = ?
+-- store: Store.rerun.tx_fn (the run's contexts, for the next attempt's; the run it repeats)
+SELECT context, rerun_of FROM runs WHERE id = ?
+
+-- rerun_upsert_run_attempts --
+-- store: Store.rerun.tx_fn (the next attempt of the first run of a chain of re-runs)
+INSERT INTO run_attempts (first_run, last) VALUES (?, ?) ON CONFLICT (first_run) DO UPDATE SET last = run_attempts.last + 1 RETURNING last
 
 -- rerun_insert_runs --
 -- store: Store.rerun.tx_fn

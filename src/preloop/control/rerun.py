@@ -7,16 +7,18 @@ import re
 from typing import Any
 
 
-def next_attempt(context: dict[str, Any]) -> dict[str, Any]:
-    """A re-run's contexts: the run's, with `github.run_attempt` one more
-    (GitHub counts a run's attempts from 1; the run number stays)."""
-    github = dict(context.get("github") or {})
+def attempt_of(context: dict[str, Any]) -> int:
+    """The `github.run_attempt` a run's contexts hold (1 when none)."""
     try:
-        attempt = int(github.get("run_attempt") or 1)
+        return int((context.get("github") or {}).get("run_attempt") or 1)
     except (TypeError, ValueError):
-        attempt = 1
-    github["run_attempt"] = str(attempt + 1)
-    return {**context, "github": github}
+        return 1
+
+
+def with_attempt(context: dict[str, Any], attempt: int) -> dict[str, Any]:
+    """A re-run's contexts: the run's, with `github.run_attempt` (GitHub
+    counts a run's attempts from 1; the run number stays)."""
+    return {**context, "github": {**(context.get("github") or {}), "run_attempt": str(attempt)}}
 
 
 # A job of the old run that a failed-only re-run keeps: it succeeded with

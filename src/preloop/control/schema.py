@@ -2406,14 +2406,19 @@ _V28_ARTIFACT_TYPE: list[Statement] = [
 ]
 
 # GitHub numbers a workflow's runs in its repository from 1 (`github.run_number`);
-# a re-run keeps its run's number.
+# a re-run keeps its run's number and takes the next attempt of the first run
+# it repeats (`github.run_attempt`), whichever attempt it re-runs.
 _V29_RUN_NUMBERS: list[Statement] = [
     """CREATE TABLE IF NOT EXISTS run_numbers (
         repository TEXT NOT NULL,
         workflow TEXT NOT NULL,
         last BIGINT NOT NULL,
         PRIMARY KEY (repository, workflow)
-    )"""
+    )""",
+    """CREATE TABLE IF NOT EXISTS run_attempts (
+        first_run BIGINT PRIMARY KEY,
+        last BIGINT NOT NULL
+    )""",
 ]
 
 MIGRATIONS: list[list[Statement]] = [

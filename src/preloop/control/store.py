@@ -110,7 +110,7 @@ from preloop.control.conditions import evaluate_expr
 from preloop.control.counters import Counters
 from preloop.control.db import Backend, LiteBackend, PgBackend, Row, StoreError, Tx
 from preloop.control.queries import Q
-from preloop.control.rerun import _RERUN_SQL, _rerun_statement, next_attempt
+from preloop.control.rerun import _RERUN_SQL, _rerun_statement, attempt_of, with_attempt
 from preloop.control.reusable import scoped_inputs
 from preloop.control.rows import (
     _JOB,
@@ -365,9 +365,16 @@ class Store:
                 )
             ctx_row = tx.one(Q["rerun_select_runs_context"], (run_id,))
             assert ctx_row is not None
+            context = _loads(ctx_row["context"])
+            first = run_id  # the first run of the chain: its attempts count up
+            while ctx_row is not None and ctx_row["rerun_of"] is not None:
+                first = int(ctx_row["rerun_of"])
+                ctx_row = tx.one(Q["rerun_select_runs_context"], (first,))
+            counted = tx.one(Q["rerun_upsert_run_attempts"], (first, attempt_of(context) + 1))
+            assert counted is not None
             row = tx.one(
                 Q["rerun_insert_runs"],
-                (_dumps(next_attempt(_loads(ctx_row["context"]))), time.time(), run_id),
+                (_dumps(with_attempt(context, int(counted["last"]))), time.time(), run_id),
             )
             assert row is not None
             new = int(row["id"])

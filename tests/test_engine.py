@@ -246,6 +246,50 @@ def test_deferred_matrix_from_needs(tmp_path: Path, store_url: str) -> None:
     assert outcome.conclusion == "success"
 
 
+def test_checkout_of_the_runs_repository_after_another_replaced_the_workspace(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`repository: acme/tools` without `path:` replaces the workspace's
+    files; a later checkout of the run's own repository (at the root or into
+    `path:`) checks the snapshot out again, as GitHub's fetches it, rather
+    than calling the other repository's checkout the run's."""
+    tools = make_repo(tmp_path / "tools-src", {"TOOL": "t\n"})
+    mirrors = tmp_path / "mirrors"
+    (mirrors / "acme").mkdir(parents=True)
+    git(tmp_path, "clone", "-q", "--bare", str(tools), str(mirrors / "acme" / "tools.git"))
+    repo = make_repo(
+        tmp_path / "widget",
+        {
+            **workflow(
+                """\
+                on: push
+                jobs:
+                  swap:
+                    runs-on: ubuntu-latest
+                    steps:
+                      - uses: actions/checkout@v4
+                        with: {repository: acme/tools}
+                      - run: echo "other $(ls)"
+                      - uses: actions/checkout@v4
+                        with: {path: own}
+                      - run: echo "path $(cat own/hello.txt) $(ls own | tr '\\n' ' ')"
+                      - uses: actions/checkout@v4
+                      - run: echo "root $(cat hello.txt) $(test -e TOOL || echo no-tool)"
+                """
+            ),
+            "hello.txt": "hi\n",
+        },
+    )
+    git(repo, "remote", "add", "origin", "https://github.com/acme/widget.git")
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{mirrors}")
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "success", h.lines
+    lines = h.lines["swap"]
+    assert "other TOOL" in lines, lines
+    assert "path hi hello.txt" in " ".join(lines), lines
+    assert "root hi no-tool" in lines, lines
+
+
 def test_dirty_tree_visible_and_source_untouched(tmp_path: Path, store_url: str) -> None:
     repo = make_repo(
         tmp_path / "repo",

@@ -17,7 +17,7 @@ from preloop.actions.steps import ActionSource
 from preloop.runner import JobControl, JobHost, JobResult, execute_job
 from preloop.runner.checkout import sweep_work_dir, work_dir
 from preloop.runner.commands import EnvFileError, Masker, parse_env_file
-from preloop.runner.job import step_action_names
+from preloop.workflow.step_ids import step_action_names
 
 
 def _exited(pidfd: int, wait: float = 10.0) -> bool:
@@ -603,6 +603,36 @@ def test_checkout_of_another_repository_at_a_ref_it_lacks_fails_in_one_line(
     failures = [line for line in lines if line.startswith("✖ Lib: actions/checkout")]
     assert len(failures) == 1 and "it has no branch or tag 'nope'" in failures[0], lines
     assert not (tmp_path / "ws" / "lib").exists()
+
+
+@pytest.mark.parametrize(
+    ("inputs", "error"),
+    [
+        ({"ref": "refs/heads/-x", "path": "lib"}, "'refs/heads/-x' is not a ref name git takes"),
+        ({"ref": "a..b", "path": "lib"}, "'a..b' is not a ref name git takes"),
+        ({"path": "hello.txt/sub"}, "actions/checkout into 'hello.txt/sub' failed: "),
+        ({"repository": "other/..", "path": "lib"}, "is not an owner/name repository"),
+        ({"repository": "lib", "path": "lib"}, "'lib' is not an owner/name repository"),
+    ],
+)
+def test_checkout_of_another_repository_refuses_bad_input_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inputs: dict[str, str], error: str
+) -> None:
+    """A ref with option or range text, a `path:` under a file, a name that
+    is no owner/name: one line each, no traceback, the workspace as it was."""
+    _git_workspace(tmp_path)
+    _mirror_of_another_repository(tmp_path / "mirrors")
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path / 'mirrors'}")
+    step = {"name": "Lib", "uses": "actions/checkout@v4",
+            "with": {"repository": "other/lib", **inputs}}  # fmt: skip
+    result, lines = run_job(
+        tmp_path, [step], contexts={"github": {"event_name": "push", "repository": "acme/tool"}}
+    )
+    assert result.conclusion == "failure"
+    failures = [line for line in lines if line.startswith("✖ Lib: actions/checkout")]
+    assert len(failures) == 1 and error in failures[0], lines
+    assert "check the network" not in failures[0] or "hello.txt" in error
+    assert not (tmp_path / "ws" / "lib").exists() and (tmp_path / "ws" / "hello.txt").exists()
 
 
 def test_checkout_of_the_runs_own_repository_is_satisfied(tmp_path: Path) -> None:

@@ -655,6 +655,8 @@ def test_setup_action_hint_names_the_versions_the_host_has(tmp_path: Path) -> No
     assert go is not None and "Go 1.22 toolchain" in go
     uv = setup_action_hint(root, "astral-sh/setup-uv@v6", {"version": "0.5.1"})
     assert uv is not None and "uv==0.5.1" in uv
+    wild = setup_action_hint(root, "actions/setup-python@v5", {"python-version": "2.x"})
+    assert wild is not None and "`uv python install 2`" in wild
 
 
 def test_uploads_of_a_dead_service_are_swept_a_day_later(tmp_path: Path) -> None:

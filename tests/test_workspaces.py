@@ -5,10 +5,12 @@ when given back."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tests.run_support import make_repo, run_engine, workflow
 
 from preloop.runner.checkout import sweep_work_dir, work_dir
@@ -69,8 +71,8 @@ def test_a_slot_held_by_another_process_is_passed_over(tmp_path: Path) -> None:
 def test_the_sweep_removes_what_released_slots_moved_aside(tmp_path: Path) -> None:
     """A slot whose contents would not go when released (a step's leftover
     process still writing there) moved them to `ws/.stale-*`; the work
-    directory's sweep removes them, read-only directories too, but never one
-    a live process works in."""
+    directory's sweep removes them, but never one a live process works in
+    (read-only directories: the test above, as an ordinary user)."""
     ws = work_dir(tmp_path) / "ws"
     left = ws / ".stale-0-0123abcd" / "widget" / "pkg"
     left.mkdir(parents=True)
@@ -88,6 +90,32 @@ def test_the_sweep_removes_what_released_slots_moved_aside(tmp_path: Path) -> No
     assert sorted(p.name for p in ws.iterdir()) == [".stale-1-4567cdef", "0", "0.lock"]
     slot.release()
     assert sweep_work_dir(tmp_path) == [busy]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv"
+)
+def test_read_only_directories_a_job_left_are_opened_and_removed(public_tmp: Path) -> None:
+    """As an ordinary user (root needs no permission to unlink): a tree with
+    read-only directories (Go's module cache: 0555, a file inside) goes."""
+    code = (
+        "import os, sys; from pathlib import Path; "
+        "from preloop.runner.workspaces import clear_tree; "
+        "root = Path(sys.argv[1]) / 'ws'; mod = root / 'pkg' / 'mod'; "
+        "mod.mkdir(parents=True); (mod / 'f').write_text('x'); "
+        "os.symlink('/etc', root / 'link'); "
+        "mod.chmod(0o555); mod.parent.chmod(0o500); root.chmod(0o555); "
+        "print(clear_tree(root), root.exists())"
+    )
+    os.chown(public_tmp, 65534, 65534)  # the job's user's own directory
+    r = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         sys.executable, "-c", code, str(public_tmp)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "False"]
+    assert oct(os.stat("/etc").st_mode & 0o777) == "0o755"  # never through the link
 
 
 def test_safe_dir_name() -> None:

@@ -35,8 +35,8 @@ import anyio
 
 from preloop.errors import PreloopError
 from preloop.process import CommandFailed, CommandTimeout, run_command
-from preloop.runner.remote_checkout import checkout_repository, repository_url
-from preloop.runner.workspaces import remove_tree, stale_workspaces
+from preloop.runner.remote_checkout import RefNotFound, checkout_repository, repository_url
+from preloop.runner.workspaces import clear_tree, stale_workspaces
 from preloop.snapshot.bundles import SnapshotBundles
 from preloop.snapshot.gitcmd import git, git_env
 from preloop.snapshot.holders import release_run_repository
@@ -283,6 +283,7 @@ async def checkout_step(
     Raises `CheckoutError` with a one-line message (the caller names the step)."""
     repository = inputs.get("repository", "").strip()
     current = str(github.get("repository") or "")
+    other: str | None = None  # another repository, fetched
     if repository and not _same_name(repository, current):
         if current.startswith("local/"):  # no GitHub remote: the name may differ
             log(
@@ -290,14 +291,16 @@ async def checkout_step(
                 "(it has no GitHub remote); the run's snapshot is what is checked out"
             )
         else:
-            await _checkout_other(repository, inputs, workspace, log)
-            return
+            other = repository
     ref = inputs.get("ref", "").strip()
-    if ref and ref not in _current_refs(github):
+    if ref and ref not in _current_refs(github) and other is None:
         log(_REF_INPUT_NOTE.format(ref=ref))
     path = inputs.get("path", "").strip()
     try:
-        await _checkout_into(path, workspace, log, recheckout)
+        if other is not None:
+            await _checkout_other(other, inputs, workspace, log)
+        else:
+            await _checkout_into(path, workspace, log, recheckout)
     except CommandTimeout:
         raise CheckoutError(
             f"actions/checkout into {path!r} timed out after {_CHECKOUT_TIMEOUT:g} s"
@@ -307,6 +310,17 @@ async def checkout_step(
             f"actions/checkout into {path!r} failed: {exc.strerror or exc} "
             f"({exc.filename or path}); check the step's `path:`"
         ) from None
+
+
+# In the `.git` of a workspace an actions/checkout of another repository
+# replaced: the snapshot's checkout is no longer there.
+_OTHER_REPOSITORY = "preloop-other-repository"
+
+
+def _holds_run_checkout(root: Path) -> bool:
+    """Whether the workspace holds the run's checkout: a `.git`, not one an
+    actions/checkout of another repository put there."""
+    return (root / ".git").exists() and not (root / ".git" / _OTHER_REPOSITORY).exists()
 
 
 def _destination(path: str, workspace: Path) -> Path:
@@ -334,8 +348,8 @@ async def _checkout_other(
     except ValueError as exc:
         raise CheckoutError(f"actions/checkout: {exc}; give `repository:` as owner/name") from None
     if dest == workspace.resolve():
-        for entry in list(dest.iterdir()):
-            if not remove_tree(entry):
+        for entry in list(dest.iterdir()) if dest.is_dir() else ():
+            if not clear_tree(entry):
                 raise CheckoutError(
                     f"actions/checkout of {repository!r}: the workspace's {entry.name} "
                     "cannot be removed to make room for it; give the step a `path:`"
@@ -355,11 +369,17 @@ async def _checkout_other(
     ref = inputs.get("ref", "").strip()
     try:
         source = await checkout_repository(repository, ref, dest, depth)
+    except RefNotFound as exc:
+        raise CheckoutError(f"actions/checkout of repository {repository!r}: {exc}") from None
     except ValueError as exc:
         raise CheckoutError(
             f"actions/checkout of repository {repository!r} failed: {exc}; check the network "
             "or PRELOOP_ACTIONS_URL (its base), or check it out in a `run:` step"
         ) from None
+    if dest == workspace.resolve():
+        # The workspace holds another repository now: a later checkout of
+        # the run's own one checks the snapshot out again (`_holds_run_checkout`).
+        (dest / ".git" / _OTHER_REPOSITORY).write_text(repository + "\n", encoding="utf-8")
     where = path or "the workspace"
     log(f"actions/checkout: {repository}@{source.ref} ({source.commit[:12]}) into {where}")
 
@@ -375,7 +395,7 @@ async def _checkout_into(
     checkout (`recheckout`) where the workspace's is gone."""
     root = workspace.resolve()
     dest = _destination(path, workspace)
-    has_checkout = (root / ".git").exists()
+    has_checkout = _holds_run_checkout(root)
     if dest == root and (has_checkout or recheckout is None):
         log("actions/checkout: satisfied by the snapshot checkout in the workspace")
         return
@@ -425,10 +445,11 @@ async def _fresh_checkout(dest: Path, recheckout: Callable[[Path], Awaitable[Non
         await recheckout(fresh)
         dest.mkdir(exist_ok=True)
         for entry in list(dest.iterdir()):
-            if entry.is_dir() and not entry.is_symlink():
-                await anyio.to_thread.run_sync(shutil.rmtree, entry)
-            else:
-                entry.unlink()
+            if not await anyio.to_thread.run_sync(clear_tree, entry):
+                raise CheckoutError(
+                    f"actions/checkout: {entry} cannot be removed to check the snapshot "
+                    "out again; remove it in the step that made it"
+                )
         for entry in list(fresh.iterdir()):
             entry.rename(dest / entry.name)
     finally:
@@ -748,7 +769,7 @@ def sweep_work_dir(state_dir: Path) -> list[Path]:
         if any(cwd == str(path) or cwd.startswith(prefix) for cwd in in_use):
             continue
         if path in stale:
-            if remove_tree(path):
+            if clear_tree(path):
                 removed.append(path)
             continue
         with contextlib.suppress(OSError):

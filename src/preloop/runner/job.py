@@ -33,12 +33,11 @@ import contextlib
 import errno
 import json
 import os
-import re
 import shlex
 import shutil
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +67,7 @@ from preloop.services.toolcache import setup_action_hint, uv_base_bin
 from preloop.workflow import expressions as ex
 from preloop.workflow.hashfiles import hash_files
 from preloop.workflow.plan import strategy_context
+from preloop.workflow.step_ids import step_action_names
 from preloop.workflow.templates import mapping_items
 
 __all__ = [
@@ -894,43 +894,6 @@ class _Execution:
             value = decl.get("value", "") if isinstance(decl, dict) else decl
             outputs[key] = self.template(value, inner_ctx)
         return outputs, ("failure" if failed else "success")
-
-
-_ACTION_ID_CHAR = re.compile(r"[^A-Za-z0-9_-]")
-
-
-def step_action_names(steps: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Each step's `github.action` (GITHUB_ACTION), as GitHub's workflow
-    parser names them (WorkflowTemplateConverter, IdBuilder): its `id`, else
-    `__run` for a script, `__owner_repo` for `owner/repo[/path]@ref`,
-    `__self` for `./path`, `__image` for `docker://image`, characters other
-    than letters, digits, `_` and `-` made `_`; a name already taken (an
-    `id`, an earlier default) gets `_2`, `_3`..."""
-    taken = {str(step["id"]) for step in steps if step.get("id")}
-    names = []
-    for step in steps:
-        if step.get("id"):
-            names.append(str(step["id"]))
-            continue
-        uses = str(step.get("uses") or "")
-        kind = ""
-        if uses.startswith("docker://"):
-            kind = uses.removeprefix("docker://")
-        elif uses.startswith(("./", ".\\")):
-            kind = "self"
-        elif uses:
-            path, at, ref = uses.partition("@")
-            parts = [p for p in re.split(r"[/\\]", path) if p]
-            if at and ref and len(parts) >= 2 and "@" not in ref:
-                kind = f"{parts[0]}/{parts[1]}"
-        base = "__" + _ACTION_ID_CHAR.sub("_", kind or "run")
-        name, attempt = base, 1
-        while name in taken:
-            attempt += 1
-            name = f"{base}_{attempt}"
-        taken.add(name)
-        names.append(name)
-    return names
 
 
 def _warn_unsupported(spec: Mapping[str, Any], run: _Execution) -> None:

@@ -12,17 +12,16 @@ when no `ref:` is given.
 
 from __future__ import annotations
 
-import contextlib
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from preloop import config
 from preloop.process import CommandFailed, CommandTimeout
+from preloop.runner.workspaces import clear_tree
 from preloop.snapshot.gitcmd import git, git_env, git_failure
 
-__all__ = ["CheckoutSource", "checkout_repository", "repository_url"]
+__all__ = ["CheckoutSource", "RefNotFound", "checkout_repository", "repository_url"]
 
 _SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 # GitHub's owner and repository names: no `..`, no URL or option syntax.
@@ -64,41 +63,50 @@ async def _resolve(url: str, ref: str, timeout: float) -> str:
         for name in wanted:
             if name in found:
                 return name
-        raise _NotFound(f"it has no branch or tag {ref!r}")
+        raise RefNotFound(f"it has no branch or tag {ref!r}")
     out = (await git(["ls-remote", "--symref", url, "HEAD"], timeout=timeout)).stdout_text()
     for line in out.splitlines():
         if line.startswith("ref: ") and line.endswith("\tHEAD"):
             return line[5:].partition("\t")[0].strip()
-    raise _NotFound("it has no default branch (HEAD)")
+    raise RefNotFound("it has no default branch (HEAD)")
 
 
-class _NotFound(Exception):
-    pass
+class RefNotFound(ValueError):
+    """The repository has no such ref (or no default branch): no network
+    problem, the workflow's `ref:`."""
 
 
-def _empty(directory: Path) -> None:
-    """Removes what a failed checkout left in `directory`, which was empty."""
-    with contextlib.suppress(FileNotFoundError):
-        for entry in directory.iterdir():
-            with contextlib.suppress(OSError):
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry)
-                else:
-                    entry.unlink()
+def _check_ref(ref: str) -> None:
+    """A ref that reaches git only as a ref: no option text, nothing git's
+    ref names refuse (`git check-ref-format`'s rules, roughly)."""
+    name = ref.removeprefix("refs/heads/").removeprefix("refs/tags/")
+    if (
+        name.startswith(("-", "/"))
+        or ".." in ref
+        or "@{" in ref
+        or any(c in ref for c in " ~^:?*[\\\t\n")
+        or ref.endswith((".", "/", ".lock"))
+    ):
+        raise RefNotFound(f"{ref!r} is not a ref name git takes")
 
 
 async def checkout_repository(
     repository: str, ref: str, dest: Path, fetch_depth: int, *, timeout: float | None = None
 ) -> CheckoutSource:
     """Checks `repository` (`owner/name`) out at `ref` into `dest`, an empty
-    or absent directory. Raises ValueError with a one-line reason (git's own
-    diagnosis, or the ref that is not there); `dest` is then left empty."""
+    or absent directory. Raises ValueError with a one-line reason, git's own
+    diagnosis (RefNotFound: the ref is not there or is no ref name); `dest`
+    is then left empty. OSError where `dest` cannot be made."""
     url = repository_url(repository)  # before anything is written
+    if ref:
+        _check_ref(ref)
     limit = float(timeout or config.get("PRELOOP_ACTIONS_FETCH_TIMEOUT"))
     env = git_env({"GIT_DIR": str(dest / ".git"), "GIT_WORK_TREE": str(dest)})
     depth = [f"--depth={fetch_depth}"] if fetch_depth > 0 else []
     try:
         full = await _resolve(url, ref, limit)
+        if not _SHA.fullmatch(full):
+            _check_ref(full)  # also what the remote named as its default branch
         dest.mkdir(parents=True, exist_ok=True)
         await git(["init", "-q", str(dest)], env=git_env())
         await git(["remote", "add", "origin", url], env=env)
@@ -124,8 +132,10 @@ async def checkout_repository(
             await git(["-c", "advice.detachedHead=false", "checkout", "-q", "--detach", target],
                       env=env)  # fmt: skip
         commit = (await git(["rev-parse", "HEAD"], env=env)).stdout_text().strip()
-    except (CommandFailed, CommandTimeout, _NotFound) as exc:
-        _empty(dest)
-        reason = str(exc) if isinstance(exc, _NotFound) else git_failure(exc)
-        raise ValueError(f"{url}: {reason}") from None
+    except (CommandFailed, CommandTimeout, RefNotFound) as exc:
+        for entry in list(dest.iterdir()) if dest.is_dir() else ():
+            clear_tree(entry)  # it was empty: what the failed checkout left
+        if isinstance(exc, RefNotFound):
+            raise RefNotFound(f"{url}: {exc}") from None
+        raise ValueError(f"{url}: {git_failure(exc)}") from None
     return CheckoutSource(url, full, commit)

@@ -22,14 +22,15 @@ import errno
 import fcntl
 import os
 import re
-import shutil
 import stat
 import uuid
 from pathlib import Path
 
+from preloop.fs import remove_tree
+
 __all__ = [
     "WorkspaceSlot",
-    "remove_tree",
+    "clear_tree",
     "safe_dir_name",
     "stale_workspaces",
     "take_workspace_slot",
@@ -70,28 +71,35 @@ def stale_workspaces(work: Path) -> list[Path]:
     return [work / "ws" / n for n in names if n.startswith(_STALE)]
 
 
-def remove_tree(root: Path) -> bool:
-    """Removes `root`, opening read-only directories on the way (Go's module
-    cache makes its directories read-only); whether it is gone."""
-
-    def opened(func: object, path: str, exc_info: object) -> None:
-        with contextlib.suppress(OSError):  # what is left is reported below
-            parent = os.path.dirname(path)
-            os.chmod(parent, os.stat(parent).st_mode | stat.S_IRWXU)
-            if os.path.isdir(path) and not os.path.islink(path):
-                os.chmod(path, os.stat(path).st_mode | stat.S_IRWXU)
-                shutil.rmtree(path, onerror=opened)
-            else:
-                os.unlink(path)
-
-    if os.path.lexists(root):
-        shutil.rmtree(root, onerror=opened)
+def clear_tree(root: Path) -> bool:
+    """Removes `root` like `rm -rf` (`preloop.fs.remove_tree`, the native
+    walk), opening read-only directories when they are what stops it (Go's
+    module cache makes its directories read-only); whether it is gone."""
+    _, error = remove_tree(root)
+    if error is not None and error.errno in (errno.EACCES, errno.EPERM):
+        _open_directories(root)
+        remove_tree(root)
     return not os.path.lexists(root)
 
 
+def _open_directories(root: Path) -> None:
+    """Gives the owner rwx on every directory under `root` (not through
+    symlinks), each before it is listed."""
+    stack = [os.fspath(root)]
+    while stack:
+        path = stack.pop()
+        with contextlib.suppress(OSError):
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISDIR(mode):
+                continue
+            os.chmod(path, stat.S_IMODE(mode) | stat.S_IRWXU)
+            with os.scandir(path) as entries:
+                stack.extend(e.path for e in entries if e.is_dir(follow_symlinks=False))
+
+
 def _remove(root: Path) -> None:
-    """`remove_tree`, moving aside what is left (`sweep_work_dir` tries again)."""
-    if not remove_tree(root):
+    """`clear_tree`, moving aside what is left (`sweep_work_dir` tries again)."""
+    if not clear_tree(root):
         with contextlib.suppress(OSError):  # else the slot's mkdir reports it
             os.rename(root, root.parent / f"{_STALE}{root.name}-{uuid.uuid4().hex[:8]}")
 

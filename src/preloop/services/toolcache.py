@@ -996,7 +996,9 @@ def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str |
     if any(_matches(v, spec) for v in versions):
         return None
     have = ", ".join(versions) if versions else "none"
-    install = _INSTALL_ADVICE[tool].format(spec=spec.lstrip("v"))
+    # `3.x` / `20.*`: the version to install is what comes before the wildcard.
+    version = re.sub(r"(\.(x|\*))+$", "", spec.lstrip("v"))
+    install = _INSTALL_ADVICE.get(tool, "Install {spec} on the host").format(spec=version)
     return (
         f"{action}: this host has no {tool} matching {spec!r}; the tool cache ({root}) has "
         f"{tool} {have}. {install}, or ask for one of these; `preloop toolcache` lists them"

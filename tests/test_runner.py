@@ -566,7 +566,7 @@ def test_checkout_of_another_repository_fetches_it_from_the_actions_base(
         show("tagged"),
         checkout(path="full", ref="dev", **{"fetch-depth": "0"}),
         show("full"),
-        checkout(path="bysha", ref=commits["v1"]),
+        checkout(path="bysha", ref=commits["v1"], submodules="recursive", lfs="false"),
         show("bysha"),
         {"run": "test -f hello.txt && test -f lib/lib.txt"},
         checkout(),
@@ -586,6 +586,7 @@ def test_checkout_of_another_repository_fetches_it_from_the_actions_base(
     assert lines.index("two") > lines.index(f"|{v1}|1||one") and "main" in lines
     assert any(f"actions/checkout: other/lib@refs/heads/main ({main[:12]}) into lib" in line
                for line in lines)  # fmt: skip
+    assert "actions/checkout: submodules not honoured for other/lib" in lines
 
 
 def test_checkout_of_another_repository_at_a_ref_it_lacks_fails_in_one_line(

@@ -382,6 +382,13 @@ async def _checkout_other(
         (dest / ".git" / _OTHER_REPOSITORY).write_text(repository + "\n", encoding="utf-8")
     where = path or "the workspace"
     log(f"actions/checkout: {repository}@{source.ref} ({source.commit[:12]}) into {where}")
+    unhonoured = [
+        name
+        for name in ("submodules", "lfs", "sparse-checkout")
+        if inputs.get(name, "").strip().lower() not in ("", "false")
+    ]
+    if unhonoured:
+        log(f"actions/checkout: {', '.join(unhonoured)} not honoured for {repository}")
 
 
 async def _checkout_into(

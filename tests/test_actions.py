@@ -140,6 +140,29 @@ def test_required_input_missing_warns_and_post_runs_after_a_failure(env: Env) ->
     assert "post: P- " in lines  # main threw before it saved its state
 
 
+def test_a_failing_javascript_action_is_not_a_process_error(env: Env) -> None:
+    # GitHub's runner notes a node action's exit code without an error of its
+    # own: `core.setFailed` is the one annotation. A crash that reported
+    # nothing still names the step and its exit code.
+    publish_action(env.remotes, "acme/greet", JS_ACTION)
+    publish_action(
+        env.remotes,
+        "acme/crash",
+        {"action.yml": "runs:\n  using: node20\n  main: m.js\n", "m.js": "process.exit(3)\n"},
+    )
+    result, lines = env.run(
+        [
+            {"uses": "acme/greet@v1", "with": {"who": "x", "fail": "true"}},
+            {"uses": "acme/crash@v1", "if": "always()"},
+        ]
+    )
+    assert result.conclusion == "failure"
+    errors = [a.message for a in result.annotations if a.level == "error"]
+    assert errors == ["asked to fail", "Run acme/crash@v1: node exited with exit code 3"], errors
+    assert not any(line.startswith("Error: process completed") for line in lines), lines
+    assert "Node action run completed with exit code 1" in lines
+
+
 def test_posts_run_last_first_and_honour_post_if(env: Env) -> None:
     for slug in ("acme/one", "acme/two"):
         publish_action(

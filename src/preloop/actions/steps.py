@@ -304,6 +304,7 @@ class ActionSteps:
             timeout,
             str(self.run.host.workspace),
             state=state,
+            node_action=True,
         )
 
     # -- job phases --------------------------------------------------------------------

@@ -710,9 +710,12 @@ class _Execution:
         cwd: str,
         *,
         state: dict[str, str] | None = None,
+        node_action: bool = False,
     ) -> tuple[dict[str, str], str]:
         """Runs one step process with the step protocols; `state` (a JavaScript
-        action's) receives what it wrote to GITHUB_STATE."""
+        action's) receives what it wrote to GITHUB_STATE. A `node_action`
+        reports its own failure (`core.setFailed` is `::error::`): its exit
+        code is not an error of its own, as on GitHub."""
         files, self.pending_files = self.pending_files or self.step_files(), None
         penv = self.process_env(env, files, scope)
         penv["RUNNER_TRACKING_ID"] = self.tracking_id
@@ -748,12 +751,26 @@ class _Execution:
                     if result.returncode < 0
                     else f"exit code {result.returncode}"
                 )
-                self.log(f"Error: process completed with {code}")
-                self.annotations.append(
-                    Annotation(
-                        "error", f"{name}: process completed with {code}", self.job_key, name
+                if not node_action:
+                    self.log(f"Error: process completed with {code}")
+                    self.annotations.append(
+                        Annotation(
+                            "error", f"{name}: process completed with {code}", self.job_key, name
+                        )
                     )
-                )
+                else:
+                    # GitHub's runner only notes a JavaScript action's exit
+                    # code (NodeScriptActionHandler): the action's own
+                    # `::error::` says why. One that said nothing (it crashed
+                    # before core.setFailed) still gets the exit code, so the
+                    # summary names the failing step.
+                    self.log(f"Node action run completed with {code}")
+                    if not any(a.level == "error" for a in parser.effects.annotations):
+                        self.annotations.append(
+                            Annotation(
+                                "error", f"{name}: node exited with {code}", self.job_key, name
+                            )
+                        )
         except CommandTimeout:
             outcome = "failure"
             message = f"the step timed out after {(timeout or 0) / 60:g} minutes and was killed"

@@ -111,6 +111,27 @@ def test_run_steps_outputs_and_job_outputs(tmp_path: Path) -> None:
     assert [s.outcome for s in result.steps] == ["success", "success"]
 
 
+def test_steps_without_an_id_are_not_in_the_steps_context(tmp_path: Path) -> None:
+    # GitHub keeps only steps with an `id` in `steps` (ExecutionContext.Complete
+    # skips the generated `__` ids): `steps.*.outcome` and `toJSON(steps)` see
+    # the named step, not the unnamed one that failed before it.
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"run": "exit 3", "continue-on-error": True},
+            {"id": "named", "run": "true"},
+            {"run": "echo 'keys=${{ join(steps.*.outcome, ',') }}'"},
+            {"if": "contains(steps.*.outcome, 'failure')", "run": "echo saw-failure"},
+            {"run": "echo 'json=${{ toJSON(steps) }}'"},
+        ],
+    )
+    assert result.conclusion == "success", lines
+    assert "keys=success" in lines
+    assert "saw-failure" not in lines
+    text = "\n".join(lines)
+    assert '"named"' in text and "__" not in text.split("json=", 1)[1]
+
+
 def test_bash_e_semantics_and_failure_skips_later_steps(tmp_path: Path) -> None:
     result, lines = run_job(
         tmp_path,

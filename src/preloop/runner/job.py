@@ -593,11 +593,15 @@ class _Execution:
         outputs: dict[str, str],
         elapsed: float,
     ) -> None:
-        scope.steps_ctx[step_id] = {
-            "outputs": outputs,
-            "outcome": outcome,
-            "conclusion": conclusion,
-        }
+        if not step_id.startswith("__"):
+            # A step without an `id` (its generated one starts with `__`) is
+            # not in the steps context, as on GitHub (ExecutionContext.Complete):
+            # `toJSON(steps)` and `steps.*.outcome` see only the named ones.
+            scope.steps_ctx[step_id] = {
+                "outputs": outputs,
+                "outcome": outcome,
+                "conclusion": conclusion,
+            }
         if scope.action_path is None:
             self.step_results.append(
                 StepResult(step_id, name, outcome, conclusion, dict(outputs), elapsed)

@@ -559,6 +559,22 @@ def test_cli_list_shows_jobs_legs_and_events(tmp_path: Path) -> None:
     assert "build (windows-latest)" in text.stdout and "(not run here)" in text.stdout
 
 
+def test_cli_list_shows_runs_on_of_a_workflow_it_cannot_plan(tmp_path: Path) -> None:
+    # A required dispatch input stops planning: the jobs are listed unexpanded,
+    # still with the runs-on they were written with.
+    wf = (
+        "on:\n  workflow_dispatch:\n    inputs:\n      version:\n        required: true\n"
+        "jobs:\n  rel:\n    runs-on: ubuntu-24.04\n    steps:\n      - run: echo\n"
+        "  m:\n    runs-on: [self-hosted, '${{ inputs.version }}']\n    steps:\n      - run: echo\n"
+    )
+    repo = make_repo(tmp_path / "repo", {WF + "rel.yml": wf})
+    out = cli(repo, tmp_path / "state", "list", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {r["job"]: r for r in json.loads(out.stdout)}
+    assert rows["rel"]["stage"] is None and rows["rel"]["runs_on"] == ["ubuntu-24.04"]
+    assert rows["m"]["runs_on"] == ["self-hosted", "${{ inputs.version }}"]
+
+
 BAD = "on: push\njobs:\n" + job("b", "echo ${{ foo( }}")
 
 

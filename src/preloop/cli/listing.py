@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +74,17 @@ def list_command(file: Path | None, event: str | None, as_json: bool) -> None:
                 planned = None  # e.g. a required dispatch input: list the jobs unexpanded
         if planned is None:
             for job in wf.jobs:
-                rows.append(_row(wf.path, wf.name, events, None, job.id, job.name or job.id, ()))
+                rows.append(
+                    _row(
+                        wf.path,
+                        wf.name,
+                        events,
+                        None,
+                        job.id,
+                        job.name or job.id,
+                        _written_runs_on(job.runs_on),
+                    )
+                )
             continue
         for stage, group in enumerate(stages(planned), 1):
             for j in group:
@@ -89,6 +100,18 @@ def list_command(file: Path | None, event: str | None, as_json: bool) -> None:
         _print_rows(rows)
     if invalid is not None:  # the valid workflows are listed; the status says not all are
         raise invalid
+
+
+def _written_runs_on(value: Any) -> tuple[str, ...]:
+    """A job's `runs-on` as written, for a workflow that could not be planned
+    (a required dispatch input): its labels, expressions unevaluated."""
+    if isinstance(value, Mapping):
+        value = value.get("labels") or value.get("group") or []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        return ()
+    return tuple(str(v) for v in value if v is not None)
 
 
 def _print_rows(rows: list[dict[str, Any]]) -> None:

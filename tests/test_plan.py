@@ -614,6 +614,27 @@ def test_cli_plans_a_pull_request_with_the_runs_github_context(repo: Path) -> No
     assert json.loads(res.stdout)[0]["concurrency"]["group"] == "refs/heads/feature-"
 
 
+def test_cli_shows_a_run_scoped_group_evaluated_with_a_run_id_placeholder(repo: Path) -> None:
+    # `head_ref || run_id` (sphinx's lint.yml) is evaluated as the run is
+    # stored; the plan shows its value with `<run id>` standing in, not the
+    # rewritten `format(...)` expression.
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "one")
+    git(repo, "checkout", "-q", "-b", "feature")
+    write(
+        repo,
+        "c.yml",
+        "name: Lint\non: [push, pull_request]\n"
+        "concurrency:\n  group: ${{ github.workflow }}-${{ github.head_ref || github.run_id }}\n"
+        "jobs:\n  a:\n    runs-on: x\n    steps: [{run: echo}]\n",
+    )
+    res = run_cli(repo, "--event", "pull_request", "--base", "main")
+    assert res.returncode == 0, res.stderr
+    assert "  concurrency: Lint-feature" in res.stdout.splitlines(), res.stdout
+    res = run_cli(repo)
+    assert "  concurrency: Lint-<run id>" in res.stdout.splitlines(), res.stdout
+
+
 def test_scalars_where_strings_go_are_read_as_their_text(repo: Path) -> None:
     # GitHub's parser takes `run: true` or `name: 3.10` (read as 3.1, as YAML
     # has it) where a string goes (tests/js/workflow_oracle.mjs reports none).

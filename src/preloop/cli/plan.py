@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -23,6 +24,7 @@ from preloop.workflow.event_inputs import (
     local_event_payload,
     parse_pairs,
 )
+from preloop.workflow.expressions import ExpressionError, evaluate
 from preloop.workflow.github_context import (
     default_branch_ref,
     event_github_context,
@@ -135,6 +137,7 @@ def plan_command(
                 f"no workflows in {root / '.github' / 'workflows'}: pass one with -f FILE"
             )
     plans: list[tuple[Plan, str]] = []
+    run_githubs: dict[str, dict[str, Any]] = {}
     skipped: list[tuple[str, str]] = []
     problems: list[Diagnostic] = []
     for path in paths:
@@ -157,6 +160,7 @@ def plan_command(
         typed = check_inputs(wf, event, mine) if event in wf.on else dict(given)
         wf_github = workflow_github_context(github, root, wf.path)
         plans.append((plan(wf, event, inputs=typed, github=wf_github), trig.reason))
+        run_githubs[wf.path] = wf_github
     invalid = WorkflowError(problems) if problems else None
     if invalid is not None and not plans:
         raise invalid
@@ -194,7 +198,7 @@ def plan_command(
         else:
             click.echo(f"  triggered: {why}")
         if p.concurrency is not None:
-            group = p.concurrency.group or f"${{{{ {p.concurrency.group_expr} }}}}"
+            group = p.concurrency.group or _run_scoped_group(p, run_githubs.get(p.workflow, {}))
             click.echo(f"  concurrency: {group}")
         for i, g in enumerate(groups, 1):
             click.echo(f"  stage {i}:")
@@ -224,3 +228,24 @@ def _find_root(start: Path) -> Path:
         if (d / ".github" / "workflows").is_dir():
             return d
     return Path.cwd()
+
+
+def _run_scoped_group(p: Plan, github: dict[str, Any]) -> str:
+    """A concurrency group that reads `github.run_id` is evaluated as the run
+    is stored (Store.submit_run); here with `<run id>` in its place, so
+    `${{ github.workflow }}-${{ github.head_ref || github.run_id }}` reads
+    `Lint-feature` for a pull request and `Lint-<run id>` for a push, not as
+    the rewritten expression."""
+    conc = p.concurrency
+    assert conc is not None and conc.group_expr is not None
+    run_github = {
+        **github,
+        "event_name": p.event,
+        "workflow": p.github_workflow or p.name,  # as the engine submits it
+        "run_id": "<run id>",
+    }
+    contexts = {"env": p.env, "inputs": p.inputs, "github": run_github}
+    try:
+        return str(evaluate(conc.group_expr, contexts))
+    except ExpressionError:
+        return f"${{{{ {conc.group_expr} }}}}"

@@ -132,6 +132,29 @@ def test_steps_without_an_id_are_not_in_the_steps_context(tmp_path: Path) -> Non
     assert '"named"' in text and "__" not in text.split("json=", 1)[1]
 
 
+def test_a_shell_the_host_lacks_fails_its_step_not_the_runner(tmp_path: Path) -> None:
+    # GitHub fails the step when `which` finds no shell; the job goes on with
+    # failure() steps. preloop crashed the job with a FileNotFoundError.
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "noexec").write_text("#!/bin/sh\n")  # not executable
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"id": "a", "run": "echo hi", "shell": "no-such-shell-xyz {0}"},
+            {"id": "b", "if": "always()", "run": "echo hi", "shell": "./noexec {0}"},
+            {"id": "c", "if": "failure()", "run": "echo after-failure"},
+        ],
+    )
+    assert result.conclusion == "failure", lines
+    assert [s.outcome for s in result.steps] == ["failure", "failure", "success"]
+    errors = [a.message for a in result.annotations if a.level == "error"]
+    assert errors == [
+        "'no-such-shell-xyz' was not found on the step's PATH",
+        "cannot run './noexec': Permission denied",
+    ], errors
+    assert "after-failure" in lines
+
+
 def test_bash_e_semantics_and_failure_skips_later_steps(tmp_path: Path) -> None:
     result, lines = run_job(
         tmp_path,

@@ -210,6 +210,19 @@ class JobControl:
             self._scope.cancel()
 
 
+#: why exec(2) or chdir(2) can refuse a step's process before it runs
+_NOT_STARTED = frozenset({errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR})
+
+
+def _not_started(exc: OSError, program: str, cwd: str) -> str:
+    what = str(exc.filename)
+    if what == cwd:
+        return f"the step's working directory {cwd!r} is gone: {exc.strerror}"
+    if what == program and exc.errno == errno.ENOENT and "/" not in program:
+        return f"{program!r} was not found on the step's PATH"
+    return f"cannot run {what!r}: {exc.strerror}"
+
+
 class _StepFailure(PreloopError):
     """A step that could not run (bad shell, missing directory, unsupported uses)."""
 
@@ -745,6 +758,13 @@ class _Execution:
                     launcher, cwd=cwd, env=penv, timeout=timeout, on_lines=on_lines
                 )
             except OSError as exc:
+                if exc.errno in _NOT_STARTED and exc.filename is not None:
+                    # A shell (`shell: pwsh`, `shell: perl {0}`) or program
+                    # the host lacks, or a workspace an earlier step removed:
+                    # the step fails, the job goes on (`if: always()`, posts),
+                    # as GitHub's runner fails the step when `which` finds no
+                    # shell. Not a crash of the runner.
+                    raise _StepFailure(_not_started(exc, launcher[0], cwd)) from None
                 if exc.errno != errno.E2BIG:
                     raise
                 raise _StepFailure(explain_e2big(launcher, penv)) from None

@@ -200,12 +200,45 @@ def test_shells_python_sh_custom_and_unsupported(tmp_path: Path) -> None:
             {"run": "import sys\nprint('py', sys.version_info[0])", "shell": "python"},
             {"run": "echo from-sh", "shell": "sh"},
             {"run": "print 'perlish'", "shell": "cat {0}"},
-            {"id": "bad", "run": "x", "shell": "pwsh", "continue-on-error": True},
+            {"id": "bad", "run": "x", "shell": "cmd", "continue-on-error": True},
         ],
     )
     assert "py 3" in lines and "from-sh" in lines and "print 'perlish'" in lines
     assert result.steps[-1].outcome == "failure"
-    assert any("shell 'pwsh' is not supported" in line for line in lines)
+    assert any("shell 'cmd' is not supported" in line for line in lines)
+
+
+FAKE_PWSH = """\
+    #!/bin/sh
+    echo "args: $1 $2"
+    f=$(printf '%s' "$2" | sed "s/^[.] '//; s/'$//")
+    echo "ext: ${f##*.}"
+    cat "$f"
+    """
+
+
+def test_pwsh_runs_as_on_githubs_linux_runners(tmp_path: Path) -> None:
+    # GitHub's ubuntu runners have pwsh: `shell: pwsh` is `pwsh -command ". '{0}'"`
+    # on a .ps1 file that stops at the first error and exits with the last
+    # native command's code. Custom shells get the built-in's extension.
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"run": 'chmod +x bin/pwsh; echo "$PWD/bin" >> "$GITHUB_PATH"'},
+            {"run": "Write-Output hi", "shell": "pwsh"},
+            {"run": 'echo "ext: ${0##*.}"', "shell": "bash -e {0}"},
+        ],
+        files={"bin/pwsh": FAKE_PWSH},
+    )
+    assert result.conclusion == "success", lines
+    script = lines[lines.index("ext: ps1") + 1 :]
+    assert lines[lines.index("ext: ps1") - 1].startswith("args: -command . '")
+    assert script[:3] == [
+        "$ErrorActionPreference = 'stop'",
+        "Write-Output hi",
+        r"if ((Test-Path -LiteralPath variable:\LASTEXITCODE)) { exit $LASTEXITCODE }",
+    ]
+    assert "ext: sh" in lines
 
 
 def test_env_layering_and_github_env_path_take_effect_in_later_steps(tmp_path: Path) -> None:

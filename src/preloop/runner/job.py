@@ -210,6 +210,11 @@ class JobControl:
             self._scope.cancel()
 
 
+_POWERSHELLS = ("pwsh", "powershell")
+_PS_EXIT = r"if ((Test-Path -LiteralPath variable:\LASTEXITCODE)) { exit $LASTEXITCODE }"
+#: GitHub's script file extensions by shell command (ScriptHandlerHelpers)
+_SCRIPT_SUFFIX = {"bash": ".sh", "sh": ".sh", "python": ".py", "pwsh": ".ps1", "powershell": ".ps1"}
+
 #: why exec(2) or chdir(2) can refuse a step's process before it runs
 _NOT_STARTED = frozenset({errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR})
 
@@ -683,10 +688,15 @@ class _Execution:
         if shell == "python":
             py = "python" if shutil.which("python") else "python3"
             return [py, "{0}"], ".py"
+        if shell in _POWERSHELLS:
+            # GitHub's Linux runners have pwsh; a host without it fails the step
+            return [shell, "-command", ". '{0}'"], ".ps1"
         if "{0}" in shell:
-            return shlex.split(shell), ""
+            argv = shlex.split(shell)
+            # the file ends as the built-in shell's would (`bash -el {0}` runs a .sh)
+            return argv, _SCRIPT_SUFFIX.get(argv[0], "") if argv else ""
         raise _StepFailure(
-            f"shell {shell!r} is not supported: use bash, sh, python or a command "
+            f"shell {shell!r} is not supported: use bash, sh, python, pwsh or a command "
             "template containing {0} (e.g. `perl {0}`)"
         )
 
@@ -702,6 +712,10 @@ class _Execution:
         script = self.template(step.get("run") or "", ctx)
         shell = self.step_default(step, "shell", ctx)
         argv_t, suffix = self.shell_argv(shell, script)
+        if argv_t and argv_t[0] in _POWERSHELLS:
+            # GitHub's ScriptHandlerHelpers.FixUpScriptContents: stop at the
+            # first error, end with the last native command's exit code
+            script = f"$ErrorActionPreference = 'stop'\n{script}\n{_PS_EXIT}"
         wd = self.step_default(step, "working-directory", ctx)
         cwd = self.host.workspace
         if wd:

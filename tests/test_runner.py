@@ -155,6 +155,25 @@ def test_a_shell_the_host_lacks_fails_its_step_not_the_runner(tmp_path: Path) ->
     assert "after-failure" in lines
 
 
+def test_a_step_env_value_does_not_see_its_own_block(tmp_path: Path) -> None:
+    # GitHub evaluates a step's `env:` as one mapping against the job's env
+    # and GITHUB_ENV, then merges it (StepsRunner): `${{ env.A }}` there is
+    # the outer A, never the block's own.
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"run": 'echo "C=from-file" >> "$GITHUB_ENV"'},
+            {
+                "env": {"A": "step", "B": "${{ env.A }}|${{ env.C }}", "C": "step-c"},
+                "run": 'echo "A=$A B=$B C=$C"',
+            },
+        ],
+        env={"A": "job"},
+    )
+    assert result.conclusion == "success", lines
+    assert "A=step B=job|from-file C=step-c" in lines
+
+
 def test_bash_e_semantics_and_failure_skips_later_steps(tmp_path: Path) -> None:
     result, lines = run_job(
         tmp_path,

@@ -538,14 +538,14 @@ class _Execution:
         outputs: dict[str, str] = {}
         outcome = "success"
         try:
+            # The step's `env:` is evaluated as one mapping against the env
+            # before it (GitHub's StepsRunner merges it only afterwards):
+            # `B: ${{ env.A }}` does not see an `A` of the same block.
             env = dict(pre_env)
-            step_ctx = {**ctx, "env": env}
-            items = mapping_items(
-                dict(step.get("env") or {}), lambda v: self.value(v, {**ctx, "env": env})
-            )
+            items = mapping_items(dict(step.get("env") or {}), lambda v: self.value(v, ctx))
             for key, value, evaluated in items:
-                env[key] = _str(value) if evaluated else self.template(value, step_ctx)
-                step_ctx = {**ctx, "env": env}
+                env[key] = _str(value) if evaluated else self.template(value, ctx)
+            step_ctx = {**ctx, "env": env}
             coe = step.get("continue-on-error", False)
             continue_on_error = ex.truthy(self.value(coe, step_ctx))
             minutes = step.get("timeout-minutes")

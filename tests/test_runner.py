@@ -174,6 +174,32 @@ def test_a_step_env_value_does_not_see_its_own_block(tmp_path: Path) -> None:
     assert "A=step B=job|from-file C=step-c" in lines
 
 
+def test_set_env_and_add_path_commands_as_on_github(tmp_path: Path) -> None:
+    # GitHub refuses `::set-env` / `::add-path` (the step fails) unless
+    # ACTIONS_ALLOW_UNSECURE_COMMANDS is true; then they apply from the next
+    # step on (NODE_OPTIONS never). preloop printed them and went on.
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"id": "refused", "run": 'echo "::set-env name=FOO::bar"', "continue-on-error": True},
+            {"run": 'echo "FOO=[$FOO]"'},
+            {
+                "env": {"ACTIONS_ALLOW_UNSECURE_COMMANDS": "True"},
+                "run": 'echo "::set-env name=FOO::bar"\necho "::add-path::/opt/zzz"\n'
+                'echo "::set-env name=NODE_OPTIONS::--x"',
+            },
+            {"run": 'echo "FOO=[$FOO] N=[$NODE_OPTIONS] first=${PATH%%:*}"'},
+        ],
+    )
+    assert result.conclusion == "success", lines
+    assert [s.outcome for s in result.steps] == ["failure", "success", "success", "success"]
+    assert "FOO=[]" in lines and "FOO=[bar] N=[] first=/opt/zzz" in lines
+    errors = [a.message for a in result.annotations if a.level == "error"]
+    assert errors[0] == "Unable to process command '::set-env name=FOO::bar' successfully."
+    assert errors[1].startswith("The `set-env` command is disabled.")
+    assert errors[2] == "Can't update NODE_OPTIONS environment variable using ::set-env:: command."
+
+
 def test_bash_e_semantics_and_failure_skips_later_steps(tmp_path: Path) -> None:
     result, lines = run_job(
         tmp_path,

@@ -6,7 +6,9 @@
 - Workflow commands on a step's output: `::add-mask::value`,
   `::group::title` / `::endgroup::`, `::error ...::msg`, `::warning ...::msg`,
   `::notice ...::msg`, `::debug::msg`, the deprecated `::set-output name=x::v`,
-  and `::stop-commands::TOKEN` ... `::TOKEN::`.
+  `::set-env`/`::add-path` (a failure of the
+  step unless `ACTIONS_ALLOW_UNSECURE_COMMANDS` is true, as on GitHub), and
+  `::stop-commands::TOKEN` ... `::TOKEN::`.
 - Masking (`preloop.runner.masking.Masker`): every registered value (secrets,
   `::add-mask::`) and its encoded forms are replaced by `***` in every line
   and in every property of a command (an annotation's `file=` and `title=`
@@ -134,6 +136,10 @@ class CommandEffects:
 
     annotations: list[Annotation] = field(default_factory=list)
     outputs: dict[str, str] = field(default_factory=dict)  # deprecated ::set-output
+    # ::set-env / ::add-path, honoured only with ACTIONS_ALLOW_UNSECURE_COMMANDS
+    env: dict[str, str] = field(default_factory=dict)
+    path: list[str] = field(default_factory=list)
+    failed: bool = False  # a command GitHub refuses fails the step
 
 
 _COMMAND = re.compile(r"^::([A-Za-z-]+)(?: ([^:]*))?::(.*)$")
@@ -154,9 +160,19 @@ class WorkflowCommandParser:
     """Interprets one step's output line by line. `line()` returns the text to
     log (None to hide the line), after masking; `lines()` does it for a batch."""
 
-    def __init__(self, masker: Masker, job: str, step: str, *, debug: bool = False) -> None:
+    def __init__(
+        self,
+        masker: Masker,
+        job: str,
+        step: str,
+        *,
+        debug: bool = False,
+        allow_unsecure: bool = False,
+    ) -> None:
         self.masker = masker
         self._debug = debug  # show `::debug::` lines (step debug logging)
+        # ACTIONS_ALLOW_UNSECURE_COMMANDS: `::set-env` / `::add-path` allowed
+        self._allow_unsecure = allow_unsecure
         self.effects = CommandEffects()
         self._job = job
         self._step = step
@@ -227,4 +243,45 @@ class WorkflowCommandParser:
         if name == "set-output" and "name" in props:
             self.effects.outputs[props["name"]] = data
             return None
+        if name in ("set-env", "add-path"):
+            return self._unsecure(name, text, props, data)
         return self.masker.mask(text)
+
+    def _unsecure(self, name: str, text: str, props: dict[str, str], data: str) -> str | None:
+        """GitHub's SetEnv/AddPathCommandExtension: disabled (the step fails)
+        unless ACTIONS_ALLOW_UNSECURE_COMMANDS is true; NODE_OPTIONS is never set."""
+        if not self._allow_unsecure:
+            why = (
+                f"The `{name}` command is disabled. Please upgrade to using Environment Files "
+                "or opt into unsecure command execution by setting the "
+                "`ACTIONS_ALLOW_UNSECURE_COMMANDS` environment variable to `true`."
+            )
+            return self._refused(text, why)
+        if name == "add-path":
+            self.effects.path.append(data)
+            return None
+        var = props.get("name", "")
+        if not var:
+            return self._refused(text, "Required field 'name' is missing in ##[set-env] command.")
+        if var.upper() == "NODE_OPTIONS":
+            ann = Annotation(
+                "error",
+                "Can't update NODE_OPTIONS environment variable using ::set-env:: command.",
+                self._job,
+                self._step,
+            )
+            self.effects.annotations.append(ann)
+            return ann.render()
+        self.effects.env[var] = data
+        return None
+
+    def _refused(self, text: str, why: str) -> str:
+        self.effects.failed = True
+        first = Annotation(
+            "error",
+            f"Unable to process command '{text.strip()}' successfully.",
+            self._job,
+            self._step,
+        ).masked(self.masker)
+        self.effects.annotations += [first, Annotation("error", why, self._job, self._step)]
+        return self.masker.mask(f"{first.render()} {why}")

@@ -758,7 +758,15 @@ class _Execution:
             # sandbox has it (a directory in its private /tmp, say).
             launcher = self.host.sandbox.wrap(argv, cwd)
             cwd = str(self.host.workspace)
-        parser = WorkflowCommandParser(self.masker, self.job_key, name, debug=self.step_debug)
+        parser = WorkflowCommandParser(
+            self.masker,
+            self.job_key,
+            name,
+            debug=self.step_debug,
+            # read as .NET's bool.TryParse does: only "true", any case
+            allow_unsecure=penv.get("ACTIONS_ALLOW_UNSECURE_COMMANDS", "").strip().lower()
+            == "true",
+        )
 
         def on_lines(raws: list[str]) -> None:
             shown = parser.lines(raws)
@@ -814,12 +822,16 @@ class _Execution:
             message = f"the step timed out after {(timeout or 0) / 60:g} minutes and was killed"
             self.log(f"Error: {message}")
             self.annotations.append(Annotation("error", f"{name}: {message}", self.job_key, name))
-        self.annotations.extend(parser.effects.annotations)
-        outputs = dict(parser.effects.outputs)
+        effects = parser.effects
+        self.annotations.extend(effects.annotations)
+        if effects.failed:
+            outcome = "failure"  # GitHub's CommandResult: a refused command fails the step
+        outputs = dict(effects.outputs)
         outputs.update(parse_env_file(files["GITHUB_OUTPUT"], f"{name}: GITHUB_OUTPUT"))
-        new_env = parse_env_file(files["GITHUB_ENV"], f"{name}: GITHUB_ENV")
+        # `::set-env` / `::add-path` took effect as they ran; the files after the step
+        new_env = {**effects.env, **parse_env_file(files["GITHUB_ENV"], f"{name}: GITHUB_ENV")}
         self.env_from_files.update(new_env)
-        new_paths = parse_path_file(files["GITHUB_PATH"])
+        new_paths = [*effects.path, *parse_path_file(files["GITHUB_PATH"])]
         self.path_prepend.extend(new_paths)
         self.show_uv_the_base(new_env, new_paths)
         if state is not None:

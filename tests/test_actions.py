@@ -163,6 +163,24 @@ def test_a_failing_javascript_action_is_not_a_process_error(env: Env) -> None:
     assert "Node action run completed with exit code 1" in lines
 
 
+def test_state_saved_with_the_old_save_state_command_reaches_post(env: Env) -> None:
+    # @actions/core before 1.10 writes `::save-state name=x::v` instead of
+    # GITHUB_STATE; GitHub passes it to the post step as STATE_x.
+    publish_action(
+        env.remotes,
+        "acme/old",
+        {
+            "action.yml": "runs:\n  using: node20\n  main: m.js\n  post: p.js\n",
+            "m.js": "console.log('::save-state name=key::v1')\n",
+            "p.js": "console.log('post state=' + process.env.STATE_key)\n",
+        },
+    )
+    result, lines = env.run([{"uses": "acme/old@v1"}])
+    assert result.conclusion == "success", lines
+    assert "post state=v1" in lines
+    assert not any("::save-state" in line for line in lines)
+
+
 def test_posts_run_last_first_and_honour_post_if(env: Env) -> None:
     for slug in ("acme/one", "acme/two"):
         publish_action(

@@ -5,8 +5,8 @@
   `DELIMITER`; `GITHUB_PATH`: one directory per line.
 - Workflow commands on a step's output: `::add-mask::value`,
   `::group::title` / `::endgroup::`, `::error ...::msg`, `::warning ...::msg`,
-  `::notice ...::msg`, `::debug::msg`, the deprecated `::set-output name=x::v`,
-  `::set-env`/`::add-path` (a failure of the
+  `::notice ...::msg`, `::debug::msg`, the deprecated `::set-output name=x::v`
+  and `::save-state name=x::v`, `::set-env`/`::add-path` (a failure of the
   step unless `ACTIONS_ALLOW_UNSECURE_COMMANDS` is true, as on GitHub), and
   `::stop-commands::TOKEN` ... `::TOKEN::`.
 - Masking (`preloop.runner.masking.Masker`): every registered value (secrets,
@@ -136,6 +136,7 @@ class CommandEffects:
 
     annotations: list[Annotation] = field(default_factory=list)
     outputs: dict[str, str] = field(default_factory=dict)  # deprecated ::set-output
+    state: dict[str, str] = field(default_factory=dict)  # deprecated ::save-state
     # ::set-env / ::add-path, honoured only with ACTIONS_ALLOW_UNSECURE_COMMANDS
     env: dict[str, str] = field(default_factory=dict)
     path: list[str] = field(default_factory=list)
@@ -242,6 +243,11 @@ class WorkflowCommandParser:
             return self.masker.mask(f"debug: {data}") if self._debug else None
         if name == "set-output" and "name" in props:
             self.effects.outputs[props["name"]] = data
+            return None
+        if name == "save-state" and "name" in props:
+            # old @actions/core (before 1.10) saves a JavaScript action's state
+            # for its post step this way
+            self.effects.state[props["name"]] = data
             return None
         if name in ("set-env", "add-path"):
             return self._unsecure(name, text, props, data)

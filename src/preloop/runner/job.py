@@ -835,6 +835,7 @@ class _Execution:
         self.path_prepend.extend(new_paths)
         self.show_uv_the_base(new_env, new_paths)
         if state is not None:
+            state.update(effects.state)
             state.update(parse_env_file(files["GITHUB_STATE"], f"{name}: GITHUB_STATE"))
         summary = files["GITHUB_STEP_SUMMARY"].read_text(encoding="utf-8", errors="replace")
         if summary.strip():

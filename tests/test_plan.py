@@ -633,6 +633,15 @@ def test_cli_shows_a_run_scoped_group_evaluated_with_a_run_id_placeholder(repo: 
     assert "  concurrency: Lint-feature" in res.stdout.splitlines(), res.stdout
     res = run_cli(repo)
     assert "  concurrency: Lint-<run id>" in res.stdout.splitlines(), res.stdout
+    write(
+        repo,
+        "c.yml",
+        "name: Lint\non: [push]\n"
+        "concurrency:\n  group: n-${{ github.run_number }}.${{ github.run_attempt }}\n"
+        "jobs:\n  a:\n    runs-on: x\n    steps: [{run: echo}]\n",
+    )
+    res = run_cli(repo)
+    assert "  concurrency: n-<run number>.<run attempt>" in res.stdout.splitlines(), res.stdout
 
 
 def test_scalars_where_strings_go_are_read_as_their_text(repo: Path) -> None:

@@ -231,8 +231,9 @@ def _find_root(start: Path) -> Path:
 
 
 def _run_scoped_group(p: Plan, github: dict[str, Any]) -> str:
-    """A concurrency group that reads `github.run_id` is evaluated as the run
-    is stored (Store.submit_run); here with `<run id>` in its place, so
+    """A concurrency group that reads `github.run_id` (run_number,
+    run_attempt) is evaluated as the run is stored (Store.submit_run); here
+    with `<run id>` (`<run number>`, `<run attempt>`) in its place, so
     `${{ github.workflow }}-${{ github.head_ref || github.run_id }}` reads
     `Lint-feature` for a pull request and `Lint-<run id>` for a push, not as
     the rewritten expression."""
@@ -243,6 +244,8 @@ def _run_scoped_group(p: Plan, github: dict[str, Any]) -> str:
         "event_name": p.event,
         "workflow": p.github_workflow or p.name,  # as the engine submits it
         "run_id": "<run id>",
+        "run_number": "<run number>",
+        "run_attempt": "<run attempt>",
     }
     contexts = {"env": p.env, "inputs": p.inputs, "github": run_github}
     try:

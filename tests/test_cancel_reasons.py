@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from preloop.control import Store
 from preloop.control.cascade import RUN_CANCELLED
 from preloop.engine import JobRecord, RunOutcome
@@ -128,67 +130,44 @@ def test_user_cancel_reason_on_running_and_queued_jobs(store: Store) -> None:
     assert outcome(store, other).cancel_reason == "its `preloop run` process died"
 
 
-def test_a_group_that_uses_the_run_id_is_each_runs_own(store: Store, tmp_path: Path) -> None:
-    """`${{ github.head_ref || github.run_id }}` (pre-commit's pattern): a
-    push's group is its run's own, so another run never cancels it; a job's
-    group can use the run id too."""
+@pytest.mark.parametrize(
+    ("run_group", "job_group"),
+    [
+        # pre-commit's pattern: a push's group is its run's own.
+        ("ci-${{ github.head_ref || github.run_id }}", "job-${{ github.run_id }}"),
+        # It was `ci-` for both runs: the number is given as the run is stored.
+        ("ci-${{ github.run_number }}", "job-${{ github.run_attempt }}-${{ github.run_number }}"),
+    ],
+)
+def test_a_group_that_uses_the_run_id_or_number_is_each_runs_own(
+    store: Store, tmp_path: Path, run_group: str, job_group: str
+) -> None:
+    """A group using `github.run_id` (or `run_number`, `run_attempt`) is
+    evaluated once the run is stored: with cancel-in-progress, another run
+    never cancels it; a job's group can use them too."""
     from preloop.workflow import load_workflow, plan
 
     wf = tmp_path / "w.yml"
     wf.write_text(
         "on: push\n"
         "concurrency:\n"
-        "  group: ci-${{ github.head_ref || github.run_id }}\n"
+        f"  group: {run_group}\n"
         "  cancel-in-progress: true\n"
         "jobs:\n"
         "  a:\n"
         "    runs-on: x\n"
         "    concurrency:\n"
-        "      group: job-${{ github.run_id }}\n"
+        f"      group: {job_group}\n"
         "      cancel-in-progress: true\n"
         "    steps: [{run: echo}]\n"
     )
     planned = plan(load_workflow(wf), "push", github={"ref": "refs/heads/main"})
     assert planned.concurrency is not None and planned.concurrency.group is None
-    first = store.submit_run(planned, github={"ref": "refs/heads/main"})
+    github = {"ref": "refs/heads/main", "repository": "o/r"}
+    first = store.submit_run(planned, github=github)
     lease = store.claim_job("r", ["x"])
     assert lease is not None and lease.run_id == first
-    second = store.submit_run(planned, github={"ref": "refs/heads/main"})
-    assert not store.heartbeat(lease).cancel_requested
-    assert not store.get_run(first).cancel_requested
-    store.complete_job(lease, "success")
-    other = store.claim_job("r", ["x"])
-    assert other is not None and other.run_id == second
-    store.complete_job(other, "success")
-    assert store.get_run(first).conclusion == store.get_run(second).conclusion == "success"
-
-
-def test_a_group_that_uses_the_run_number_is_each_runs_own(store: Store, tmp_path: Path) -> None:
-    """`ci-${{ github.run_number }}` with cancel-in-progress: each run's group
-    is its own number's (`ci-1`, `ci-2`), so the second never cancels the
-    first; it was `ci-` for both (the number is given as the run is stored)."""
-    from preloop.workflow import load_workflow, plan
-
-    wf = tmp_path / "w.yml"
-    wf.write_text(
-        "on: push\n"
-        "concurrency:\n"
-        "  group: ci-${{ github.run_number }}\n"
-        "  cancel-in-progress: true\n"
-        "jobs:\n"
-        "  a:\n"
-        "    runs-on: x\n"
-        "    concurrency:\n"
-        "      group: job-${{ github.run_attempt }}-${{ github.run_number }}\n"
-        "      cancel-in-progress: true\n"
-        "    steps: [{run: echo}]\n"
-    )
-    planned = plan(load_workflow(wf), "push", github={"ref": "refs/heads/main"})
-    assert planned.concurrency is not None and planned.concurrency.group is None
-    first = store.submit_run(planned, github={"repository": "o/r"})
-    lease = store.claim_job("r", ["x"])
-    assert lease is not None and lease.run_id == first
-    second = store.submit_run(planned, github={"repository": "o/r"})
+    second = store.submit_run(planned, github=github)
     assert not store.heartbeat(lease).cancel_requested
     assert not store.get_run(first).cancel_requested
     store.complete_job(lease, "success")

@@ -212,6 +212,27 @@ def test_a_clean_work_tree_is_on_head(tmp_path: Path) -> None:
     assert not capture(tmp_path / "state", ws, "dirty").on_head
 
 
+def test_a_file_whose_working_tree_encoding_git_cannot_convert_keeps_its_commit(
+    tmp_path: Path,
+) -> None:
+    """sphinx-doc/sphinx: `wrongenc.inc working-tree-encoding=iso-8859` (no
+    iconv charset). Once git must hash it (a fresh clone's index, a touched
+    file), `git add` stops with "fatal: failed to encode"; the capture failed
+    the run. The file keeps the committed content; the rest is captured."""
+    ws = make_repo(tmp_path / "ws", {"wrongenc.inc": "caf\xe9\n", "a.txt": "a\n"})
+    (ws / ".gitattributes").write_text("wrongenc.inc working-tree-encoding=iso-8859\n")
+    git("add", ".gitattributes", cwd=ws)
+    git("commit", "-qm", "attributes", cwd=ws)
+    committed = git("rev-parse", "HEAD:wrongenc.inc", cwd=ws).strip()
+    later = time.time() + 5
+    os.utime(ws / "wrongenc.inc", (later, later))  # its index entry is stale: rehashed
+    (ws / "a.txt").write_text("changed\n")
+    snap = capture(tmp_path / "state", ws, "enc")
+    entries = listing(snap)
+    assert entries["wrongenc.inc"][1] == committed
+    assert blob(snap, "a.txt") == b"changed\n"
+
+
 def test_unborn_head(tmp_path: Path) -> None:
     ws = make_repo(tmp_path / "ws", {"a.txt": "a\n", "b/c.txt": "c\n"}, commit=False)
     git("add", "a.txt", cwd=ws)

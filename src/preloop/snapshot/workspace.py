@@ -485,6 +485,11 @@ async def _prepare_index(
 
 
 _NO_COMMIT = re.compile(r"^error: '(.+)/' does not have a commit checked out$", re.M)
+# A file whose `working-tree-encoding` git cannot convert from (sphinx's
+# tests/roots/*/wrongenc.inc: `iso-8859`, no iconv charset): `git add` stops
+# there, though its checkout (GitHub's too) only warned. It keeps the entry
+# the index had, the committed content.
+_NO_ENCODING = re.compile(r"^fatal: failed to encode '(.+)' from \S+ to UTF-8$", re.M)
 
 
 async def _add_all(env: dict[str, str], toplevel: Path, split: bool, sparse: bool) -> CommandResult:
@@ -507,7 +512,12 @@ async def _add_all(env: dict[str, str], toplevel: Path, split: bool, sparse: boo
         if excluded:
             args += ["--", ".", *(f":(exclude,literal){p}" for p in excluded)]
         added = await git(args, env=env, cwd=toplevel, check=False)
-        found = [p for p in _NO_COMMIT.findall(added.stderr_text()) if p not in excluded]
+        stderr = added.stderr_text()
+        found = [
+            p
+            for p in (*_NO_COMMIT.findall(stderr), *_NO_ENCODING.findall(stderr))
+            if p not in excluded
+        ]
         if added.ok or not found or len(excluded) > 10_000:
             break
         excluded += found

@@ -36,7 +36,7 @@ import anyio
 from preloop.errors import PreloopError
 from preloop.process import CommandFailed, CommandTimeout, run_command
 from preloop.runner.remote_checkout import RefNotFound, checkout_repository, repository_url
-from preloop.runner.workspaces import clear_tree, stale_workspaces
+from preloop.runner.workspaces import clear_tree, empty_directory, stale_workspaces
 from preloop.snapshot.bundles import SnapshotBundles
 from preloop.snapshot.gitcmd import git, git_env
 from preloop.snapshot.holders import release_run_repository
@@ -323,6 +323,15 @@ def _holds_run_checkout(root: Path) -> bool:
     return (root / ".git").exists() and not (root / ".git" / _OTHER_REPOSITORY).exists()
 
 
+def _check_empty(dest: Path, path: str) -> None:
+    """A `path:` to check out into: absent, or an empty directory."""
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise CheckoutError(
+            f"actions/checkout path {path!r} exists and is not an empty directory: remove "
+            "it first or check out to another path"
+        )
+
+
 def _destination(path: str, workspace: Path) -> Path:
     """Where a checkout's `path:` is: under the workspace, never outside it."""
     root = workspace.resolve()
@@ -348,17 +357,13 @@ async def _checkout_other(
     except ValueError as exc:
         raise CheckoutError(f"actions/checkout: {exc}; give `repository:` as owner/name") from None
     if dest == workspace.resolve():
-        for entry in list(dest.iterdir()) if dest.is_dir() else ():
-            if not clear_tree(entry):
-                raise CheckoutError(
-                    f"actions/checkout of {repository!r}: the workspace's {entry.name} "
-                    "cannot be removed to make room for it; give the step a `path:`"
-                )
-    elif dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise CheckoutError(
-            f"actions/checkout path {path!r} exists and is not an empty directory: remove "
-            "it first or check out to another path"
-        )
+        if (left := empty_directory(dest)) is not None:
+            raise CheckoutError(
+                f"actions/checkout of {repository!r}: the workspace's {left.name} "
+                "cannot be removed to make room for it; give the step a `path:`"
+            )
+    else:
+        _check_empty(dest, path)
     depth_text = inputs.get("fetch-depth", "").strip() or "1"
     try:
         depth = int(depth_text)
@@ -409,11 +414,8 @@ async def _checkout_into(
     if dest != root and (dest / ".git").exists():
         log(f"actions/checkout: {path} already holds a checkout; left as it is")
         return
-    if dest != root and dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise CheckoutError(
-            f"actions/checkout path {path!r} exists and is not an empty directory: remove "
-            "it first or check out to another path"
-        )
+    if dest != root:
+        _check_empty(dest, path)
     if not has_checkout:
         if recheckout is None:
             raise CheckoutError(
@@ -451,16 +453,15 @@ async def _fresh_checkout(dest: Path, recheckout: Callable[[Path], Awaitable[Non
     try:
         await recheckout(fresh)
         dest.mkdir(exist_ok=True)
-        for entry in list(dest.iterdir()):
-            if not await anyio.to_thread.run_sync(clear_tree, entry):
-                raise CheckoutError(
-                    f"actions/checkout: {entry} cannot be removed to check the snapshot "
-                    "out again; remove it in the step that made it"
-                )
+        if (left := await anyio.to_thread.run_sync(empty_directory, dest)) is not None:
+            raise CheckoutError(
+                f"actions/checkout: {left} cannot be removed to check the snapshot "
+                "out again; remove it in the step that made it"
+            )
         for entry in list(fresh.iterdir()):
             entry.rename(dest / entry.name)
     finally:
-        await anyio.to_thread.run_sync(lambda: shutil.rmtree(fresh, ignore_errors=True))
+        await anyio.to_thread.run_sync(clear_tree, fresh)
 
 
 def _same_name(wanted: str, current: str) -> bool:

@@ -652,28 +652,27 @@ class _Execution:
         return f"Run {first[0]}" if first else "Run"
 
     def prepare_step_files(self) -> None:
-        """Create the command files of the step about to run, before its
+        """Names the command files of the step about to run, before its
         `with:`, `env:` and script are evaluated: GitHub's runner has them in
         the github context too (`${{ github.output }}`, `github.env`,
         `github.path`, `github.state`, `github.step_summary`), the paths its
-        GITHUB_OUTPUT etc. name. The step's process takes them (run_process)."""
+        GITHUB_OUTPUT etc. name. The step's process creates and takes them
+        (run_process); a step that runs none (skipped, a checkout) makes none."""
         files = self.step_files()
         self.pending_files = files
         for key, path in _FILE_CONTEXT.items():
             self.github[key] = str(files[path])
 
     def step_files(self) -> dict[str, Path]:
+        """A step's command files, named (not yet made)."""
         tag = uuid.uuid4().hex[:12]
-        files = {
+        return {
             "GITHUB_OUTPUT": self.commands_dir / f"set_output_{tag}",
             "GITHUB_ENV": self.commands_dir / f"set_env_{tag}",
             "GITHUB_PATH": self.commands_dir / f"add_path_{tag}",
             "GITHUB_STEP_SUMMARY": self.commands_dir / f"step_summary_{tag}",
             "GITHUB_STATE": self.commands_dir / f"save_state_{tag}",
         }
-        for path in files.values():
-            path.touch()
-        return files
 
     def shell_argv(self, shell: str | None, script: str) -> tuple[list[str], str]:
         """(argv with `{0}` still in it, script file suffix)."""
@@ -748,6 +747,8 @@ class _Execution:
         reports its own failure (`core.setFailed` is `::error::`): its exit
         code is not an error of its own, as on GitHub."""
         files, self.pending_files = self.pending_files or self.step_files(), None
+        for path in files.values():
+            path.touch()
         penv = self.process_env(env, files, scope)
         penv["RUNNER_TRACKING_ID"] = self.tracking_id
         if self.step_debug:

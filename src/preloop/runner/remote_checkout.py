@@ -18,7 +18,7 @@ from pathlib import Path
 
 from preloop import config
 from preloop.process import CommandFailed, CommandTimeout
-from preloop.runner.workspaces import clear_tree
+from preloop.runner.workspaces import empty_directory
 from preloop.snapshot.gitcmd import git, git_env, git_failure
 
 __all__ = ["CheckoutSource", "RefNotFound", "checkout_repository", "repository_url"]
@@ -133,8 +133,7 @@ async def checkout_repository(
                       env=env)  # fmt: skip
         commit = (await git(["rev-parse", "HEAD"], env=env)).stdout_text().strip()
     except (CommandFailed, CommandTimeout, RefNotFound) as exc:
-        for entry in list(dest.iterdir()) if dest.is_dir() else ():
-            clear_tree(entry)  # it was empty: what the failed checkout left
+        empty_directory(dest)  # it was empty: what the failed checkout left
         if isinstance(exc, RefNotFound):
             raise RefNotFound(f"{url}: {exc}") from None
         raise ValueError(f"{url}: {git_failure(exc)}") from None

@@ -31,6 +31,7 @@ from preloop.fs import remove_tree
 __all__ = [
     "WorkspaceSlot",
     "clear_tree",
+    "empty_directory",
     "safe_dir_name",
     "stale_workspaces",
     "take_workspace_slot",
@@ -80,6 +81,20 @@ def clear_tree(root: Path) -> bool:
         _open_directories(root)
         remove_tree(root)
     return not os.path.lexists(root)
+
+
+def empty_directory(directory: Path) -> Path | None:
+    """Removes what `directory` holds (`clear_tree` each entry), keeping the
+    directory itself (a shell's working directory, say): None, or the first
+    entry that would not go. A missing directory is empty."""
+    try:
+        entries = list(directory.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    for entry in entries:
+        if not clear_tree(entry):
+            return entry
+    return None
 
 
 def _open_directories(root: Path) -> None:

@@ -778,6 +778,30 @@ def test_checkout_of_the_runs_own_repository_is_satisfied(tmp_path: Path) -> Non
     assert not any("is not checked out" in line for line in lines)
 
 
+def test_checkout_of_a_repository_of_the_same_name_and_another_owner_fetches_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork's workflow (`acme/tool`, from its remote) checking out
+    `upstream/tool` gets upstream's default branch, as on GitHub; its own
+    `owner/name` in any case is the snapshot."""
+    _git_workspace(tmp_path)
+    mirrors = tmp_path / "mirrors"
+    _mirror_of_another_repository(mirrors)
+    (mirrors / "upstream").mkdir()
+    (mirrors / "other" / "lib.git").rename(mirrors / "upstream" / "tool.git")
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{mirrors}")
+    steps = [
+        {"uses": "actions/checkout@v4", "with": {"repository": "upstream/tool", "path": "up"}},
+        {"uses": "actions/checkout@v4", "with": {"repository": "Acme/Tool.git", "path": "own"}},
+        {"run": "cat up/lib.txt && test -f own/hello.txt && test ! -e own/lib.txt"},
+    ]
+    result, lines = run_job(
+        tmp_path, steps, contexts={"github": {"event_name": "push", "repository": "acme/tool"}}
+    )
+    assert result.conclusion == "success", lines
+    assert "two" in lines
+
+
 def test_composite_action_inputs_outputs(tmp_path: Path) -> None:
     action = """\
         name: greet

@@ -284,7 +284,7 @@ async def checkout_step(
     repository = inputs.get("repository", "").strip()
     current = str(github.get("repository") or "")
     other: str | None = None  # another repository, fetched
-    if repository and not _same_name(repository, current):
+    if repository and not _same_repository(repository, current):
         if current.startswith("local/"):  # no GitHub remote: the name may differ
             log(
                 f"actions/checkout: cannot tell whether {repository!r} is this repository "
@@ -464,16 +464,19 @@ async def _fresh_checkout(dest: Path, recheckout: Callable[[Path], Awaitable[Non
         await anyio.to_thread.run_sync(clear_tree, fresh)
 
 
-def _same_name(wanted: str, current: str) -> bool:
-    """Whether `owner/name` names the run's repository `current`. Only the
-    names are compared (any case, an optional `.git`): `github.repository`
-    is read from the origin remote's last two path parts, so its owner part
-    is a guess for a remote that is not GitHub's."""
+def _same_repository(wanted: str, current: str) -> bool:
+    """Whether `owner/name` names the run's repository `current` (any case,
+    an optional `.git`). Both parts count when `current` came from a
+    host's remote URL: a fork's workflow checking out `upstream/proj` gets
+    upstream's, as on GitHub. A repository with no such remote
+    (`local/<dir>`) has no known owner, so only the names are compared."""
 
-    def name(repository: str) -> str:
-        return repository.strip().lower().removesuffix(".git").rsplit("/", 1)[-1]
+    def parts(repository: str) -> list[str]:
+        return repository.strip().lower().removesuffix(".git").rsplit("/", 1)
 
-    return name(wanted) == name(current)
+    if current.startswith("local/"):
+        return parts(wanted)[-1] == parts(current)[-1]
+    return parts(wanted) == parts(current)
 
 
 def _current_refs(github: Mapping[str, Any]) -> set[str]:

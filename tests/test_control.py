@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from preloop.control import NonTerminalConclusion, Store, UnknownRun, open_store
+from preloop.control.db import Tx
 from preloop.testing.plans import PlanBuilder, drive, profile_plan
 from preloop.workflow.plan import ConcurrencySpec, Plan
 
@@ -590,6 +591,30 @@ def test_runs_are_numbered_per_workflow_and_repository(store: Store) -> None:
     # Attempts only count up, whichever attempt is re-run (GitHub's too).
     assert number(store.rerun(second, failed_only=False)) == ("2", "4")
     assert number(store.submit_run(ci, github=gh))[0] == "3"
+
+
+def test_a_store_from_before_run_numbers_numbers_on_after_its_runs(store_url: str) -> None:
+    """A store upgraded from before `github.run_number` (schema 29) goes on
+    counting after the runs it has, re-runs not counted, not from 1 again."""
+    b = PlanBuilder()
+    b.job("a")
+    ci = b.plan("ci")
+    with open_store(store_url) as store:
+        runs = [store.submit_run(ci, github={"repository": "o/r"}) for _ in range(3)]
+        drive(store, ci, runs[0])
+        store.rerun(runs[0], failed_only=False)
+        store.submit_run(ci)  # no repository
+
+        # As schema 29 left a store whose runs came before it: no numbers.
+        def before_numbers(tx: Tx) -> None:
+            tx.execute("DELETE FROM run_numbers")
+            tx.execute("UPDATE preloop_schema_version SET version = 29")
+
+        store._db.transaction("test", before_numbers)
+    with open_store(store_url) as store:
+        github = store.run_context(store.submit_run(ci, github={"repository": "o/r"}))["github"]
+        assert github["run_number"] == "4"
+        assert store.run_context(store.submit_run(ci))["github"]["run_number"] == "2"
 
 
 def test_runs_submitted_at_once_get_distinct_numbers(store_url: str) -> None:

@@ -2421,6 +2421,25 @@ _V29_RUN_NUMBERS: list[Statement] = [
     )""",
 ]
 
+# Runs stored before migration 29 count: each workflow's numbering in its
+# repository goes on after the runs it already has (re-runs keep theirs), not
+# from 1 again.
+_SEED_RUN_NUMBERS = """INSERT INTO run_numbers (repository, workflow, last)
+    SELECT coalesce({repository}, ''), workflow, count(*) FROM runs
+     WHERE rerun_of IS NULL GROUP BY 1, 2
+    ON CONFLICT (repository, workflow)
+    DO UPDATE SET last = {greatest}(run_numbers.last, excluded.last)"""
+_V30_SEED_RUN_NUMBERS: list[Statement] = [
+    {
+        "pg": _SEED_RUN_NUMBERS.format(
+            repository="context::JSON -> 'github' ->> 'repository'", greatest="GREATEST"
+        ),
+        "lite": _SEED_RUN_NUMBERS.format(
+            repository="json_extract(context, '$.github.repository')", greatest="max"
+        ),
+    }
+]
+
 MIGRATIONS: list[list[Statement]] = [
     _V1,
     [{"pg": _SETTLE_FN, "lite": None}],
@@ -2456,6 +2475,7 @@ MIGRATIONS: list[list[Statement]] = [
     _V27_EARLY_GROUPS,
     _V28_ARTIFACT_TYPE,
     _V29_RUN_NUMBERS,
+    _V30_SEED_RUN_NUMBERS,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 

@@ -14,6 +14,7 @@ from tests.actions_support import JS_ACTION, git_calls, git_wrapper, publish_act
 from tests.run_support import make_repo, results, run_engine, workflow
 
 from preloop.actions.reference import parse_overrides
+from preloop.workflow import WorkflowError
 
 pytest_plugins = ["preloop.testing.control_fixtures"]
 
@@ -342,6 +343,41 @@ def test_a_remote_reusable_workflow_skipped_by_an_override_ends_skipped(
     reason = "acme/flows/.github/workflows/build.yml@v1 skipped by an override: offline"
     assert call.reason == reason
     assert "result=skipped got=." in h.lines["after"]
+
+
+def test_a_job_asked_for_runs_without_fetching_what_other_jobs_call(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--job test` (and what it needs) runs offline: a remote reusable
+    workflow only another job calls is not fetched; one a needed job calls
+    still is (and fails in one line here, offline)."""
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path}/offline")
+    monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
+    files = workflow(
+        """\
+        on: push
+        jobs:
+          call:
+            uses: acme/flows/.github/workflows/build.yml@v1
+          build:
+            runs-on: ubuntu-latest
+            steps: [{run: echo built}]
+          test:
+            needs: [build]
+            runs-on: ubuntu-latest
+            steps: [{run: echo tested}]
+          publish:
+            needs: [call, test]
+            runs-on: ubuntu-latest
+            steps: [{run: echo published}]
+        """
+    )
+    repo = make_repo(tmp_path / "repo", files)
+    outcome, h = run_engine(repo, store_url, tmp_path / "state", job="test")
+    assert outcome.conclusion == "success", h.all_text()
+    assert {j.id: j.conclusion for j in outcome.jobs} == {"build": "success", "test": "success"}
+    with pytest.raises(WorkflowError, match=r"reusable workflow 'acme/flows/\.github"):
+        run_engine(repo, store_url, tmp_path / "state", job="publish")
 
 
 def test_remote_reusable_workflow_resolves_once_per_run(

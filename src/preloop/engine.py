@@ -470,12 +470,14 @@ class Engine:
         skipped: list[SkippedWorkflow] = []
         loaded: list[tuple[Path, Any]] = []
         remote = PlanRun(self.state_dir, req.action_overrides, run_key=self.run_key)
+        names = [*req.jobs, *([req.job] if req.job else [])]
+        # With --job, a remote reusable workflow that no job asked for needs
+        # is not fetched: the job runs offline whatever else the file calls.
+        load = functools.partial(load_workflow, root=root, jobs=names or None)
         try:
             for path in paths:
                 try:
-                    loaded.append(
-                        (path, remote.load(functools.partial(load_workflow, path, root=root)))
-                    )
+                    loaded.append((path, remote.load(functools.partial(load, path))))
                 except WorkflowError as exc:
                     errors.append((path, exc))
         finally:
@@ -539,7 +541,6 @@ class Engine:
                 root, event, github, local, default_ref, inputs=event_inputs, before=req.before
             )
         github["event"] = payload
-        names = [*req.jobs, *([req.job] if req.job else [])]
         plans: list[Plan] = []
         reasons: list[str] = []
         all_jobs: set[str] = set()

@@ -12,7 +12,7 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,14 +177,22 @@ def _repo_root(path: Path) -> Path:
 
 
 def load_workflow(
-    path: str | os.PathLike[str], *, root: str | os.PathLike[str] | None = None
+    path: str | os.PathLike[str],
+    *,
+    root: str | os.PathLike[str] | None = None,
+    jobs: Collection[str] | None = None,
 ) -> Workflow:
-    """Loads and validates one workflow file (and the local reusable workflows
-    it calls). Raises WorkflowError listing every problem."""
+    """Loads and validates one workflow file (and the reusable workflows it
+    calls). With `jobs` (`--job` names: job keys or `caller/inner`), only
+    those jobs and the jobs they need fetch the remote reusable workflows
+    they call; another caller of one is loaded as skipped, so a job asked
+    for runs offline whatever the rest of the file calls. Raises
+    WorkflowError listing every problem."""
     p = Path(path)
     try:
         repo = Path(root) if root is not None else _repo_root(p)
-        state = _State(repo=repo.resolve())
+        asked = None if jobs is None else frozenset(n.split("/", 1)[0].lower() for n in jobs)
+        state = _State(repo=repo.resolve(), asked=asked)
         display = _display(p, repo)
         p.resolve(strict=True)
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11)
@@ -195,6 +203,27 @@ def load_workflow(
     if state.errors or wf is None:
         raise WorkflowError(state.errors or [Diagnostic(display, 1, 1, "empty workflow")], display)
     return wf
+
+
+def _needed_by(jobs: YMap, asked: frozenset[str]) -> frozenset[str]:
+    """The job keys of `jobs` (lower case) among `asked` and every job they
+    need, read from the raw `needs:` (a job the loader will refuse counts
+    too: fetching more than needed is harmless)."""
+    needs: dict[str, list[str]] = {}
+    for k, v in jobs.items:
+        node = v.get("needs") if isinstance(v, YMap) else None
+        items = node.items if isinstance(node, YSeq) else [node] if node is not None else []
+        needs[str(k.value).lower()] = [
+            str(n.value).lower() for n in items if isinstance(n, YScalar) and n.value is not None
+        ]
+    keep: set[str] = set()
+    todo = [a for a in asked if a in needs]
+    while todo:
+        job = todo.pop()
+        if job not in keep:
+            keep.add(job)
+            todo.extend(needs.get(job, []))
+    return frozenset(keep)
 
 
 def _display(p: Path, repo: Path) -> str:
@@ -213,6 +242,8 @@ class _State:
     called: set[Path] = field(default_factory=set)  # every reusable workflow in the tree
     # Repository root of each workflow file fetched from another repository.
     origins: dict[Path, Path] = field(default_factory=dict)
+    # The top-level job keys asked for (lower case), None for every job.
+    asked: frozenset[str] | None = None
 
 
 def _load(state: _State, p: Path, depth: int, display: str) -> Workflow | None:
@@ -267,6 +298,9 @@ class _Reader:
         self.allowed: frozenset[str] = ex.CONTEXT_NAMES
         self.functions: Mapping[str, int] = dict.fromkeys(_SPECIAL_FUNCTIONS, 0)
         self.wf_permissions: Any = None
+        # Job keys (lower case) whose remote reusable workflows are fetched;
+        # None: every job's.
+        self.fetching: frozenset[str] | None = None
 
     def using(self, contexts: frozenset[str], functions: Mapping[str, int] | None = None) -> _Using:
         """Values read inside may use only these contexts and special functions."""
@@ -827,6 +861,8 @@ class _Reader:
         jobs: list[Job] = []
         need_nodes: dict[str, list[YScalar]] = {}
         seen: set[str] = set()
+        if self.depth == 1 and self.state.asked is not None:
+            self.fetching = _needed_by(m, self.state.asked)
         for k, v in m.items:
             job_id = str(k.value)
             if job_id.lower() in seen:
@@ -1352,7 +1388,15 @@ class _Reader:
                 secrets = frozen_map({str(k.value): plain(v) for k, v in sm.items})
                 secret_keys = {str(k.value): v for k, v in sm.items if isinstance(v, YScalar)}
         callee = None
-        if uses is not None and (skipped := skipped_workflow(uses)) is not None:
+        skipped = None if uses is None else skipped_workflow(uses)
+        if (
+            uses is not None
+            and self.fetching is not None
+            and str(common["id"]).lower() not in self.fetching
+            and not is_local(uses)
+        ):
+            skipped = "not asked for (--job): not fetched"
+        if uses is not None and skipped is not None:
             return Job(
                 **common, uses=uses, with_=frozen_map(with_), secrets=secrets, skipped_call=skipped
             )

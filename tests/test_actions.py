@@ -42,6 +42,7 @@ class Env:
         overrides: str = "",
         run_key: str | None = None,
         base_url: str | None = None,
+        secrets: dict[str, str] | None = None,
     ) -> tuple[JobResult, list[str]]:
         self.runs += 1
         job_dir = self.tmp / f"job{self.runs}"
@@ -70,6 +71,7 @@ class Env:
                     actions=source,
                 ),
                 log=lines.append,
+                secrets=secrets,
             )
         )
         return result, lines
@@ -518,6 +520,52 @@ def test_override_directory_and_skip(env: Env, tmp_path: Path) -> None:
     notices = [a.message for a in result.annotations if a.level == "notice"]
     assert notices == ["acme/setup-thing@v2 skipped by an override: not needed locally"]
     assert not (env.state / "actions" / "repos").exists()  # nothing was fetched
+
+
+TOKEN_ACTION = {
+    "action.yml": """\
+        name: api
+        inputs:
+          github-token:
+            default: ${{ github.token }}
+            required: false
+          fallback:
+            default: ${{ github.server_url == 'https://github.com' && github.token || '' }}
+        runs:
+          using: node20
+          main: main.js
+        """,
+    "main.js": """\
+        const core = require('@actions/core');
+        try {
+          const token = core.getInput('github-token', {required: true});
+          console.log('token=' + token + ' fallback=' + core.getInput('fallback'));
+        } catch (err) {
+          core.setFailed(err.message);  // as github-script (and the action templates) do
+        }
+        """,
+}
+
+
+def test_the_jobs_token_is_the_one_given_and_its_absence_is_named(env: Env) -> None:
+    """`--secret GITHUB_TOKEN` is `secrets.GITHUB_TOKEN` and `github.token`
+    (it was replaced by an empty one), masked; without one, an action that
+    requires an input defaulting to it (github-script's `github-token`)
+    fails with @actions/core's words and a hint saying how to give one."""
+    publish_action(env.remotes, "acme/api", TOKEN_ACTION)
+    steps: list[dict[str, Any]] = [
+        {"uses": "acme/api@v1"},
+        {"run": 'test "${{ github.token }}" = tok-123 && echo "s=${{ secrets.GITHUB_TOKEN }}"'},
+    ]
+    result, lines = env.run(steps, secrets={"GITHUB_TOKEN": "tok-123"})
+    assert result.conclusion == "success", lines
+    assert "token=*** fallback=***" in lines and "s=***" in lines
+    result, lines = env.run(steps)
+    assert result.conclusion == "failure"
+    hints = [line for line in lines if "defaults to the job's token" in line]
+    assert len(hints) == 1, lines
+    assert hints[0].startswith("acme/api@v1: input 'github-token' defaults to the job's token")
+    assert "`--secret GITHUB_TOKEN`" in hints[0]
 
 
 def test_local_action_is_read_when_its_step_runs(env: Env) -> None:

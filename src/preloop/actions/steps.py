@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,8 @@ class _StepActionState:
     resolved: _Resolved | None = None
     error: str | None = None
     state: dict[str, str] = field(default_factory=dict)
+    # Inputs whose default, the job's token, was empty (see `token_hint`).
+    empty_token: list[str] = field(default_factory=list)
 
 
 _docker_checked: dict[str, str | None] = {}
@@ -134,6 +137,10 @@ def _annotation(level: str, message: str, job: str, step: str = "") -> Annotatio
     from preloop.runner.commands import Annotation
 
     return Annotation(level, message, job, step)
+
+
+# An input default naming the job's token (`${{ github.token }}`).
+_TOKEN = re.compile(r"\bgithub\.token\b|\bsecrets\.GITHUB_TOKEN\b", re.IGNORECASE)
 
 
 def input_env_name(name: str) -> str:
@@ -225,11 +232,14 @@ class ActionSteps:
         given = self.run.with_inputs(step, ctx)
         label = str(step.get("uses", ""))  # pre and main warn once, naming the action
         values: dict[str, str] = {}
+        empty_token: list[str] = []
         for key, decl in meta.inputs.items():
             if key in given:
                 values[key] = given[key]
             elif "default" in decl:
                 values[key] = self.run.template(decl["default"], ctx)
+                if not values[key] and _TOKEN.search(str(decl["default"])):
+                    empty_token.append(key)
             else:
                 values[key] = ""
                 if decl.get("required") is True:
@@ -244,7 +254,29 @@ class ActionSteps:
             )
         for key in unexpected:
             values[key] = given[key]
+        self._state_of(step).empty_token = empty_token
         return values
+
+    def token_hint(self, step: Mapping[str, Any], errors: Sequence[str]) -> str | None:
+        """Why a failed action failed when its `errors` say a required input
+        was not supplied (@actions/core's words) and that input defaults to
+        the job's token (`${{ github.token }}`, github-script's
+        `github-token`), which is empty unless the run was given one."""
+        entry = self.per_step.get(id(step))
+        if entry is None or entry[0] is not step:
+            return None
+        keys = [
+            k
+            for k in entry[1].empty_token
+            if any(f"Input required and not supplied: {k}" in e for e in errors)
+        ]
+        if not keys:
+            return None
+        return (
+            f"{step.get('uses')}: input '{keys[0]}' defaults to the job's token, which is empty "
+            "here: preloop has one only when given `--secret GITHUB_TOKEN` "
+            "(`GITHUB_TOKEN=$(gh auth token)`; any value does for a step that calls no GitHub API)"
+        )
 
     def action_env(
         self,

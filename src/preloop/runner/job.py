@@ -337,6 +337,8 @@ class _Execution:
         github.setdefault("head_ref", "")
         github.setdefault("workflow_sha", github.get("sha", ""))
         github["event_path"] = str(host.temp / "_github_event.json")
+        # GitHub's job token is both: here only a `--secret GITHUB_TOKEN` given.
+        github["token"] = str(secrets.get("GITHUB_TOKEN") or "")
         if repository := str(github.get("repository") or ""):
             server = str(github["server_url"]).removeprefix("https://").removeprefix("http://")
             github.setdefault("repositoryUrl", f"git://{server}/{repository}.git")
@@ -365,7 +367,7 @@ class _Execution:
             "matrix": contexts.get("matrix"),
             "strategy": strategy_context(contexts.get("strategy")),
             "vars": contexts.get("vars") or {},
-            "secrets": {**dict(secrets), "GITHUB_TOKEN": ""},
+            "secrets": {"GITHUB_TOKEN": "", **dict(secrets)},
             "runner": self.runner_ctx,
             "job": {"status": "success", "container": {}, "services": {}},
         }
@@ -579,6 +581,10 @@ class _Execution:
             self.log(f"✖ {name}: {outcome}{suffix}")
             if step.get("uses"):
                 self.setup_hint(step, scope, pre_env, name)
+                errors = [a.message for a in self.annotations if a.step == name]
+                if hint := self.actions.token_hint(step, errors):
+                    self.log(hint)
+                    self.annotations.append(Annotation("error", hint, self.job_key, name))
         self.record(scope, step_id, name, outcome, conclusion, outputs, elapsed)
         if conclusion == "failure":
             scope.failed = True

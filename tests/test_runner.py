@@ -504,6 +504,8 @@ def test_workflow_commands_mask_group_annotations(tmp_path: Path) -> None:
                     echo "::endgroup::"
                     echo "::error file=a.py,line=3::broken thing"
                     echo "::warning::careful"
+                    echo "::error file=$GITHUB_WORKSPACE/src/b.py,line=4::linted"
+                    echo "::notice file=/etc/hosts::outside"
                     echo "mysecretvalue appears"
                     echo "# Summary" >> "$GITHUB_STEP_SUMMARY"
                     """
@@ -519,7 +521,11 @@ def test_workflow_commands_mask_group_annotations(tmp_path: Path) -> None:
     assert [(a.level, a.message, a.file, a.line) for a in result.annotations] == [
         ("error", "broken thing", "a.py", 3),
         ("warning", "careful", None, None),
+        # Relative to the workspace, as GitHub's runner makes it.
+        ("error", "linted", "src/b.py", 4),
+        ("notice", "outside", "/etc/hosts", None),
     ]
+    assert "error: src/b.py:4: linted" in lines
     assert result.summary.strip() == "# Summary"
 
 

@@ -169,8 +169,13 @@ class WorkflowCommandParser:
         *,
         debug: bool = False,
         allow_unsecure: bool = False,
+        workspace: str = "",
     ) -> None:
         self.masker = masker
+        # An annotation's `file=` under it is made relative to it, as
+        # GitHub's runner does (IssueCommandExtension): `src/a.py`, not the
+        # job directory's absolute path that a linter prints.
+        self._workspace = workspace.rstrip("/")
         self._debug = debug  # show `::debug::` lines (step debug logging)
         # ACTIONS_ALLOW_UNSECURE_COMMANDS: `::set-env` / `::add-path` allowed
         self._allow_unsecure = allow_unsecure
@@ -178,6 +183,11 @@ class WorkflowCommandParser:
         self._job = job
         self._step = step
         self._stopped: str | None = None
+
+    def _relative(self, file: str | None) -> str | None:
+        if file and self._workspace and file.startswith(self._workspace + "/"):
+            return file[len(self._workspace) + 1 :]
+        return file
 
     def lines(self, raws: list[str]) -> list[str]:
         """The lines of `raws` to log, as `line()` returns them (hidden ones
@@ -230,7 +240,7 @@ class WorkflowCommandParser:
                 message=data,
                 job=self._job,
                 step=self._step,
-                file=props.get("file"),
+                file=self._relative(props.get("file")),
                 line=int(line_no) if line_no and line_no.isdigit() else None,
                 title=props.get("title"),
                 col=int(col) if col and col.isdigit() else None,

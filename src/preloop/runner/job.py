@@ -773,6 +773,7 @@ class _Execution:
             # read as .NET's bool.TryParse does: only "true", any case
             allow_unsecure=penv.get("ACTIONS_ALLOW_UNSECURE_COMMANDS", "").strip().lower()
             == "true",
+            workspace=str(self.github.get("workspace") or ""),
         )
 
         def on_lines(raws: list[str]) -> None:

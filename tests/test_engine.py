@@ -811,6 +811,40 @@ def test_a_job_without_a_matrix_has_a_null_matrix_context(tmp_path: Path, store_
     assert "plain=null" in h.all_text() and 'legs={"x":1}' in h.all_text()
 
 
+def test_configuration_variables_are_the_vars_context_everywhere(
+    tmp_path: Path, store_url: str
+) -> None:
+    """`--var NAME=VALUE` is `vars.NAME` when planning (`runs-on`, a
+    matrix), in the scheduler (a job's `if:`) and in steps; an unset one is
+    empty, as on GitHub. It was always empty: there was no way to give one."""
+    files = workflow(
+        """\
+        on: push
+        jobs:
+          build:
+            if: vars.BUILD == 'yes'
+            runs-on: ${{ vars.RUNNER || 'ubuntu-latest' }}
+            strategy:
+              matrix:
+                py: ${{ fromJSON(vars.PYTHONS) }}
+            env:
+              WHO: ${{ vars.WHO }}
+            steps:
+              - run: echo "py=${{ matrix.py }} who=$WHO unset=[${{ vars.UNSET }}]"
+          deploy:
+            if: vars.DEPLOY == 'yes'
+            runs-on: ubuntu-latest
+            steps: [{run: echo deployed}]
+        """
+    )
+    repo = make_repo(tmp_path / "repo", files)
+    given = {"BUILD": "yes", "RUNNER": "linux", "PYTHONS": '["3.11", "3.12"]', "WHO": "me"}
+    outcome, h = run_engine(repo, store_url, tmp_path / "state", vars=given)
+    assert outcome.conclusion == "success", h.all_text()
+    assert results(outcome) == {"build#0": "success", "build#1": "success", "deploy": "skipped"}
+    assert "py=3.11 who=me unset=[]" in h.all_text().splitlines()
+
+
 def test_a_job_name_that_uses_the_run_number_is_evaluated_as_the_job_starts(
     tmp_path: Path, store_url: str
 ) -> None:

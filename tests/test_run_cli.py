@@ -122,6 +122,35 @@ def test_run_plain_output_summary_and_exit_codes(tmp_path: Path) -> None:
     assert "no run 999" in missing.stderr
 
 
+def test_configuration_variables_from_the_command_line_and_a_file(tmp_path: Path) -> None:
+    """`--var-file` then `--var` (the later wins) give `vars`, to `preloop
+    plan` and `preloop run`; a malformed one is a one-line usage error."""
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              build:
+                runs-on: ${{ vars.RUNNER }}
+                steps:
+                  - run: echo "greeting=${{ vars.GREETING }} from=${{ vars.FROM }}"
+            """
+        ),
+    )
+    (tmp_path / "vars.env").write_text("GREETING=hello from file\nFROM='the file'\n")
+    state = tmp_path / "state"
+    given = ["--var-file", str(tmp_path / "vars.env"), "--var", "RUNNER=ubuntu-latest"]
+    plan = preloop("plan", "--json", *given, cwd=repo, state=state, check_code=0)
+    assert json.loads(plan.stdout)[0]["jobs"][0]["runs_on"] == ["ubuntu-latest"]
+    proc = preloop("run", *given, "--var", "GREETING=hi", cwd=repo, state=state, check_code=0)
+    assert "[build] greeting=hi from=the file" in proc.stdout
+    bad = preloop("run", "--var", "RUNNER", cwd=repo, state=state, check_code=2)
+    assert "--var RUNNER: use NAME=VALUE" in bad.stderr and "Traceback" not in bad.stderr
+    missing = preloop("plan", "--var-file", "nope.env", cwd=repo, state=state, check_code=2)
+    assert "--var-file nope.env: No such file or directory" in missing.stderr
+
+
 def test_bad_workflow_file_line_col_nothing_submitted(tmp_path: Path) -> None:
     repo = make_repo(
         tmp_path / "repo",

@@ -157,6 +157,7 @@ class RunRequest:
     # run only the legs with one of these values for each key (`matrix_filter`)
     matrix: dict[str, tuple[str, ...]] = field(default_factory=dict)
     inputs: dict[str, str] = field(default_factory=dict)  # --input NAME=VALUE
+    vars: dict[str, str] = field(default_factory=dict)  # --var NAME=VALUE: the `vars` context
     event_path: Path | None = None  # a JSON payload for github.event
     ref: str | None = None  # the ref the event is about (default: the current branch)
     base: str | None = None  # changes are counted from the merge base with this
@@ -546,7 +547,11 @@ class Engine:
         all_jobs: set[str] = set()
         for (wf, reason), inputs in zip(chosen, checked, strict=True):
             planned = plan(
-                wf, event, inputs=inputs, github=workflow_github_context(github, root, wf.path)
+                wf,
+                event,
+                inputs=inputs,
+                github=workflow_github_context(github, root, wf.path),
+                vars=req.vars,
             )
             all_jobs.update(known_jobs(planned))
             if names:

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from preloop.cli.app import cli, emit_json, plural
+from preloop.cli.secret_args import parse_vars, var_options
 from preloop.errors import UsageError
 from preloop.workflow import (
     Plan,
@@ -99,6 +100,7 @@ def stages(p: Plan) -> list[list[PlannedJob]]:
 @click.option(
     "--base", help="Count changed paths from the merge base with this revision (see `run`)."
 )
+@var_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plans as JSON for scripts.")
 def plan_command(
     file: Path | None,
@@ -106,6 +108,8 @@ def plan_command(
     inputs: tuple[str, ...],
     ref: str | None,
     base: str | None,
+    variables: tuple[str, ...],
+    var_files: tuple[Path, ...],
     as_json: bool,
 ) -> None:
     """Shows what a run would execute: which workflows the event triggers and
@@ -115,6 +119,7 @@ def plan_command(
     valid workflows' plans (exit status 1)."""
     check_event_name(event, EVENTS)
     given = parse_pairs("--input", inputs)
+    config_vars = parse_vars(variables, var_files)
     # The file's own directory, not its target: a symlink (or a symlink loop,
     # reported by the loader as `file:1:1`) must not break the lookup.
     root = _find_root(Path.cwd() if file is None else file.absolute().parent)
@@ -159,7 +164,8 @@ def plan_command(
         mine = given if len(paths) == 1 else {k: v for k, v in given.items() if k in declared}
         typed = check_inputs(wf, event, mine) if event in wf.on else dict(given)
         wf_github = workflow_github_context(github, root, wf.path)
-        plans.append((plan(wf, event, inputs=typed, github=wf_github), trig.reason))
+        planned = plan(wf, event, inputs=typed, github=wf_github, vars=config_vars)
+        plans.append((planned, trig.reason))
         run_githubs[wf.path] = wf_github
     invalid = WorkflowError(problems) if problems else None
     if invalid is not None and not plans:
@@ -247,7 +253,7 @@ def _run_scoped_group(p: Plan, github: dict[str, Any]) -> str:
         "run_number": "<run number>",
         "run_attempt": "<run attempt>",
     }
-    contexts = {"env": p.env, "inputs": p.inputs, "github": run_github}
+    contexts = {"env": p.env, "inputs": p.inputs, "github": run_github, "vars": p.vars}
     try:
         return str(evaluate(conc.group_expr, contexts))
     except ExpressionError:

@@ -20,7 +20,13 @@ from rich.text import Text
 from preloop import config
 from preloop.actions.reference import Overrides, parse_overrides
 from preloop.cli.app import cli, echo_error, emit_json, make_console, plural
-from preloop.cli.secret_args import parse_secrets, sandbox_options, secret_options
+from preloop.cli.secret_args import (
+    parse_secrets,
+    parse_vars,
+    sandbox_options,
+    secret_options,
+    var_options,
+)
 from preloop.control import JobInfo, Lease
 from preloop.engine import (
     Engine,
@@ -411,6 +417,7 @@ async def _run(engine: Engine, progress: _Progress) -> RunsOutcome | None:
     help="State directory (default: $PRELOOP_STATE_DIR).",
 )
 @secret_options
+@var_options
 @sandbox_options
 @click.option(
     "--action",
@@ -457,6 +464,8 @@ def run_command(
     state_dir: Path | None,
     secret: tuple[str, ...],
     secret_files: tuple[Path, ...],
+    variables: tuple[str, ...],
+    var_files: tuple[Path, ...],
     sandbox: bool,
     sandbox_network: str,
     actions: tuple[str, ...],
@@ -496,6 +505,7 @@ def run_command(
         sandbox_network=sandbox_network,
         action_overrides=parse_overrides(actions, "--action"),
         inputs=parse_pairs("--input", inputs),
+        vars=parse_vars(variables, var_files),
         event_path=event_path,
         matrix=matrix_filter(split_pairs("--matrix", matrix)),
         platforms=platform_map,

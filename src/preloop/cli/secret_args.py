@@ -1,11 +1,14 @@
-"""Secrets given to `preloop run` / `preloop runner`: `--secret` and `--secret-file`.
+"""Secrets given to `preloop run` / `preloop runner`: `--secret` and
+`--secret-file`; and the `vars` context's configuration variables,
+`--var NAME=VALUE` and `--var-file FILE` (`preloop run`, `preloop plan`).
 
 `--secret NAME=VALUE` puts the value in the process list (`ps`,
 `/proc/<pid>/cmdline`, readable by every local user), so it draws a one-time
 warning; `--secret NAME` (the value from the environment) and
 `--secret-file FILE` do not.
 
-A secret file is in dotenv format, as `act --secret-file` reads it:
+A secret file (and a variables file) is in dotenv format, as `act
+--secret-file` reads it:
 
     # a comment
     NAME=value                 # unquoted: trailing ` # comment` and blanks removed
@@ -13,7 +16,7 @@ A secret file is in dotenv format, as `act --secret-file` reads it:
     QUOTED="a \\"b\\"\\nsecond line"   # double quotes: \\n \\r \\t \\\\ \\" escapes, may span lines
     RAW='no $escapes here'     # single quotes: literal, may span lines
 
-Later definitions win, and `--secret` arguments win over the files.
+Later definitions win, and `--secret` (`--var`) arguments win over the files.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ from preloop.errors import UsageError
 __all__ = [
     "parse_secret_file",
     "parse_secrets",
+    "parse_vars",
     "sandbox_options",
     "secret_options",
     "secret_warning",
+    "var_options",
 ]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -71,21 +76,21 @@ def _double_quoted(text: str, pos: int, where: str) -> tuple[str, int]:
     raise UsageError(f"{where}: unterminated double-quoted value")
 
 
-def parse_secret_file(path: Path) -> dict[str, str]:
+def parse_secret_file(path: Path, option: str = "--secret-file") -> dict[str, str]:
     """NAME -> value from a dotenv file (see the module docstring). A missing
-    or malformed file is a `UsageError` naming the file and line."""
+    or malformed file is a `UsageError` naming `option`, the file and line."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
-        raise UsageError(f"--secret-file {path}: {exc.strerror or exc}") from None
+        raise UsageError(f"{option} {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
-        raise UsageError(f"--secret-file {path}: not UTF-8 text") from None
+        raise UsageError(f"{option} {path}: not UTF-8 text") from None
     secrets: dict[str, str] = {}
     i = 0
     n = len(text)
     while i < n:
         line_no = text.count("\n", 0, i) + 1
-        where = f"--secret-file {path}:{line_no}"
+        where = f"{option} {path}:{line_no}"
         end = text.find("\n", i)
         end = n if end < 0 else end
         line = text[i:end]
@@ -158,6 +163,37 @@ def parse_secrets(
             raise UsageError("--secret =...: use NAME=VALUE")
         secrets[key] = value
     return secrets
+
+
+def parse_vars(values: Iterable[str], files: Iterable[Path] = ()) -> dict[str, str]:
+    """The `vars` context: `--var-file` FILEs, then `--var NAME=VALUE`s."""
+    found: dict[str, str] = {}
+    for path in files:
+        found.update(parse_secret_file(path, "--var-file"))
+    for item in values:
+        name, eq, value = item.partition("=")
+        if not eq or not _NAME.fullmatch(name):
+            raise UsageError(f"--var {item}: use NAME=VALUE (a name is letters, digits and _)")
+        found[name] = value
+    return found
+
+
+def var_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`--var` and `--var-file`, shared by `preloop run` and `preloop plan`."""
+    fn = click.option(
+        "--var-file",
+        "var_files",
+        multiple=True,
+        type=click.Path(path_type=Path, dir_okay=False),
+        help="A dotenv file of configuration variables (the `vars` context; may be repeated).",
+    )(fn)
+    return click.option(
+        "--var",
+        "variables",
+        multiple=True,
+        metavar="NAME=VALUE",
+        help="A configuration variable, `vars.NAME` (repository variables on GitHub); repeatable.",
+    )(fn)
 
 
 def secret_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -294,7 +294,7 @@ class Store:
         if "run_number" not in github:
             repository = str(github.get("repository") or "")
             github["run_number"] = str(self._number_run(repository, plan.workflow))
-        context = {"env": plan.env, "inputs": plan.inputs, "github": github}
+        context = {"env": plan.env, "inputs": plan.inputs, "github": github, "vars": plan.vars}
         cascade_groups: set[str] = set()
 
         def tx_fn(tx: Tx) -> int:

@@ -220,6 +220,7 @@ class Plan:
     env: dict[str, str] = field(default_factory=dict)
     inputs: dict[str, Any] = field(default_factory=dict)  # workflow_dispatch / call inputs
     github_workflow: str = ""  # `github.workflow`: `name:`, else the file's path
+    vars: dict[str, str] = field(default_factory=dict)  # the `vars` context it was planned with
     version: int = PLAN_FORMAT_VERSION
 
     def job(self, job_id: str) -> PlannedJob:
@@ -240,6 +241,7 @@ class Plan:
             "env": dict(self.env),
             "inputs": dict(self.inputs),
             "github_workflow": self.github_workflow,
+            "vars": dict(self.vars),
         }
 
     @classmethod
@@ -259,6 +261,7 @@ class Plan:
             env=dict(d.get("env", {})),
             inputs=dict(d.get("inputs", {})),
             github_workflow=str(d.get("github_workflow") or ""),
+            vars=dict(d.get("vars", {})),
         )
 
     def to_json(self) -> str:

@@ -758,6 +758,7 @@ def plan(
         env=dict(thaw(workflow.env)),
         inputs=all_inputs,
         github_workflow=workflow.github_workflow,
+        vars=contexts["vars"],
     )
 
 

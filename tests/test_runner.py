@@ -1156,3 +1156,78 @@ def test_a_container_that_evaluates_to_nothing_is_no_container(tmp_path: Path) -
     )
     warnings = [a.message for a in result.annotations if a.level == "warning"]
     assert any("`container:`" in w for w in warnings)
+
+
+_FLAKE8_MATCHER = """\
+    {"problemMatcher": [
+      {"owner": "flake8-error", "severity": "error", "pattern": [
+        {"regexp": "^([^:]*):(\\\\d+):(\\\\d+): ([EF]\\\\d\\\\d\\\\d) (.*)$",
+         "file": 1, "line": 2, "column": 3, "code": 4, "message": 5}]},
+      {"owner": "flake8-warning", "severity": "warning", "pattern": [
+        {"regexp": "^([^:]*):(\\\\d+):(\\\\d+): ([W]\\\\d\\\\d\\\\d) (.*)$",
+         "file": 1, "line": 2, "column": 3, "code": 4, "message": 5}]}]}
+    """
+
+# setup-python's .github/python.json: a traceback's last frame and its raise
+_PYTHON_MATCHER = """\
+    {"problemMatcher": [{"owner": "python", "pattern": [
+      {"regexp": "^\\\\s*File\\\\s\\\\\\"(.*)\\\\\\",\\\\sline\\\\s(\\\\d+),\\\\sin\\\\s(.*)$",
+       "file": 1, "line": 2},
+      {"regexp": "^\\\\s*raise\\\\s(.*)\\\\(\\\\'(.*)\\\\'\\\\)$", "message": 2}]}]}
+    """
+
+
+def test_problem_matchers_turn_later_output_into_annotations_as_on_github(
+    tmp_path: Path,
+) -> None:
+    """`::add-matcher::` (liskin/gh-problem-matcher-wrap, setup-python) registers
+    matchers for the rest of the job; the command lines are not shown; a
+    matched line is logged as it is and becomes an annotation whose file is
+    kept relative to the workspace when it exists there; `::remove-matcher
+    owner=X::` ends one."""
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"run": 'echo "::add-matcher::.github/flake8.json"'},
+            {
+                "run": textwrap.dedent(
+                    """\
+                    echo "pkg/mod.py:3:1: F401 'os' imported but unused"
+                    echo "gone.py:7:80: W291 trailing whitespace"
+                    echo "::add-matcher::$GITHUB_WORKSPACE/.github/python.json"
+                    echo '  File "pkg/mod.py", line 9, in main'
+                    echo "    raise ValueError('bad value')"
+                    echo "::remove-matcher owner=flake8-error::"
+                    echo "pkg/mod.py:4:1: E302 expected 2 blank lines"
+                    """
+                )
+            },
+        ],
+        files={
+            ".github/flake8.json": _FLAKE8_MATCHER,
+            ".github/python.json": _PYTHON_MATCHER,
+            "pkg/mod.py": "import os\n",
+        },
+    )
+    assert result.conclusion == "success"
+    assert not any(line.startswith("::") for line in lines)
+    assert "pkg/mod.py:3:1: F401 'os' imported but unused" in lines
+    assert [(a.level, a.message, a.file, a.line, a.col) for a in result.annotations] == [
+        ("error", "'os' imported but unused", "pkg/mod.py", 3, 1),
+        ("warning", "trailing whitespace", None, 7, 80),  # no such file: dropped
+        ("error", "bad value", "pkg/mod.py", 9, None),
+    ]
+
+
+def test_a_matcher_file_the_runner_cannot_use_fails_its_step(tmp_path: Path) -> None:
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"run": 'echo "::add-matcher::bad.json"'},
+            {"run": 'echo "::add-matcher::"; echo still running'},
+        ],
+        files={"bad.json": '{"problemMatcher": [{"owner": "x", "pattern": [{"regexp": "x"}]}]}'},
+    )
+    assert result.conclusion == "failure"
+    assert any("At least one pattern must set 'message'" in a.message for a in result.annotations)
+    assert any("Unable to process command '::add-matcher::bad.json'" in line for line in lines)

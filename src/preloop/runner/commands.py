@@ -8,7 +8,9 @@
   `::notice ...::msg`, `::debug::msg`, the deprecated `::set-output name=x::v`
   and `::save-state name=x::v`, `::set-env`/`::add-path` (a failure of the
   step unless `ACTIONS_ALLOW_UNSECURE_COMMANDS` is true, as on GitHub), and
-  `::stop-commands::TOKEN` ... `::TOKEN::`.
+  `::stop-commands::TOKEN` ... `::TOKEN::`, and `::add-matcher::FILE` /
+  `::remove-matcher owner=X::` (problem matchers, `preloop.runner.matchers`:
+  the job's registered matchers turn matching output lines into annotations).
 - Masking (`preloop.runner.masking.Masker`): every registered value (secrets,
   `::add-mask::`) and its encoded forms are replaced by `***` in every line
   and in every property of a command (an annotation's `file=` and `title=`
@@ -17,12 +19,15 @@
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from preloop.errors import PreloopError
 from preloop.runner.masking import MASK, Masker
+from preloop.runner.matchers import MatcherError, ProblemMatchers, StepMatchers, load_matchers
 
 __all__ = [
     "MASK",
@@ -30,6 +35,7 @@ __all__ = [
     "CommandEffects",
     "EnvFileError",
     "Masker",
+    "ProblemMatchers",
     "WorkflowCommandParser",
     "parse_env_file",
     "parse_path_file",
@@ -169,13 +175,15 @@ class WorkflowCommandParser:
         *,
         debug: bool = False,
         allow_unsecure: bool = False,
-        workspace: str = "",
+        matchers: ProblemMatchers | None = None,
+        workspace: Path | None = None,
+        host_path: Callable[[Path], Path] | None = None,
     ) -> None:
         self.masker = masker
         # An annotation's `file=` under it is made relative to it, as
         # GitHub's runner does (IssueCommandExtension): `src/a.py`, not the
         # job directory's absolute path that a linter prints.
-        self._workspace = workspace.rstrip("/")
+        self._workspace = workspace
         self._debug = debug  # show `::debug::` lines (step debug logging)
         # ACTIONS_ALLOW_UNSECURE_COMMANDS: `::set-env` / `::add-path` allowed
         self._allow_unsecure = allow_unsecure
@@ -183,10 +191,16 @@ class WorkflowCommandParser:
         self._job = job
         self._step = step
         self._stopped: str | None = None
+        # the job's problem matchers (a step's own parser without a job has none)
+        self._matchers = StepMatchers(matchers or ProblemMatchers(), workspace)
+        self._host_path = host_path or (lambda path: path)
 
     def _relative(self, file: str | None) -> str | None:
-        if file and self._workspace and file.startswith(self._workspace + "/"):
-            return file[len(self._workspace) + 1 :]
+        if not file or self._workspace is None or not os.path.isabs(file):
+            return file
+        path = self._host_path(Path(os.path.normpath(file)))
+        if path != self._workspace and path.is_relative_to(self._workspace):
+            return path.relative_to(self._workspace).as_posix()
         return file
 
     def lines(self, raws: list[str]) -> list[str]:
@@ -194,7 +208,7 @@ class WorkflowCommandParser:
         left out). A batch with no command, no carriage return and no secret
         in it (most of a chatty step's output) is returned as it is, after a
         few scans of its joined text instead of a call per line."""
-        if self._stopped is None:
+        if self._stopped is None and not self._matchers.active:
             joined = "\n".join(raws)
             if (
                 "\r" not in joined
@@ -212,10 +226,10 @@ class WorkflowCommandParser:
             if stripped == f"::{self._stopped}::":
                 self._stopped = None
                 return None
-            return self.masker.mask(text)
+            return self._output(text)
         m = _COMMAND.match(stripped)
         if m is None:
-            return self.masker.mask(text)
+            return self._output(text)
         name, props_text, data = m.group(1).lower(), m.group(2) or "", _unescape_data(m.group(3))
         props: dict[str, str] = {}
         for item in props_text.split(","):
@@ -261,7 +275,63 @@ class WorkflowCommandParser:
             return None
         if name in ("set-env", "add-path"):
             return self._unsecure(name, text, props, data)
+        if name in ("add-matcher", "remove-matcher"):
+            return self._matcher_command(name, text, props, data)
+        return self._output(text)
+
+    def _output(self, text: str) -> str:
+        """A line that is no command: logged as it is, and an annotation
+        too when a problem matcher of the job matches it (GitHub's
+        OutputManager)."""
+        if self._matchers.active and (found := self._matchers.match(text)) is not None:
+            level, match = found
+            self.effects.annotations.append(
+                Annotation(
+                    level=level,
+                    message=match.message or "",
+                    job=self._job,
+                    step=self._step,
+                    file=self._matchers.file_of(match),
+                    line=int(match.line) if match.line and match.line.isdigit() else None,
+                    col=int(match.column) if match.column and match.column.isdigit() else None,
+                ).masked(self.masker)
+            )
         return self.masker.mask(text)
+
+    def _matcher_command(
+        self, name: str, text: str, props: dict[str, str], data: str
+    ) -> str | None:
+        """GitHub's Add/RemoveMatcherCommandExtension: the line is not shown;
+        a matcher file the runner cannot use fails the step."""
+        owner = props.get("owner", "")
+        if name == "remove-matcher" and owner and data:
+            return self._warn(
+                "Either specify an owner name or a file path in ##[remove-matcher] command. "
+                "Both values cannot be set."
+            )
+        if name == "add-matcher" and not data:
+            return self._warn("File path must be specified.")
+        if name == "remove-matcher" and not owner and not data:
+            return self._warn(
+                "Either an owner name or a file path must be specified in "
+                "##[remove-matcher] command."
+            )
+        try:
+            if name == "add-matcher":
+                self._matchers.add(self._host_path(self._matchers.resolve(data)))
+            elif owner:
+                self._matchers.remove([owner])
+            else:
+                path = self._host_path(self._matchers.resolve(data))
+                self._matchers.remove([c.owner for c in load_matchers(path)])
+        except MatcherError as exc:
+            return self._refused(text, str(exc))
+        return None
+
+    def _warn(self, message: str) -> str:
+        ann = Annotation("warning", message, self._job, self._step)
+        self.effects.annotations.append(ann)
+        return ann.render()
 
     def _unsecure(self, name: str, text: str, props: dict[str, str], data: str) -> str | None:
         """GitHub's SetEnv/AddPathCommandExtension: disabled (the step fails)

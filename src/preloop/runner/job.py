@@ -54,6 +54,7 @@ from preloop.runner.checkout import CheckoutError, checkout_step
 from preloop.runner.commands import (
     Annotation,
     EnvFileError,
+    ProblemMatchers,
     WorkflowCommandParser,
     parse_env_file,
     parse_path_file,
@@ -295,6 +296,8 @@ class _Execution:
         self.control = control
         self.job_key = str(spec.get("job", ""))
         self.annotations: list[Annotation] = []
+        # `::add-matcher::` registrations, for the rest of the job
+        self.matchers = ProblemMatchers()
         self.summary_parts: list[str] = []
         self.step_results: list[StepResult] = []
         self.path_prepend: list[str] = []
@@ -773,7 +776,9 @@ class _Execution:
             # read as .NET's bool.TryParse does: only "true", any case
             allow_unsecure=penv.get("ACTIONS_ALLOW_UNSECURE_COMMANDS", "").strip().lower()
             == "true",
-            workspace=str(self.github.get("workspace") or ""),
+            matchers=self.matchers,
+            workspace=self.host.workspace,
+            host_path=self.host.sandbox.host_path if self.host.sandbox is not None else None,
         )
 
         def on_lines(raws: list[str]) -> None:

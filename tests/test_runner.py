@@ -1231,3 +1231,44 @@ def test_a_matcher_file_the_runner_cannot_use_fails_its_step(tmp_path: Path) -> 
     assert result.conclusion == "failure"
     assert any("At least one pattern must set 'message'" in a.message for a in result.annotations)
     assert any("Unable to process command '::add-matcher::bad.json'" in line for line in lines)
+
+
+def test_legacy_commands_and_colons_in_properties_parse_as_on_github(tmp_path: Path) -> None:
+    """GitHub's runner reads `##[name k=v;k=v]data` anywhere in a line
+    (`ActionCommand.TryParse`; setup-python writes `##[add-matcher]`) and, in
+    `::name props::data`, takes everything up to the next `::` as the
+    properties, single colons included; an unregistered name is output."""
+    result, lines = run_job(
+        tmp_path,
+        [
+            {
+                "id": "s",
+                "run": textwrap.dedent(
+                    """\
+                    echo "##[add-matcher]$GITHUB_WORKSPACE/m.json"
+                    echo "boom: it broke"
+                    echo "prefix ##[warning file=a.py;line=2]semi%3Bcolon"
+                    echo "::error title=Deprecated: old API,line=5::use the new one"
+                    echo "##[set-output name=x]legacy"
+                    echo "::echo::on"
+                    echo "##[unknown]kept"
+                    """
+                ),
+            }
+        ],
+        outputs={"x": "${{ steps.s.outputs.x }}"},
+        files={
+            "m.json": '{"problemMatcher": [{"owner": "boom", "pattern": '
+            '[{"regexp": "^boom: (.*)$", "message": 1}]}]}',
+            "a.py": "",
+        },
+    )
+    assert result.conclusion == "success"
+    assert [(a.level, a.message, a.file, a.line, a.title) for a in result.annotations] == [
+        ("error", "it broke", None, None, None),
+        ("warning", "semi;colon", "a.py", 2, None),
+        ("error", "use the new one", None, 5, "Deprecated: old API"),
+    ]
+    assert result.outputs == {"x": "legacy"}
+    assert "##[unknown]kept" in lines
+    assert not any("add-matcher" in line or "::echo" in line for line in lines[1:])

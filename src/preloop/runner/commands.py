@@ -10,7 +10,8 @@
   step unless `ACTIONS_ALLOW_UNSECURE_COMMANDS` is true, as on GitHub), and
   `::stop-commands::TOKEN` ... `::TOKEN::`, and `::add-matcher::FILE` /
   `::remove-matcher owner=X::` (problem matchers, `preloop.runner.matchers`:
-  the job's registered matchers turn matching output lines into annotations).
+  the job's registered matchers turn matching output lines into annotations);
+  `::echo::`; each also in the older `##[name k=v;k=v]data` form.
 - Masking (`preloop.runner.masking.Masker`): every registered value (secrets,
   `::add-mask::`) and its encoded forms are replaced by `***` in every line
   and in every property of a command (an annotation's `file=` and `title=`
@@ -149,18 +150,83 @@ class CommandEffects:
     failed: bool = False  # a command GitHub refuses fails the step
 
 
-_COMMAND = re.compile(r"^::([A-Za-z-]+)(?: ([^:]*))?::(.*)$")
+# The commands GitHub's runner registers (ActionCommandManager): a line
+# naming another is output like any other.
+_REGISTERED = frozenset(
+    {
+        "stop-commands",
+        "set-env",
+        "set-output",
+        "save-state",
+        "add-mask",
+        "add-path",
+        "add-matcher",
+        "remove-matcher",
+        "debug",
+        "warning",
+        "error",
+        "notice",
+        "group",
+        "endgroup",
+        "echo",
+    }
+)
 # Where a line of a batch might hold a command (`line()` strips leading
 # whitespace first); `\s*` may cross lines, which only finds more.
 _COMMAND_START = re.compile(r"^\s*::", re.MULTILINE)
+_LEGACY_PREFIX = "##["
 
 
-def _unescape_data(s: str) -> str:
-    return s.replace("%0D", "\r").replace("%0A", "\n").replace("%25", "%")
+def _unescape(s: str, mappings: tuple[tuple[str, str], ...]) -> str:
+    for escaped, char in mappings:
+        s = s.replace(escaped, char)
+    return s
 
 
-def _unescape_property(s: str) -> str:
-    return _unescape_data(s).replace("%3A", ":").replace("%2C", ",")
+# GitHub's ActionCommand escape tables, in the order it unescapes them
+_DATA = (("%0D", "\r"), ("%0A", "\n"), ("%25", "%"))
+_PROPERTY = (("%0D", "\r"), ("%0A", "\n"), ("%3A", ":"), ("%2C", ","), ("%25", "%"))
+_LEGACY = (("%3B", ";"), ("%0D", "\r"), ("%0A", "\n"), ("%5D", "]"), ("%25", "%"))
+
+
+def _properties(text: str, separator: str, mappings: tuple[tuple[str, str], ...]) -> dict[str, str]:
+    """`k=v` pairs as GitHub's runner reads them: an empty key or value is
+    dropped, keys are matched without regard to case."""
+    props: dict[str, str] = {}
+    for item in text.split(separator):
+        k, eq, v = item.partition("=")
+        if k and eq and v:
+            props[k.lower()] = _unescape(v, mappings)
+    return props
+
+
+def parse_command(
+    line: str, registered: frozenset[str] = _REGISTERED
+) -> tuple[str, dict[str, str], str] | None:
+    """(name, properties, data) of a workflow command, or None: GitHub's
+    `ActionCommand.TryParseV2` (`::name k=v,k=v::data` after leading
+    whitespace), then `TryParse`, the older `##[name k=v;k=v]data` anywhere
+    in the line (setup-python still writes `##[add-matcher]`). The name is
+    one the runner registers, in any case."""
+    stripped = line.lstrip()
+    if stripped.startswith("::"):
+        end = stripped.find("::", 2)
+        if end >= 0:
+            info = stripped[2:end]
+            name, _, props = info.partition(" ")
+            if name.lower() in registered:
+                data = _unescape(stripped[end + 2 :], _DATA)
+                return name.lower(), _properties(props.strip(), ",", _PROPERTY), data
+    start = line.find(_LEGACY_PREFIX)
+    if start >= 0:
+        end = line.find("]", start)
+        if end >= 0:
+            info = line[start + len(_LEGACY_PREFIX) : end]
+            name, _, props = info.partition(" ")
+            if name.lower() in registered:
+                data = _unescape(line[end + 1 :], _LEGACY)
+                return name.lower(), _properties(props, ";", _LEGACY), data
+    return None
 
 
 class WorkflowCommandParser:
@@ -213,6 +279,7 @@ class WorkflowCommandParser:
             if (
                 "\r" not in joined
                 and ("::" not in joined or _COMMAND_START.search(joined) is None)
+                and _LEGACY_PREFIX not in joined
                 and not self.masker.contains_secret(joined)
             ):
                 return raws
@@ -221,21 +288,16 @@ class WorkflowCommandParser:
 
     def line(self, raw: str) -> str | None:
         text = raw.rstrip("\r")
-        stripped = text.lstrip()
         if self._stopped is not None:
-            if stripped == f"::{self._stopped}::":
+            stop = parse_command(text, frozenset({self._stopped.lower()}))
+            if stop is not None:
                 self._stopped = None
                 return None
             return self._output(text)
-        m = _COMMAND.match(stripped)
-        if m is None:
+        command = parse_command(text)
+        if command is None:
             return self._output(text)
-        name, props_text, data = m.group(1).lower(), m.group(2) or "", _unescape_data(m.group(3))
-        props: dict[str, str] = {}
-        for item in props_text.split(","):
-            if "=" in item:
-                k, v = item.split("=", 1)
-                props[k.strip().lower()] = _unescape_property(v.strip())
+        name, props, data = command
         if name == "add-mask":
             self.masker.add(data)
             return None
@@ -263,6 +325,8 @@ class WorkflowCommandParser:
             # The rendered line is masked as a whole too: a value may span
             # the join of two properties.
             return self.masker.mask(ann.render())
+        if name == "echo":
+            return None  # `::echo::on|off`: GitHub's command echo, not shown itself
         if name == "debug":
             return self.masker.mask(f"debug: {data}") if self._debug else None
         if name == "set-output" and "name" in props:

@@ -1272,3 +1272,21 @@ def test_legacy_commands_and_colons_in_properties_parse_as_on_github(tmp_path: P
     assert result.outputs == {"x": "legacy"}
     assert "##[unknown]kept" in lines
     assert not any("add-matcher" in line or "::echo" in line for line in lines[1:])
+
+
+def test_github_token_is_in_the_github_context_and_is_the_given_secret(tmp_path: Path) -> None:
+    """On GitHub `github.token` and `secrets.GITHUB_TOKEN` are the job's token
+    (actions default their `token` input to `${{ github.token }}`; a dump of
+    `toJSON(github)` shows it, masked). Here: the GITHUB_TOKEN secret given to
+    preloop, else empty, and never missing from the context."""
+    steps = [
+        {"run": "echo same=${{ github.token == secrets.GITHUB_TOKEN }} tok=${{ github.token }}"},
+        {"run": "echo has=${{ contains(toJSON(github), '\"token\": ') }}"},
+    ]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    result, lines = run_job(tmp_path / "a", steps, secrets={"GITHUB_TOKEN": "ghs_given0123"})
+    assert result.conclusion == "success"
+    assert "same=true tok=***" in lines and "has=true" in lines
+    result, lines = run_job(tmp_path / "b", steps)
+    assert "same=true tok=" in lines and "has=true" in lines

@@ -1290,3 +1290,42 @@ def test_github_token_is_in_the_github_context_and_is_the_given_secret(tmp_path:
     assert "same=true tok=***" in lines and "has=true" in lines
     result, lines = run_job(tmp_path / "b", steps)
     assert "same=true tok=" in lines and "has=true" in lines
+
+
+def test_checkout_path_with_another_ref_of_the_run_checks_that_ref_out(tmp_path: Path) -> None:
+    """fastapi's regression test checks the pull request's base SHA out into
+    `path: base` to run the new tests against the old code: GitHub's checkout
+    checks that commit out, so a `path:` checkout gets a ref the run's
+    checkout has (a commit of its history, a tag, a branch as a local
+    branch); the workspace itself stays the snapshot (noted)."""
+    first = _git_workspace(tmp_path)
+    ws = tmp_path / "ws"
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-C", str(ws)]
+    subprocess.run([*git, "tag", "v1"], check=True)
+    subprocess.run([*git, "branch", "old"], check=True)
+    (ws / "hello.txt").write_text("changed\n")
+    subprocess.run([*git, "commit", "-qam", "two"], check=True)
+    event = {"pull_request": {"base": {"sha": first}}}
+    show = "cat hello.txt; git rev-parse HEAD; git symbolic-ref -q HEAD || echo detached"
+    result, lines = run_job(
+        tmp_path,
+        [
+            {
+                "uses": "actions/checkout@v4",
+                "with": {"path": "base", "ref": "${{ github.event.pull_request.base.sha }}"},
+            },
+            {"run": show, "working-directory": "base"},
+            {"uses": "actions/checkout@v4", "with": {"path": "tag", "ref": "v1"}},
+            {"uses": "actions/checkout@v4", "with": {"path": "br", "ref": "old"}},
+            {"run": "git -C tag describe --tags; git -C br branch --show-current"},
+            {"uses": "actions/checkout@v4", "with": {"ref": first}},
+            {"run": "cat hello.txt"},
+        ],
+        contexts={"github": {"event_name": "pull_request", "event": event}},
+    )
+    assert result.conclusion == "success", lines
+    base = lines.index(f"▶ Run {show}")
+    assert lines[base + 1 : base + 4] == ["hi", first, "detached"]
+    assert "v1" in lines and "old" in lines
+    assert any(f"ref {first!r} is not checked out" in line for line in lines)
+    assert lines[-1] == "changed"

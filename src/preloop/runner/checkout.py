@@ -293,14 +293,17 @@ async def checkout_step(
         else:
             other = repository
     ref = inputs.get("ref", "").strip()
-    if ref and ref not in _current_refs(github) and other is None:
-        log(_REF_INPUT_NOTE.format(ref=ref))
     path = inputs.get("path", "").strip()
+    if ref in _current_refs(github):
+        ref = ""
+    if ref and other is None and _destination(path, workspace) == workspace.resolve():
+        log(_REF_INPUT_NOTE.format(ref=ref))
+        ref = ""
     try:
         if other is not None:
             await _checkout_other(other, inputs, workspace, log)
         else:
-            await _checkout_into(path, workspace, log, recheckout)
+            await _checkout_into(path, workspace, log, recheckout, ref)
     except CommandTimeout:
         raise CheckoutError(
             f"actions/checkout into {path!r} timed out after {_CHECKOUT_TIMEOUT:g} s"
@@ -401,9 +404,11 @@ async def _checkout_into(
     workspace: Path,
     log: Callable[[str], None],
     recheckout: Callable[[Path], Awaitable[None]] | None,
+    ref: str = "",
 ) -> None:
     """`path:` of `checkout_step`: the workspace itself, or a clone of its
-    checkout (its HEAD when the step runs) at `path` under it; a fresh
+    checkout (its HEAD when the step runs, or `ref`, another ref of the
+    run's repository, when the checkout has it) at `path` under it; a fresh
     checkout (`recheckout`) where the workspace's is gone."""
     root = workspace.resolve()
     dest = _destination(path, workspace)
@@ -427,6 +432,8 @@ async def _checkout_into(
             "actions/checkout: the workspace's checkout was moved or removed by an earlier "
             f"step; the run's snapshot checked out again into {path or root}"
         )
+        if ref:
+            log(_REF_INPUT_NOTE.format(ref=ref))
         return
     dest.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
@@ -439,7 +446,56 @@ async def _checkout_into(
         raise CheckoutError(f"actions/checkout into {path!r} failed: {exc}") from None
     with contextlib.suppress(FileNotFoundError):
         (dest / ".git/refs/remotes/origin/HEAD").unlink()  # as in the workspace's
+    if ref and await _checkout_ref(root, dest, ref, path, log):
+        return
+    if ref:
+        log(_REF_INPUT_NOTE.format(ref=ref))
     log(f"actions/checkout: the snapshot checked out into {path}")
+
+
+async def _checkout_ref(
+    root: Path, dest: Path, ref: str, path: str, log: Callable[[str], None]
+) -> bool:
+    """Checks `ref` out in the clone `dest` of the workspace `root`, as
+    actions/checkout does: a branch (`origin/<name>` in the workspace, as
+    `fetch-depth: 0` fetches them, or a local one) as a local branch of that
+    name, a tag or a commit (a pull request's base SHA, say) detached.
+    False when the workspace's checkout has no such ref or commit."""
+    name = ref.removeprefix("refs/heads/")
+    candidates: list[tuple[str, str | None]] = []
+    if not ref.startswith("refs/tags/"):
+        candidates += [(f"refs/remotes/origin/{name}", name), (f"refs/heads/{name}", name)]
+    if not ref.startswith("refs/heads/"):
+        tag = ref.removeprefix("refs/tags/")
+        candidates += [(f"refs/tags/{tag}", None)]
+    if not ref.startswith(("refs/heads/", "refs/tags/")):
+        candidates += [(ref, None)]
+    for candidate, branch in candidates:
+        if candidate.startswith("-"):
+            continue
+        found = await run_command(
+            ["git", "-C", str(root), "rev-parse", "--verify", "-q", f"{candidate}^{{commit}}"],
+            timeout=_CHECKOUT_TIMEOUT,
+            check=False,
+        )
+        if found.returncode != 0:
+            continue
+        commit = found.stdout.decode().strip()
+        # a clone --shared borrows the workspace's objects: the commit is there
+        target = ["-B", branch, commit] if branch else ["--detach", commit]
+        try:
+            await run_command(
+                ["git", "-C", str(dest), "-c", "advice.detachedHead=false", "checkout", "-q",
+                 "--force", *target],
+                timeout=_CHECKOUT_TIMEOUT,
+            )  # fmt: skip
+        except CommandFailed as exc:
+            raise CheckoutError(
+                f"actions/checkout of {ref!r} into {path!r} failed: {exc}"
+            ) from None
+        log(f"actions/checkout: {ref} ({commit[:12]}) checked out into {path}")
+        return True
+    return False
 
 
 async def _fresh_checkout(dest: Path, recheckout: Callable[[Path], Awaitable[None]]) -> None:

@@ -659,6 +659,36 @@ def test_setup_action_hint_names_the_versions_the_host_has(tmp_path: Path) -> No
     assert wild is not None and "`uv python install 2`" in wild
 
 
+def test_setup_action_hint_reads_setup_pythons_dev_free_threaded_and_pypy_forms(
+    tmp_path: Path,
+) -> None:
+    """tomli's `3.15-dev`, fastapi's `3.14t`, arrow's `pypy-3.11`: a failed
+    setup-python asking for one the host lacks said only `getaddrinfo
+    ENOTFOUND` (no hint: the spec was no plain version)."""
+    root = tmp_path / "tc"
+    for version in ("3.14.0", "3.13.1"):
+        (root / "Python" / version / "x64").mkdir(parents=True)
+        (root / "Python" / version / "x64.complete").write_text("")
+
+    def hint(spec: str) -> str | None:
+        return setup_action_hint(root, "actions/setup-python@v6", {"python-version": spec})
+
+    dev = hint("3.15-dev")
+    assert dev is not None and "no Python matching '3.15-dev'" in dev
+    assert "Python 3.14.0, 3.13.1" in dev and "pyenv install 3.15" in dev
+    assert hint("3.14-dev") is None  # there: the step failed for another reason
+    ft = hint("3.14t")
+    assert ft is not None and "no free-threaded Python matching '3.14t'" in ft
+    assert "uv python install 3.14t" in ft
+    for spec in ("pypy3.11", "pypy-3.11", "graalpy-24.2"):
+        other = hint(spec)
+        assert other is not None and f"matching {spec!r}" in other, spec
+    assert "PyPy none" in (hint("pypy3.11") or "")
+    (root / "PyPy" / "7.3.20" / "x64").mkdir(parents=True)
+    (root / "PyPy" / "7.3.20" / "x64.complete").write_text("")
+    assert hint("pypy3.11") is None  # which Python a PyPy is: not told by its directory
+
+
 def test_uploads_of_a_dead_service_are_swept_a_day_later(tmp_path: Path) -> None:
     dead = LocalStorage(tmp_path)
     dead.create_artifact("3", "j", "a", None)

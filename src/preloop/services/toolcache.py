@@ -988,18 +988,34 @@ def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str |
     if action not in SETUP_ACTIONS:
         return None
     tool, input_name = SETUP_ACTIONS[action]
-    spec = str(inputs.get(input_name) or "").strip()
-    if not re.fullmatch(r"v?\d+(\.(\d+|x|\*))*", spec):
+    asked = spec = str(inputs.get(input_name) or "").strip()
+    if not asked:
+        return None
+    arch = None  # any
+    if tool == "Python":
+        # setup-python's other forms: `3.15-dev` (a pre-release of 3.15),
+        # `3.14t` (free-threaded: `<arch>-freethreaded` in the tool cache),
+        # `pypy3.11` / `pypy-3.11` and `graalpy-24.2` (tools of their own)
+        if m := re.fullmatch(r"(pypy|graalpy)-?\d+(\.\d+)*(-\S+)?", spec):
+            tool, spec = ("PyPy" if m.group(1) == "pypy" else "GraalPy"), ""
+        elif m := re.fullmatch(r"(\d+(\.\d+)*)(t?)(-dev)?", spec):
+            spec, arch = m.group(1), ("freethreaded" if m.group(3) else None)
+    if spec and not re.fullmatch(r"v?\d+(\.(\d+|x|\*))*", spec):
         return None
     root = shared_tool_cache(root)  # the one `preloop toolcache` lists, not the job's
-    versions = [e.version for e in list_tool_cache(root) if e.tool == tool]
-    if any(_matches(v, spec) for v in versions):
+    entries = [e for e in list_tool_cache(root) if e.tool == tool]
+    fitting = [e for e in entries if arch is None or e.arch.endswith(f"-{arch}")]
+    if any(_matches(e.version, spec) for e in fitting):
         return None
+    versions = list(dict.fromkeys(e.version for e in entries))
     have = ", ".join(versions) if versions else "none"
+    spec = spec or asked
     # `3.x` / `20.*`: the version to install is what comes before the wildcard.
     version = re.sub(r"(\.(x|\*))+$", "", spec.lstrip("v"))
+    version += "t" if arch else ""
     install = _INSTALL_ADVICE.get(tool, "Install {spec} on the host").format(spec=version)
+    what = f"free-threaded {tool}" if arch else tool
     return (
-        f"{action}: this host has no {tool} matching {spec!r}; the tool cache ({root}) has "
+        f"{action}: this host has no {what} matching {asked!r}; the tool cache ({root}) has "
         f"{tool} {have}. {install}, or ask for one of these; `preloop toolcache` lists them"
     )

@@ -164,7 +164,10 @@ def test_bad_workflow_file_line_col_nothing_submitted(tmp_path: Path) -> None:
     assert status == []
 
 
-def test_sigint_cancels_and_leaves_no_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("signum", "by"), [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_sigint_cancels_and_leaves_no_process(tmp_path: Path, signum: int, by: str) -> None:
+    """Ctrl-C, or SIGTERM (`timeout`, a supervisor), which the run's cancel
+    reason names: not a Ctrl-C nobody pressed."""
     fifo = tmp_path / "pids.fifo"
     os.mkfifo(fifo)
     repo = make_repo(tmp_path / "repo", workflow(HANG.format(fifo=fifo)))
@@ -173,7 +176,7 @@ def test_sigint_cancels_and_leaves_no_process(tmp_path: Path) -> None:
     try:
         shell_pid, grandchild = (int(x) for x in read_fifo(fifo, [proc]).split())
         pidfds = [os.pidfd_open(shell_pid), os.pidfd_open(grandchild)]
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -182,7 +185,7 @@ def test_sigint_cancels_and_leaves_no_process(tmp_path: Path) -> None:
     assert proc.returncode == 130, err
     assert all(_exited(fd) for fd in pidfds)
     doc = json.loads(out)
-    assert doc["interrupted"] is True
+    assert doc["interrupted"] is True and doc["cancel_reason"] == f"cancelled by {by}"
     assert [(j["id"], j["result"]) for j in doc["jobs"]] == [("hang", "cancelled")]
     status = json.loads(
         preloop("status", str(doc["run_id"]), "--json", cwd=repo, state=state).stdout

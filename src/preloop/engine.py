@@ -242,6 +242,7 @@ class RunOutcome:
     interrupted: bool
     state_dir: Path
     name: str = ""  # the workflow's display name
+    interrupted_by: str = "Ctrl-C"  # what interrupted it: Ctrl-C, or SIGTERM
 
     @property
     def ok(self) -> bool:
@@ -254,7 +255,7 @@ class RunOutcome:
         if self.conclusion != "cancelled":
             return None
         if self.interrupted:
-            return "cancelled by Ctrl-C"
+            return f"cancelled by {self.interrupted_by}"
         # The cascade stores the cause with every job it cancels; a runner
         # that stopped a job on its own says only "cancelled", a job gated
         # after the cancellation only that the run was.
@@ -398,6 +399,7 @@ class Engine:
         # The snapshot's bundles in the store (the `store` transport), once published.
         self.published: Published | None = None
         self._interrupted = False
+        self._interrupted_by = "Ctrl-C"
         self._runners_scope: anyio.CancelScope | None = None
         self._changed = anyio.Event()
         self._durations: dict[tuple[int, str], float] = {}
@@ -420,8 +422,11 @@ class Engine:
     def interrupted(self) -> bool:
         return self._interrupted
 
-    def cancel(self) -> None:
-        """Ctrl-C: stop everything this engine runs (see the module docstring)."""
+    def cancel(self, by: str = "Ctrl-C") -> None:
+        """Ctrl-C (or SIGTERM, `by`): stop everything this engine runs (see
+        the module docstring)."""
+        if not self._interrupted:
+            self._interrupted_by = by
         self._interrupted = True
         if self._runners_scope is not None:
             self._runners_scope.cancel()
@@ -722,7 +727,7 @@ class Engine:
             outcomes: list[RunOutcome] = []
             for run_id, planned in zip(self.run_ids, selection.plans, strict=False):
                 if self._interrupted:
-                    await settle_cancelled(store, run_id, "cancelled by Ctrl-C")
+                    await settle_cancelled(store, run_id, f"cancelled by {self._interrupted_by}")
                 info = await anyio.to_thread.run_sync(store.get_run, run_id)
                 jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
                 conclusion = info.conclusion or ("cancelled" if self._interrupted else "failure")
@@ -735,6 +740,7 @@ class Engine:
                         interrupted=self._interrupted,
                         state_dir=self.state_dir,
                         name=planned.name,
+                        interrupted_by=self._interrupted_by,
                     )
                 )
             return RunsOutcome(outcomes, selection.skipped, self._interrupted, selection.invalid)

@@ -345,10 +345,11 @@ async def _run(engine: Engine, progress: _Progress) -> RunsOutcome | None:
         async with anyio.create_task_group() as tg:
 
             async def on_signal() -> None:
-                async for _ in signals:
+                async for signum in signals:
                     if engine.run_id is None:
                         tg.cancel_scope.cancel()  # still capturing: nothing to cancel in the store
-                    engine.cancel()
+                    # a timeout or a supervisor's SIGTERM is no Ctrl-C: say which
+                    engine.cancel("SIGTERM" if signum == signal.SIGTERM else "Ctrl-C")
 
             async def refresh() -> None:
                 assert progress.live is not None

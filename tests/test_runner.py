@@ -40,6 +40,7 @@ def run_job(
     control: JobControl | None = None,
     extra_spec: dict[str, Any] | None = None,
     actions: ActionSource | None = None,
+    base_env: dict[str, str] | None = None,
 ) -> tuple[JobResult, list[str]]:
     ws = tmp_path / "ws"
     temp = tmp_path / "temp"
@@ -73,6 +74,7 @@ def run_job(
                 run_id="7",
                 actions=actions
                 or ActionSource(tmp_path / "state", base_url=f"file://{tmp_path}/no-remotes"),
+                base_env=base_env,
             ),
             log=log,
             secrets=secrets,
@@ -317,6 +319,41 @@ def test_env_layering_and_github_env_path_take_effect_in_later_steps(tmp_path: P
     assert "same-step new=unset" in lines and "same-step no tool" in lines
     assert "next new=fresh level=job" in lines and "tool-ran" in lines
     assert "override step-wins" in lines
+
+
+def test_user_local_bin_is_on_path_as_on_githubs_images(tmp_path: Path) -> None:
+    """GitHub's Linux images have `$HOME/.local/bin` on PATH: what `uv tool
+    install`, `pip install --user` or pipx put there runs by name in the next
+    step (pytest-django's `uv tool install tox`, then `tox`). A PATH that
+    has it already, or a step's own PATH, is left as it is."""
+    home = tmp_path / "home"
+    home.mkdir()
+    base = {**os.environ, "HOME": str(home)}
+    script = textwrap.dedent(
+        """\
+        mkdir -p "$HOME/.local/bin"
+        printf '#!/bin/sh\\necho user-tool-ran\\n' > "$HOME/.local/bin/usertool"
+        chmod +x "$HOME/.local/bin/usertool"
+        """
+    )
+    result, lines = run_job(
+        tmp_path,
+        [
+            {"run": script},
+            {"run": "usertool"},
+            {"run": 'echo "path=$PATH"'},
+            {"env": {"PATH": "/usr/bin:/bin"}, "run": 'echo "own=$PATH"'},
+        ],
+        base_env=base,
+    )
+    assert result.conclusion == "success", lines
+    assert "user-tool-ran" in lines
+    user_bin = str(home / ".local" / "bin")
+    assert f"path={user_bin}{os.pathsep}{os.environ['PATH']}" in lines
+    assert "own=/usr/bin:/bin" in lines
+    base["PATH"] = f"/usr/bin{os.pathsep}{user_bin}"
+    result, lines = run_job(tmp_path, [{"run": 'echo "path=$PATH"'}], base_env=base)
+    assert f"path=/usr/bin{os.pathsep}{user_bin}" in lines, lines
 
 
 def test_working_directory_and_defaults(tmp_path: Path) -> None:

@@ -407,6 +407,26 @@ def test_sandboxed_job_runs_a_host_tool_installed_under_tmp(
     assert "uv 0." in text, text
 
 
+def test_sandboxed_jobs_home_local_bin_is_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on GitHub's images, `$HOME/.local/bin` is on PATH: the sandbox's
+    HOME, the job's own, not the host's."""
+    conclusion, text = run_boxed_steps(
+        tmp_path,
+        monkeypatch,
+        """\
+        - run: |
+            mkdir -p "$HOME/.local/bin"
+            printf '#!/bin/sh\\necho boxed-user-tool\\n' > "$HOME/.local/bin/boxedtool"
+            chmod +x "$HOME/.local/bin/boxedtool"
+        - run: boxedtool
+        """,
+    )
+    assert conclusion == "success", text
+    assert "boxed-user-tool" in text, text
+
+
 def test_preloop_run_sandbox_end_to_end_as_nobody(public_tmp: Path, host_dir: Path) -> None:
     """`preloop run --sandbox` started by an unprivileged user (bubblewrap in a
     user namespace): the same escapes fail."""

@@ -511,6 +511,16 @@ class _Execution:
         if scope.action_path is not None:
             inherited["GITHUB_ACTION_PATH"] = str(scope.action_path)
         out = {**base, **inherited, **env, **defaults}
+        # GitHub's Linux images put `$HOME/.local/bin` on PATH (their
+        # /etc/environment), so what `pip install --user`, `uv tool install`
+        # or pipx put there runs by name in the next step.
+        sandbox = self.host.sandbox
+        home = str(sandbox.home or "") if sandbox is not None else base.get("HOME")
+        if home:
+            user_bin = os.path.join(home, ".local", "bin")
+            host_path = base.get("PATH", os.defpath)
+            if user_bin not in host_path.split(os.pathsep) and out.get("PATH") == host_path:
+                out["PATH"] = os.pathsep.join([user_bin, host_path]) if host_path else user_bin
         if self.path_prepend:
             out["PATH"] = os.pathsep.join([*reversed(self.path_prepend), out.get("PATH", "")])
         return out

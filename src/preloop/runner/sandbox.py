@@ -160,10 +160,12 @@ class StepSandbox:
     """How a job's steps run under bwrap: `wrap(argv, cwd)` is the argv to
     spawn (from any directory of the host) for a step that works in `cwd` as
     the step sees it; `host_path(path)` is where a path a step sees is on
-    the host (its private `/tmp` and `/var/tmp` are in the job directory)."""
+    the host (its private `/tmp` and `/var/tmp` are in the job directory);
+    `home` is the `HOME` the step sees."""
 
     prefix: tuple[str, ...]  # ends with "--"
     private: tuple[tuple[Path, Path], ...]  # (seen at, on the host)
+    home: Path | None = None
 
     def wrap(self, argv: list[str], cwd: str) -> list[str]:
         return [*self.prefix[:-1], "--chdir", cwd, "--", *argv]
@@ -202,4 +204,4 @@ def bubblewrap_wrapper(
     )
     job_dir = Path(os.path.realpath(job_dir))
     private = tuple((Path(seen), job_dir / name) for seen, name in PRIVATE_DIRS)
-    return StepSandbox(tuple(prefix), private)
+    return StepSandbox(tuple(prefix), private, job_dir / "home")

@@ -210,3 +210,49 @@ def test_nested_callers_pass_inputs_and_secrets_down(tmp_path: Path, store_url: 
     assert r["outer/inner/leaf"] == "success", (r, h.all_text())
     text = "\n".join(h.lines["outer/inner/leaf"])
     assert "w=from-needs-middle s=[***] top=[]" in text
+
+
+def test_a_callers_name_using_needs_is_its_inner_jobs_prefix(
+    tmp_path: Path, store_url: str
+) -> None:
+    """As on GitHub, a caller's `name:` using its `needs` is evaluated with
+    them when its jobs start: yarl's `📦 Build dists v${{ needs.pre-setup.
+    outputs.dist-version }}` showed as `📦 Build dists v / ...`."""
+    repo = make_repo(
+        tmp_path / "repo",
+        {
+            ".github/workflows/ci.yml": """\
+                on: push
+                jobs:
+                  setup:
+                    runs-on: ubuntu-latest
+                    outputs:
+                      v: ${{ steps.o.outputs.v }}
+                    steps:
+                      - id: o
+                        run: echo "v=1.2.3" >> "$GITHUB_OUTPUT"
+                  call:
+                    name: build v${{ needs.setup.outputs.v }}
+                    needs: setup
+                    uses: ./.github/workflows/callee.yml
+                    with:
+                      check: checked ${{ needs.setup.outputs.v }}
+                """,
+            ".github/workflows/callee.yml": """\
+                on:
+                  workflow_call:
+                    inputs:
+                      check: {type: string}
+                jobs:
+                  inner:
+                    name: ${{ inputs.check }}
+                    runs-on: ubuntu-latest
+                    steps:
+                      - run: echo hi
+                """,
+        },
+    )
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    names = {j.id: j.name for j in outcome.jobs}
+    assert results(outcome)["call/inner"] == "success", h.all_text()
+    assert names["call/inner"] == "build v1.2.3 / checked 1.2.3", names

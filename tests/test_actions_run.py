@@ -298,6 +298,45 @@ def test_action_option_overrides_a_remote_reusable_workflow(
     assert "got=remote-dev" in h.lines["after"]
 
 
+def test_plan_and_list_take_action_overrides_as_run_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`preloop plan` and `preloop list` read remote reusable workflows too:
+    the error for one that cannot be fetched says to use `--action`, so they
+    take it (yarl's tox-dev/workflow offline), as `preloop run` does."""
+    local = tmp_path / "flows"
+    for rel, text in REUSABLE.items():
+        (local / rel).parent.mkdir(parents=True, exist_ok=True)
+        (local / rel).write_text(text)
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path}/offline")
+    monkeypatch.setenv("PRELOOP_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
+    files = workflow(
+        """\
+        on: push
+        jobs:
+          call:
+            uses: acme/flows/.github/workflows/build.yml@v1
+            with:
+              name: x
+        """
+    )
+    repo = make_repo(tmp_path / "repo", files)
+    for command in ("plan", "list"):
+        cli = [sys.executable, "-m", "preloop", command]
+        offline = subprocess.run(cli, cwd=repo, capture_output=True, text=True, check=False)
+        assert offline.returncode != 0 and "--action acme/flows=DIR" in offline.stderr
+        given = subprocess.run(
+            [*cli, "--action", f"acme/flows={local}"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert given.returncode == 0, given.stderr
+        assert "call / inner / say" in given.stdout, given.stdout
+
+
 def test_a_remote_reusable_workflow_skipped_by_an_override_ends_skipped(
     tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

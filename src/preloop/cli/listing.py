@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import click
 from rich.table import Table
 
 from preloop.cli.app import cli, emit_json, make_console
-from preloop.cli.plan import _find_root, stages
+from preloop.cli.plan import _find_root, action_option, remote_workflows, stages
 from preloop.errors import UsageError
 from preloop.workflow import PlanError, WorkflowError, load_workflow, plan, workflow_files
 from preloop.workflow.github_context import local_github_context
@@ -41,7 +42,10 @@ def _planning_event(events: list[str], wanted: str | None) -> str | None:
 )
 @click.option("--event", help="Only workflows this event triggers (legs planned for it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON for scripts.")
-def list_command(file: Path | None, event: str | None, as_json: bool) -> None:
+@action_option
+def list_command(
+    file: Path | None, event: str | None, as_json: bool, actions: tuple[str, ...]
+) -> None:
     """Lists jobs and matrix legs with their stage, runs-on labels and the
     events of their workflow. Nothing runs; `--job` and `--matrix` of
     `preloop run` take the job ids and matrix values shown here. Invalid
@@ -56,9 +60,10 @@ def list_command(file: Path | None, event: str | None, as_json: bool) -> None:
     github = local_github_context(root)
     rows: list[dict[str, Any]] = []
     problems: list[Diagnostic] = []
+    remote = remote_workflows(actions)
     for path in paths:
         try:
-            wf = load_workflow(path)
+            wf = remote.load(functools.partial(load_workflow, path))
         except WorkflowError as exc:
             problems.extend(exc.diagnostics)
             continue

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
+from preloop.actions.reference import parse_overrides
+from preloop.actions.workflows import PlanRun
 from preloop.cli.app import cli, emit_json, plural
 from preloop.cli.secret_args import parse_vars, var_options
 from preloop.errors import UsageError
@@ -35,7 +39,30 @@ from preloop.workflow.loader import EVENTS
 from preloop.workflow.triggers import Trigger, check_event_name, evaluate_trigger
 from preloop.workflow.yamltree import Diagnostic
 
-__all__ = ["plan_command", "stages"]
+__all__ = ["action_option", "plan_command", "remote_workflows", "stages"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def action_option(fn: F) -> F:
+    """`--action`, as `preloop run` takes it: a remote reusable workflow is
+    read from a local directory, or its caller skipped."""
+    return click.option(
+        "--action",
+        "actions",
+        multiple=True,
+        metavar="OWNER/REPO[@REF]=DIR|skip[:REASON]",
+        help="Read a remote reusable workflow from a local directory, or skip it (repeatable).",
+    )(fn)
+
+
+def remote_workflows(actions: tuple[str, ...]) -> PlanRun:
+    """The loads of this command: remote reusable workflows resolved once,
+    with the `--action` overrides (which win over PRELOOP_ACTION_OVERRIDES);
+    released when the command ends."""
+    run = PlanRun(overrides=parse_overrides(actions, "--action"))
+    click.get_current_context().call_on_close(run.close)
+    return run
 
 
 def stages(p: Plan) -> list[list[PlannedJob]]:
@@ -102,6 +129,7 @@ def stages(p: Plan) -> list[list[PlannedJob]]:
 )
 @var_options
 @click.option("--json", "as_json", is_flag=True, help="Print the plans as JSON for scripts.")
+@action_option
 def plan_command(
     file: Path | None,
     event: str,
@@ -111,6 +139,7 @@ def plan_command(
     variables: tuple[str, ...],
     var_files: tuple[Path, ...],
     as_json: bool,
+    actions: tuple[str, ...],
 ) -> None:
     """Shows what a run would execute: which workflows the event triggers and
     why (or why not: branch, tag and path filters), their jobs, matrix legs,
@@ -118,6 +147,7 @@ def plan_command(
     reported as `path:line:col: message`, every problem at once, after the
     valid workflows' plans (exit status 1)."""
     check_event_name(event, EVENTS)
+    remote = remote_workflows(actions)
     given = parse_pairs("--input", inputs)
     config_vars = parse_vars(variables, var_files)
     # The file's own directory, not its target: a symlink (or a symlink loop,
@@ -147,7 +177,7 @@ def plan_command(
     problems: list[Diagnostic] = []
     for path in paths:
         try:
-            wf = load_workflow(path)
+            wf = remote.load(functools.partial(load_workflow, path))
         except WorkflowError as exc:
             problems.extend(exc.diagnostics)
             continue

@@ -329,6 +329,51 @@ def test_dirty_tree_visible_and_source_untouched(tmp_path: Path, store_url: str)
     assert git(repo, "rev-parse", "HEAD") == head_before
 
 
+def test_checkouts_origin_offers_its_branches_and_tags_as_githubs_remote(
+    tmp_path: Path, store_url: str
+) -> None:
+    """`git fetch origin main --depth=1` (coveragepy's docs job), `git fetch
+    --prune` and `git ls-remote origin` see the branches and tags the
+    checkout names `origin/<name>` and tags, as GitHub's remote has them; a
+    push stays in the job."""
+    repo = make_repo(
+        tmp_path / "repo",
+        workflow(
+            """\
+            on: push
+            jobs:
+              fetch:
+                runs-on: ubuntu-latest
+                steps:
+                  - uses: actions/checkout@v4
+                  - run: |
+                      mkdir -p sub && cd sub
+                      git fetch -q origin main --depth=1
+                      echo "fetched $(git rev-parse FETCH_HEAD)"
+                      git fetch -q --prune origin
+                      echo "remotes $(git branch -r | tr -d ' ' | tr '\\n' ,)"
+                      echo "listed $(git ls-remote origin | cut -f2 | tr '\\n' ,)"
+                      git push -q origin HEAD:refs/heads/pushed && echo pushed
+            """
+        ),
+    )
+    git(repo, "tag", "v1.0")
+    git(repo, "branch", "older")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "two")
+    git(repo, "checkout", "-q", "-b", "work")
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "success", h.lines
+    lines = h.lines["fetch"]
+    main = git(repo, "rev-parse", "main").strip()
+    assert f"fetched {main}" in lines, lines
+    assert "remotes origin/main,origin/older,origin/work," in lines, lines
+    listed = next(line for line in lines if line.startswith("listed "))
+    for ref in ("HEAD", "refs/heads/main", "refs/heads/older", "refs/heads/work", "refs/tags/v1.0"):
+        assert f"{ref}," in listed, listed
+    assert "pushed" in lines
+    assert "pushed" not in git(repo, "branch", "-a")
+
+
 def test_checkout_has_the_pushed_branch_and_the_tags_of_its_history(
     tmp_path: Path, store_url: str
 ) -> None:

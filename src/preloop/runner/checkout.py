@@ -613,10 +613,43 @@ async def _name_refs(checkout: Path, location: SnapshotLocation, where: str) -> 
         lines += [f"update {name} {oid}\n" for name, oid in refs.items()]
         await git(["update-ref", "--no-deref", "--stdin"], env=env, stdin="".join(lines).encode())
         await git(["pack-refs", "--all"], env=env)
+        await _origin_view(checkout, refs, branch or location.branch)
     except (CommandFailed, OSError) as exc:
         raise CheckoutError(
             f"{where}: naming the checkout's branch and tags failed: {exc}"
         ) from None
+
+
+# The checkout's `origin`: a bare repository in its `.git` borrowing its objects.
+_ORIGIN = "preloop-origin.git"
+
+
+async def _origin_view(checkout: Path, refs: Mapping[str, str], default: str) -> None:
+    """Makes the checkout's `origin` offer what its `origin/<name>` and tags
+    name, as GitHub's checkout's remote (the repository on github.com) does:
+    `git fetch origin main --depth=1` (coveragepy's docs job), `git fetch
+    --tags` or `git fetch --prune` then see the branches the checkout has.
+    It is `.git/preloop-origin.git`, its objects the checkout's (a relative
+    alternate), its URL relative to the work tree, so that the copies of a
+    checkout each have their own; a push to it stays in the job."""
+    origin = checkout / ".git" / _ORIGIN
+    await git(["init", "-q", "--bare", "--template=", str(origin)], env=git_env())
+    (origin / "objects" / "info").mkdir(parents=True, exist_ok=True)
+    (origin / "objects" / "info" / "alternates").write_text("../../objects\n")
+    heads = {
+        f"refs/heads/{name.removeprefix('refs/remotes/origin/')}": oid
+        for name, oid in refs.items()
+        if name.startswith("refs/remotes/origin/")
+    }
+    tags = {name: oid for name, oid in refs.items() if name.startswith("refs/tags/")}
+    env = git_env({"GIT_DIR": str(origin)})
+    lines = [f"update {name} {oid}\n" for name, oid in {**heads, **tags}.items()]
+    await git(["update-ref", "--no-deref", "--stdin"], env=env, stdin="".join(lines).encode())
+    await git(["pack-refs", "--all"], env=env)
+    if f"refs/heads/{default}" in heads:
+        await git(["symbolic-ref", "HEAD", f"refs/heads/{default}"], env=env)
+    work = git_env({"GIT_DIR": str(checkout / ".git")})
+    await git(["config", "remote.origin.url", f".git/{_ORIGIN}"], env=work)
 
 
 async def _object_types(env: dict[str, str], oids: set[str]) -> dict[str, str]:

@@ -120,8 +120,14 @@ def test_javascript_action_protocol(env: Env) -> None:
     assert "summary for world" in result.summary
 
 
-def test_required_input_missing_warns_and_post_runs_after_a_failure(env: Env) -> None:
-    publish_action(env.remotes, "acme/greet", JS_ACTION)
+def test_required_input_missing_fails_in_the_action_and_post_runs_after_a_failure(
+    env: Env,
+) -> None:
+    deprecating = JS_ACTION["action.yml"].replace(
+        'fail:\n            default: "false"',
+        'fail:\n            default: "false"\n            deprecationMessage: let it be',
+    )
+    publish_action(env.remotes, "acme/greet", {**JS_ACTION, "action.yml": deprecating})
     result, lines = env.run(
         [
             {"uses": "acme/greet@v1", "with": {"fail": "true"}},
@@ -135,9 +141,11 @@ def test_required_input_missing_warns_and_post_runs_after_a_failure(env: Env) ->
         ("Run echo never", "skipped"),
         ("Post Run acme/greet@v1", "success"),
     ]
+    # GitHub's runner does not check `required:` (no warning): core.getInput(
+    # required) throws in the action itself, and the step fails. A given
+    # input the action deprecates warns.
     warnings = [a.message for a in result.annotations if a.level == "warning"]
-    assert warnings == ["acme/greet@v1: Input required and not supplied: who"]
-    # core.getInput(required) throws in the action itself: the step fails.
+    assert warnings == ["acme/greet@v1: Input 'fail' has been deprecated with message: let it be"]
     assert any("Error: Input required and not supplied: who" in line for line in lines)
     assert "post: P- " in lines  # main threw before it saved its state
 
@@ -636,25 +644,29 @@ def test_no_usable_node_fails_the_step_with_one_line(
     )
 
 
-def test_composite_required_input_missing_is_a_warning(env: Env) -> None:
+def test_composite_required_input_missing_is_no_warning_a_deprecated_one_is(env: Env) -> None:
+    """As GitHub's runner (ActionRunner): `required:` is not checked (PyGithub's
+    mypy job leaves gh-problem-matcher-wrap's required `run` out, with no
+    warning on GitHub); a given input with a `deprecationMessage` warns."""
     result, lines = env.run(
-        [{"uses": "./act"}],
+        [{"uses": "./act", "with": {"old": "x"}}],
         files={
             "act/action.yml": """\
                 inputs:
                   who: {required: true}
+                  old: {deprecationMessage: use who}
                 runs:
                   using: composite
                   steps:
-                    - run: echo "who=[${{ inputs.who }}]"
+                    - run: echo "who=[${{ inputs.who }}] old=[${{ inputs.old }}]"
                       shell: bash
                 """
         },
     )
     assert result.conclusion == "success"
-    assert "who=[]" in lines
+    assert "who=[] old=[x]" in lines
     warnings = [a.message for a in result.annotations if a.level == "warning"]
-    assert warnings == ["./act: Input required and not supplied: who"]
+    assert warnings == ["./act: Input 'old' has been deprecated with message: use who"]
 
 
 def test_a_composite_run_after_a_failure_has_a_status_of_its_own(env: Env) -> None:

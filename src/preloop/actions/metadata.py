@@ -10,7 +10,14 @@ import yaml
 
 from preloop.errors import PreloopError
 
-__all__ = ["NODE_RUNTIMES", "ActionMetadata", "ActionMetadataError", "load_action"]
+__all__ = [
+    "NODE_RUNTIMES",
+    "ActionMetadata",
+    "ActionMetadataError",
+    "deprecated_input",
+    "deprecation",
+    "load_action",
+]
 
 NODE_RUNTIMES = {"node12": 12, "node16": 16, "node20": 20, "node24": 24}
 
@@ -41,6 +48,17 @@ class ActionMetadata:
     def raw(self) -> dict[str, Any]:
         """What job.py's composite runner reads: `inputs`, `outputs`, `runs`."""
         return {"inputs": self.inputs, "outputs": self.outputs, "runs": self.runs}
+
+
+def deprecation(decl: Any) -> str:
+    """An `inputs:` entry's `deprecationMessage` ("" without one)."""
+    message = decl.get("deprecationMessage") if isinstance(decl, dict) else None
+    return str(message) if message is not None else ""
+
+
+def deprecated_input(key: str, message: str) -> str:
+    """GitHub's runner's warning for a given input its action deprecates."""
+    return f"Input '{key}' has been deprecated with message: {message}"
 
 
 def load_action(directory: Path, label: str) -> ActionMetadata:

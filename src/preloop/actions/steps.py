@@ -33,7 +33,7 @@ import anyio
 
 from preloop import config
 from preloop.actions.cache import ActionCache
-from preloop.actions.metadata import ActionMetadata, load_action
+from preloop.actions.metadata import ActionMetadata, deprecated_input, deprecation, load_action
 from preloop.actions.node import NodeRuntime, find_node
 from preloop.actions.reference import (
     DockerRef,
@@ -236,14 +236,16 @@ class ActionSteps:
         for key, decl in meta.inputs.items():
             if key in given:
                 values[key] = given[key]
+                if message := deprecation(decl):
+                    self.warn(f"{label}: {deprecated_input(key, message)}", name)
             elif "default" in decl:
                 values[key] = self.run.template(decl["default"], ctx)
                 if not values[key] and _TOKEN.search(str(decl["default"])):
                     empty_token.append(key)
             else:
+                # `required:` is documentation: GitHub's runner neither warns
+                # nor fails (`core.getInput(name, {required: true})` does).
                 values[key] = ""
-                if decl.get("required") is True:
-                    self.warn(f"{label}: Input required and not supplied: {key}", name)
         declared = {k.lower() for k in meta.inputs}
         unexpected = [k for k in given if k.lower() not in declared]
         if unexpected and meta.inputs:

@@ -45,7 +45,12 @@ from typing import Any
 import anyio
 
 from preloop import config
-from preloop.actions.metadata import ActionMetadata, ActionMetadataError
+from preloop.actions.metadata import (
+    ActionMetadata,
+    ActionMetadataError,
+    deprecated_input,
+    deprecation,
+)
 from preloop.actions.reference import UsesError, is_checkout
 from preloop.actions.steps import POST_STEPS_TIMEOUT, ActionSource, ActionStepError, ActionSteps
 from preloop.errors import PreloopError
@@ -949,12 +954,12 @@ class _Execution:
             decl = decl if isinstance(decl, dict) else {}
             if key in given:
                 inputs[key] = given[key]
+                if message := deprecation(decl):  # as for every action kind
+                    self.actions.warn(f"{uses}: {deprecated_input(key, message)}", name)
             elif "default" in decl:
                 inputs[key] = self.template(decl["default"], ctx)
             else:
-                inputs[key] = ""
-                if decl.get("required") is True:  # a warning, as GitHub's runner gives
-                    self.actions.warn(f"{uses}: Input required and not supplied: {key}", name)
+                inputs[key] = ""  # `required:` is documentation, as on GitHub
         for key, value in given.items():
             inputs.setdefault(key, value)
         inner = _Scope(

@@ -647,9 +647,10 @@ def test_no_usable_node_fails_the_step_with_one_line(
 def test_composite_required_input_missing_is_no_warning_a_deprecated_one_is(env: Env) -> None:
     """As GitHub's runner (ActionRunner): `required:` is not checked (PyGithub's
     mypy job leaves gh-problem-matcher-wrap's required `run` out, with no
-    warning on GitHub); a given input with a `deprecationMessage` warns."""
+    warning on GitHub); a given input with a `deprecationMessage` warns, as
+    does one the action does not declare (for a composite too)."""
     result, lines = env.run(
-        [{"uses": "./act", "with": {"old": "x"}}],
+        [{"uses": "./act", "with": {"old": "x", "extra": "y"}}],
         files={
             "act/action.yml": """\
                 inputs:
@@ -666,7 +667,10 @@ def test_composite_required_input_missing_is_no_warning_a_deprecated_one_is(env:
     assert result.conclusion == "success"
     assert "who=[] old=[x]" in lines
     warnings = [a.message for a in result.annotations if a.level == "warning"]
-    assert warnings == ["./act: Input 'old' has been deprecated with message: use who"]
+    assert warnings == [
+        "./act: Input 'old' has been deprecated with message: use who",
+        "./act: Unexpected input(s) 'extra', valid inputs are ['old', 'who']",
+    ]
 
 
 def test_a_composite_run_after_a_failure_has_a_status_of_its_own(env: Env) -> None:

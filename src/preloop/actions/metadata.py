@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ __all__ = [
     "deprecated_input",
     "deprecation",
     "load_action",
+    "unexpected_inputs",
 ]
 
 NODE_RUNTIMES = {"node12": 12, "node16": 16, "node20": 20, "node24": 24}
@@ -59,6 +61,18 @@ def deprecation(decl: Any) -> str:
 def deprecated_input(key: str, message: str) -> str:
     """GitHub's runner's warning for a given input its action deprecates."""
     return f"Input '{key}' has been deprecated with message: {message}"
+
+
+def unexpected_inputs(given: Iterable[str], declared: Mapping[str, Any]) -> str:
+    """GitHub's runner's warning for given inputs the action does not declare
+    (names compared in any case); "" when there are none, or when it
+    declares no inputs at all."""
+    names = {k.lower() for k in declared}
+    unexpected = [k for k in given if k.lower() not in names]
+    if not unexpected or not declared:
+        return ""
+    listed = ", ".join(repr(k) for k in unexpected)
+    return f"Unexpected input(s) {listed}, valid inputs are {sorted(declared)}"
 
 
 def load_action(directory: Path, label: str) -> ActionMetadata:

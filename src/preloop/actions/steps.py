@@ -33,7 +33,13 @@ import anyio
 
 from preloop import config
 from preloop.actions.cache import ActionCache
-from preloop.actions.metadata import ActionMetadata, deprecated_input, deprecation, load_action
+from preloop.actions.metadata import (
+    ActionMetadata,
+    deprecated_input,
+    deprecation,
+    load_action,
+    unexpected_inputs,
+)
 from preloop.actions.node import NodeRuntime, find_node
 from preloop.actions.reference import (
     DockerRef,
@@ -246,15 +252,10 @@ class ActionSteps:
                 # `required:` is documentation: GitHub's runner neither warns
                 # nor fails (`core.getInput(name, {required: true})` does).
                 values[key] = ""
+        if message := unexpected_inputs(given, meta.inputs):
+            self.warn(f"{label}: {message}", name)
         declared = {k.lower() for k in meta.inputs}
-        unexpected = [k for k in given if k.lower() not in declared]
-        if unexpected and meta.inputs:
-            self.warn(
-                f"{label}: Unexpected input(s) {', '.join(repr(k) for k in unexpected)}, valid "
-                f"inputs are {sorted(meta.inputs)}",
-                name,
-            )
-        for key in unexpected:
+        for key in (k for k in given if k.lower() not in declared):
             values[key] = given[key]
         self._state_of(step).empty_token = empty_token
         return values

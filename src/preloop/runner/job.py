@@ -50,6 +50,7 @@ from preloop.actions.metadata import (
     ActionMetadataError,
     deprecated_input,
     deprecation,
+    unexpected_inputs,
 )
 from preloop.actions.reference import UsesError, is_checkout
 from preloop.actions.steps import POST_STEPS_TIMEOUT, ActionSource, ActionStepError, ActionSteps
@@ -960,6 +961,8 @@ class _Execution:
                 inputs[key] = self.template(decl["default"], ctx)
             else:
                 inputs[key] = ""  # `required:` is documentation, as on GitHub
+        if message := unexpected_inputs(given, declared):
+            self.actions.warn(f"{uses}: {message}", name)
         for key, value in given.items():
             inputs.setdefault(key, value)
         inner = _Scope(

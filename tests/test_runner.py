@@ -639,6 +639,43 @@ def test_checkout_path_gets_its_own_checkout_and_notes_what_is_not_honoured(
     assert any("sub/src already holds a checkout" in line for line in lines)
 
 
+def test_checkout_ref_into_a_path_is_checked_out_as_on_github(tmp_path: Path) -> None:
+    """A `ref:` of the run's own repository into a `path:` (the base of a pull
+    request beside its head, PyGithub's "Check verbs") is checked out there
+    when the snapshot has it, as GitHub's checkout resolves it: a commit or
+    tag detached, a branch (`origin/<b>` first) as a local branch tracking
+    `origin/<b>`. In the workspace itself the job keeps the snapshot."""
+    first = _git_workspace(tmp_path)
+    ws = tmp_path / "ws"
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-C", str(ws)]
+    subprocess.run([*git, "tag", "v1"], check=True)
+    subprocess.run([*git, "update-ref", "refs/remotes/origin/feature", first], check=True)
+    (ws / "hello.txt").write_text("head\n")
+    subprocess.run([*git, "commit", "-qam", "two"], check=True)
+    show = "cat hello.txt; git rev-parse HEAD; git rev-parse --abbrev-ref HEAD"
+    steps: list[dict[str, Any]] = []
+    for where, ref in (("base", first), ("tag", "v1"), ("br", "feature")):
+        steps += [
+            {"uses": "actions/checkout@v4", "with": {"path": where, "ref": ref}},
+            {"run": f"echo {where}: $({show} | tr '\\n' ' ')", "working-directory": where},
+        ]
+    steps += [
+        {"run": "echo upstream: $(git rev-parse --abbrev-ref @{u})", "working-directory": "br"},
+        {"uses": "actions/checkout@v4", "with": {"ref": first}},
+        {"run": "echo ws: $(cat hello.txt)"},
+    ]
+    github = {"event_name": "pull_request", "repository": "acme/tool", "ref_name": "main"}
+    result, lines = run_job(tmp_path, steps, contexts={"github": github})
+    assert result.conclusion == "success", lines
+    assert f"base: hi {first} HEAD" in lines, lines
+    assert f"tag: hi {first} HEAD" in lines, lines
+    assert f"br: hi {first} feature" in lines and "upstream: origin/feature" in lines, lines
+    assert any(f"{first[:12]}) checked out into base" in line for line in lines), lines
+    # The workspace keeps the run's files, with a note saying so.
+    assert "ws: head" in lines
+    assert any(f"ref {first!r} is not checked out" in line for line in lines), lines
+
+
 @pytest.mark.parametrize(
     ("inputs", "error"),
     [

@@ -482,7 +482,15 @@ async def _checkout_ref(
             continue
         commit = found.stdout.decode().strip()
         # a clone --shared borrows the workspace's objects: the commit is there
-        target = ["-B", branch, commit] if branch else ["--detach", commit]
+        target = ["--detach", commit]
+        if branch:
+            # As GitHub's `checkout -B <b> refs/remotes/origin/<b>`: the local
+            # branch tracks `origin/<b>`.
+            await run_command(
+                ["git", "-C", str(dest), "update-ref", f"refs/remotes/origin/{branch}", commit],
+                timeout=_CHECKOUT_TIMEOUT,
+            )
+            target = ["-B", branch, "--track", f"origin/{branch}"]
         try:
             await run_command(
                 ["git", "-C", str(dest), "-c", "advice.detachedHead=false", "checkout", "-q",

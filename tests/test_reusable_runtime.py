@@ -256,3 +256,47 @@ def test_a_callers_name_using_needs_is_its_inner_jobs_prefix(
     names = {j.id: j.name for j in outcome.jobs}
     assert results(outcome)["call/inner"] == "success", h.all_text()
     assert names["call/inner"] == "build v1.2.3 / checked 1.2.3", names
+
+
+def test_the_jobs_token_reaches_called_workflows_whatever_is_passed(
+    tmp_path: Path, store_url: str
+) -> None:
+    """`GITHUB_TOKEN` (`github.token`, `secrets.GITHUB_TOKEN`) is in every
+    called workflow, as on GitHub, though its caller passes no `secrets:` or
+    a mapping without it; other secrets still only as passed."""
+    called = """\
+        on:
+          workflow_call:
+            secrets:
+              MINE: {required: false}
+        jobs:
+          inner:
+            runs-on: ubuntu-latest
+            steps:
+              - run: |
+                  echo "token=${{ github.token == 'tok-abcdef123' }} \\
+                  secret=${{ secrets.GITHUB_TOKEN == 'tok-abcdef123' }} \\
+                  other=[${{ secrets.OTHER }}] mine=[${{ secrets.MINE }}]"
+        """
+    files = {
+        ".github/workflows/ci.yml": """\
+            on: push
+            jobs:
+              none:
+                uses: ./.github/workflows/r.yml
+              mapped:
+                uses: ./.github/workflows/r.yml
+                secrets:
+                  MINE: ${{ secrets.OTHER }}
+            """,
+        ".github/workflows/r.yml": called,
+    }
+    repo = make_repo(tmp_path / "repo", files)
+    secrets = {"GITHUB_TOKEN": "tok-abcdef123", "OTHER": "o-secret"}
+    outcome, h = run_engine(repo, store_url, tmp_path / "state", secrets=secrets)
+    assert outcome.conclusion == "success", h.all_text()
+    shown = [line for line in h.all_text().splitlines() if line.startswith("token=")]
+    assert sorted(shown) == [
+        "token=true secret=true other=[] mine=[***]",
+        "token=true secret=true other=[] mine=[]",
+    ], shown

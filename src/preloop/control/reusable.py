@@ -164,14 +164,17 @@ def passed_secrets(
     enclosing caller passes on, outermost first (`spec["secrets_chain"]`):
     `secrets: inherit` passes its own, a mapping passes the named values
     (templates over the caller's contexts and its secrets), none passes none.
-    `caller_context(caller_id)` gives a caller's job contexts."""
+    `caller_context(caller_id)` gives a caller's job contexts. The job's
+    token, `GITHUB_TOKEN`, reaches every called workflow whatever its caller
+    passes, as on GitHub."""
     current = dict(secrets)
+    token = {"GITHUB_TOKEN": secrets["GITHUB_TOKEN"]} if "GITHUB_TOKEN" in secrets else {}
     for link in chain:
         passed = link.get("secrets")
         if passed == "inherit":
             continue
         if not isinstance(passed, dict) or not passed:
-            current = {}
+            current = dict(token)
             continue
         ctx = dict(caller_context(str(link["caller"])))
         ctx["secrets"] = {**current, "GITHUB_TOKEN": current.get("GITHUB_TOKEN", "")}
@@ -180,7 +183,10 @@ def passed_secrets(
             return ex.evaluate_template(value, ctx) if isinstance(value, str) else value
 
         current = {
-            name: ex.coerce_string(value if evaluated else evaluate(value))
-            for name, value, evaluated in mapping_items(passed, evaluate)
+            **token,
+            **{
+                name: ex.coerce_string(value if evaluated else evaluate(value))
+                for name, value, evaluated in mapping_items(passed, evaluate)
+            },
         }
     return current

@@ -398,6 +398,8 @@ def test_a_job_asked_for_runs_without_fetching_what_other_jobs_call(
         jobs:
           call:
             uses: acme/flows/.github/workflows/build.yml@v1
+          local:
+            uses: ./.github/workflows/local.yml
           build:
             runs-on: ubuntu-latest
             steps: [{run: echo built}]
@@ -410,6 +412,10 @@ def test_a_job_asked_for_runs_without_fetching_what_other_jobs_call(
             runs-on: ubuntu-latest
             steps: [{run: echo published}]
         """
+    )
+    # A local callee calling a remote one in turn (review: it was still fetched).
+    files[".github/workflows/local.yml"] = (
+        "on: workflow_call\njobs:\n  inner:\n    uses: acme/flows/.github/workflows/build.yml@v1\n"
     )
     repo = make_repo(tmp_path / "repo", files)
     outcome, h = run_engine(repo, store_url, tmp_path / "state", job="test")

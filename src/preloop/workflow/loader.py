@@ -184,9 +184,9 @@ def load_workflow(
 ) -> Workflow:
     """Loads and validates one workflow file (and the reusable workflows it
     calls). With `jobs` (`--job` names: job keys or `caller/inner`), only
-    those jobs and the jobs they need fetch the remote reusable workflows
-    they call; another caller of one is loaded as skipped, so a job asked
-    for runs offline whatever the rest of the file calls. Raises
+    those jobs and the jobs they need load the reusable workflows they call
+    (a remote one is fetched); another caller is loaded as skipped, so a job
+    asked for runs offline whatever the rest of the file calls. Raises
     WorkflowError listing every problem."""
     p = Path(path)
     try:
@@ -1393,9 +1393,9 @@ class _Reader:
             uses is not None
             and self.fetching is not None
             and str(common["id"]).lower() not in self.fetching
-            and not is_local(uses)
         ):
-            skipped = "not asked for (--job): not fetched"
+            # Not loaded at all: a local callee may call remote ones in turn.
+            skipped = "not asked for (--job): not loaded"
         if uses is not None and skipped is not None:
             return Job(
                 **common, uses=uses, with_=frozen_map(with_), secrets=secrets, skipped_call=skipped

@@ -1307,6 +1307,47 @@ def test_a_matcher_file_the_runner_cannot_use_fails_its_step(tmp_path: Path) -> 
     assert any("Unable to process command '::add-matcher::bad.json'" in line for line in lines)
 
 
+def test_matcher_files_a_step_names_cannot_stall_or_crash_the_job(tmp_path: Path) -> None:
+    """A FIFO, a device or a file whose `problemMatcher` is no list fails
+    the step in one line (it stalled the job's output, filled memory, or
+    crashed the job); coloured output is matched with its colour codes
+    stripped, as GitHub's OutputManager does; `::remove-matcher::FILE` reads
+    only the owners (GitHub validates nothing there)."""
+    steps: list[dict[str, Any]] = [
+        {"run": 'mkfifo fifo.json && echo "::add-matcher::fifo.json"', "continue-on-error": True},
+        {"run": 'echo "::add-matcher::/dev/zero"', "continue-on-error": True},
+        {"run": 'echo "::add-matcher::list.json"', "continue-on-error": True},
+        {
+            "run": textwrap.dedent(
+                """\
+                echo "::add-matcher::.github/flake8.json"
+                printf '\\033[1mpkg/mod.py\\033[0m:3:1: F401 unused\\n'
+                echo "::remove-matcher::owners-only.json"
+                echo "pkg/mod.py:4:1: F402 after removal"
+                echo "pkg/mod.py:5:1: W291 still a warning"
+                """
+            )
+        },
+    ]
+    files = {
+        ".github/flake8.json": _FLAKE8_MATCHER,
+        "pkg/mod.py": "import os\n",
+        "list.json": '{"problemMatcher": 5}',
+        "owners-only.json": '{"problemMatcher": [{"owner": "flake8-error"}]}',
+    }
+    result, lines = run_job(tmp_path, steps, files=files)
+    assert result.conclusion == "success", lines
+    errors = [a.message for a in result.annotations if a.level == "error"]
+    assert any("fifo.json: not a regular file" in e for e in errors), errors
+    assert any("/dev/zero: not a regular file" in e for e in errors), errors
+    assert any("`problemMatcher` must be a list" in e for e in errors), errors
+    found = [(a.level, a.message, a.file, a.line) for a in result.annotations if a.line]
+    assert found == [
+        ("error", "unused", "pkg/mod.py", 3),
+        ("warning", "still a warning", "pkg/mod.py", 5),
+    ]
+
+
 def test_legacy_commands_and_colons_in_properties_parse_as_on_github(tmp_path: Path) -> None:
     """GitHub's runner reads `##[name k=v;k=v]data` anywhere in a line
     (`ActionCommand.TryParse`; setup-python writes `##[add-matcher]`) and, in

@@ -387,7 +387,7 @@ class WorkflowCommandParser:
                 self._matchers.remove([owner])
             else:
                 path = self._host_path(self._matchers.resolve(data))
-                self._matchers.remove([c.owner for c in load_matchers(path)])
+                self._matchers.remove([c.owner for c in load_matchers(path, validate=False)])
         except MatcherError as exc:
             return self._refused(text, str(exc))
         return None

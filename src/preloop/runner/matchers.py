@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,14 +125,49 @@ def _parse_matcher(raw: Any) -> MatcherConfig:
     return MatcherConfig(owner, severity, str(from_path), tuple(patterns))
 
 
-def load_matchers(path: Path) -> list[MatcherConfig]:
-    """The matchers of a matcher file; MatcherError when GitHub's runner
-    would refuse it (unreadable, not JSON, an invalid matcher, duplicate owners)."""
+# A matcher file is a few KB; a step names it, so preloop reads no more.
+MAX_MATCHER_FILE = 1 << 20
+# Output lines longer than this are not matched (see `StepMatchers.match`).
+MAX_MATCHED_LINE = 1 << 16
+# GitHub's OutputManager strips these before matching.
+_COLOR = re.compile(r"\x1b\[[0-9;]*m?")
+
+
+def _read_matcher_file(path: Path) -> str:
+    """The text of a matcher file a step named: a regular file of at most
+    MAX_MATCHER_FILE bytes, opened without blocking (a FIFO or a device a
+    step names must not stall the job's output, nor fill memory)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     try:
-        data = json.loads(path.read_text(encoding="utf-8-sig"))
-    except (OSError, ValueError) as exc:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise MatcherError(f"{path}: not a regular file")
+        if st.st_size > MAX_MATCHER_FILE:
+            raise MatcherError(f"{path}: {st.st_size} bytes, more than a matcher file has")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MAX_MATCHER_FILE + 1).decode("utf-8-sig")
+    finally:
+        os.close(fd)
+
+
+def load_matchers(path: Path, *, validate: bool = True) -> list[MatcherConfig]:
+    """The matchers of a matcher file; MatcherError when GitHub's runner
+    would refuse it (unreadable, not JSON, an invalid matcher, duplicate
+    owners). Without `validate` (`remove-matcher`, which only wants the
+    owners, as GitHub's reads them) only the JSON and owners are checked."""
+    try:
+        data = json.loads(_read_matcher_file(path))
+    except (OSError, ValueError, RecursionError) as exc:
         raise MatcherError(f"{path}: {exc}") from None
     raw = _get(data, "problemMatcher") if isinstance(data, Mapping) else None
+    if raw is not None and not isinstance(raw, list):
+        raise MatcherError(f"{path}: `problemMatcher` must be a list")
+    if not validate:
+        return [
+            MatcherConfig(owner=str(_get(m, "owner") or ""), severity="", from_path="", patterns=())
+            for m in raw or []
+            if isinstance(m, Mapping)
+        ]
     configs = [_parse_matcher(m) for m in raw or []]
     owners: set[str] = set()
     for c in configs:
@@ -256,7 +292,15 @@ class StepMatchers:
         self._matchers = [m for m in self._matchers if m.owner.lower() not in gone]
 
     def match(self, line: str) -> tuple[str, IssueMatch] | None:
-        """(level, match) of the first matcher that makes an issue of `line`."""
+        """(level, match) of the first matcher that makes an issue of `line`,
+        its colour codes stripped first (GitHub's OutputManager). A line
+        longer than MAX_MATCHED_LINE is not matched: Python's `re` has no
+        timeout (GitHub's gives a matcher 1 s a line), so a backtracking
+        pattern must not meet an unbounded line."""
+        if len(line) > MAX_MATCHED_LINE:
+            return None
+        if "\x1b[" in line:
+            line = _COLOR.sub("", line)
         for matcher in self._matchers:
             found = matcher.match(line)
             if found is None:

@@ -687,6 +687,12 @@ def test_setup_action_hint_reads_setup_pythons_dev_free_threaded_and_pypy_forms(
     (root / "PyPy" / "7.3.20" / "x64").mkdir(parents=True)
     (root / "PyPy" / "7.3.20" / "x64.complete").write_text("")
     assert hint("pypy3.11") is None  # which Python a PyPy is: not told by its directory
+    # A free-threaded build alone does not meet a plain version (review).
+    (root / "Python" / "3.15.0" / "x64-freethreaded").mkdir(parents=True)
+    (root / "Python" / "3.15.0" / "x64-freethreaded.complete").write_text("")
+    assert hint("3.15t") is None
+    plain = hint("3.15")
+    assert plain is not None and "no Python matching '3.15'" in plain
 
 
 def test_uploads_of_a_dead_service_are_swept_a_day_later(tmp_path: Path) -> None:

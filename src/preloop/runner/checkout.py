@@ -277,9 +277,10 @@ async def checkout_step(
     fetches the repository again: `recheckout` (a fresh copy of the job's
     checkout at a path that does not exist) stands in for it. Another
     `repository:` is fetched from where actions come from
-    (`preloop.runner.remote_checkout`); for the run's own one `ref:` is noted
-    in the log, not honoured. The checkout always has the history and tags
-    `fetch-depth: 0` would fetch (`_name_refs`).
+    (`preloop.runner.remote_checkout`); for the run's own one a `ref:` is
+    checked out into a `path:` when the snapshot has it, and only noted for
+    the workspace itself (the job runs on the snapshot). The checkout always
+    has the history and tags `fetch-depth: 0` would fetch (`_name_refs`).
     Raises `CheckoutError` with a one-line message (the caller names the step)."""
     repository = inputs.get("repository", "").strip()
     current = str(github.get("repository") or "")

@@ -1004,7 +1004,13 @@ def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str |
         return None
     root = shared_tool_cache(root)  # the one `preloop toolcache` lists, not the job's
     entries = [e for e in list_tool_cache(root) if e.tool == tool]
-    fitting = [e for e in entries if arch is None or e.arch.endswith(f"-{arch}")]
+    # A plain version is not met by a free-threaded build (setup-python
+    # takes `3.14` from `x64`, never `x64-freethreaded`).
+    fitting = [
+        e
+        for e in entries
+        if (e.arch.endswith(f"-{arch}") if arch else not e.arch.endswith("-freethreaded"))
+    ]
     if any(_matches(e.version, spec) for e in fitting):
         return None
     versions = list(dict.fromkeys(e.version for e in entries))

@@ -234,29 +234,40 @@ def test_remote_reusable_workflow_checks_and_failures(
     ), messages
 
 
-def test_remote_reusable_workflow_from_an_override(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from preloop.workflow import load_workflow
-
+def _local_flows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, by_env: bool) -> Path:
+    """REUSABLE as a local directory standing in for `acme/flows`, with
+    nothing to fetch it from (the actions base is offline); `by_env` gives it
+    as `PRELOOP_ACTION_OVERRIDES`, else a test passes `--action` itself."""
     local = tmp_path / "flows"
     for rel, text in REUSABLE.items():
         (local / rel).parent.mkdir(parents=True, exist_ok=True)
         (local / rel).write_text(text)
     monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path}/offline")
     monkeypatch.setenv("PRELOOP_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("PRELOOP_ACTION_OVERRIDES", f"acme/flows={local}")
-    files = workflow(
-        """\
-        on: push
-        jobs:
-          call:
-            uses: acme/flows/.github/workflows/build.yml@v1
-            with:
-              name: x
-        """
-    )
-    repo = make_repo(tmp_path / "repo", files)
+    if by_env:
+        monkeypatch.setenv("PRELOOP_ACTION_OVERRIDES", f"acme/flows={local}")
+    else:
+        monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
+    return local
+
+
+CALL_FLOWS = """\
+    on: push
+    jobs:
+      call:
+        uses: acme/flows/.github/workflows/build.yml@v1
+        with:
+          name: x
+    """
+
+
+def test_remote_reusable_workflow_from_an_override(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from preloop.workflow import load_workflow
+
+    _local_flows(tmp_path, monkeypatch, by_env=True)
+    repo = make_repo(tmp_path / "repo", workflow(CALL_FLOWS))
     wf = load_workflow(repo / ".github" / "workflows" / "ci.yml")
     inner = next(j for j in wf.jobs if j.id == "call").callee
     assert inner is not None  # and $/ inside it, from the same directory:
@@ -266,12 +277,7 @@ def test_remote_reusable_workflow_from_an_override(
 def test_action_option_overrides_a_remote_reusable_workflow(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    local = tmp_path / "flows"
-    for rel, text in REUSABLE.items():
-        (local / rel).parent.mkdir(parents=True, exist_ok=True)
-        (local / rel).write_text(text)
-    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path}/offline")
-    monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
+    local = _local_flows(tmp_path, monkeypatch, by_env=False)
     files = workflow(
         """\
         on: push
@@ -304,24 +310,8 @@ def test_plan_and_list_take_action_overrides_as_run_does(
     """`preloop plan` and `preloop list` read remote reusable workflows too:
     the error for one that cannot be fetched says to use `--action`, so they
     take it (yarl's tox-dev/workflow offline), as `preloop run` does."""
-    local = tmp_path / "flows"
-    for rel, text in REUSABLE.items():
-        (local / rel).parent.mkdir(parents=True, exist_ok=True)
-        (local / rel).write_text(text)
-    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{tmp_path}/offline")
-    monkeypatch.setenv("PRELOOP_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.delenv("PRELOOP_ACTION_OVERRIDES", raising=False)
-    files = workflow(
-        """\
-        on: push
-        jobs:
-          call:
-            uses: acme/flows/.github/workflows/build.yml@v1
-            with:
-              name: x
-        """
-    )
-    repo = make_repo(tmp_path / "repo", files)
+    local = _local_flows(tmp_path, monkeypatch, by_env=False)
+    repo = make_repo(tmp_path / "repo", workflow(CALL_FLOWS))
     for command in ("plan", "list"):
         cli = [sys.executable, "-m", "preloop", command]
         offline = subprocess.run(cli, cwd=repo, capture_output=True, text=True, check=False)

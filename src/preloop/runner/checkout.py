@@ -642,21 +642,23 @@ async def _origin_view(checkout: Path, refs: Mapping[str, str], default: str) ->
     alternate), its URL relative to the work tree, so that the copies of a
     checkout each have their own; a push to it stays in the job."""
     origin = checkout / ".git" / _ORIGIN
-    await git(["init", "-q", "--bare", "--template=", str(origin)], env=git_env())
-    (origin / "objects" / "info").mkdir(parents=True, exist_ok=True)
-    (origin / "objects" / "info" / "alternates").write_text("../../objects\n")
     heads = {
         f"refs/heads/{name.removeprefix('refs/remotes/origin/')}": oid
         for name, oid in refs.items()
         if name.startswith("refs/remotes/origin/")
     }
     tags = {name: oid for name, oid in refs.items() if name.startswith("refs/tags/")}
-    env = git_env({"GIT_DIR": str(origin)})
-    lines = [f"update {name} {oid}\n" for name, oid in {**heads, **tags}.items()]
-    await git(["update-ref", "--no-deref", "--stdin"], env=env, stdin="".join(lines).encode())
-    await git(["pack-refs", "--all"], env=env)
-    if f"refs/heads/{default}" in heads:
-        await git(["symbolic-ref", "HEAD", f"refs/heads/{default}"], env=env)
+    # Written as `git init --bare` and `pack-refs` would (one git call a job,
+    # not five): HEAD, config, the objects' alternate, the refs in
+    # `packed-refs` (no header: git peels the tags itself when asked).
+    (origin / "objects" / "info").mkdir(parents=True, exist_ok=True)
+    (origin / "refs").mkdir(exist_ok=True)
+    (origin / "objects" / "info" / "alternates").write_text("../../objects\n")
+    (origin / "config").write_text("[core]\n\trepositoryformatversion = 0\n\tbare = true\n")
+    head = default if f"refs/heads/{default}" in heads else "main"
+    (origin / "HEAD").write_text(f"ref: refs/heads/{head}\n")
+    packed = "".join(f"{oid} {name}\n" for name, oid in sorted({**heads, **tags}.items()))
+    (origin / "packed-refs").write_text(packed)
     work = git_env({"GIT_DIR": str(checkout / ".git")})
     await git(["config", "remote.origin.url", f".git/{_ORIGIN}"], env=work)
 

@@ -256,6 +256,7 @@ def test_a_callers_name_using_needs_is_its_inner_jobs_prefix(
     names = {j.id: j.name for j in outcome.jobs}
     assert results(outcome)["call/inner"] == "success", h.all_text()
     assert names["call/inner"] == "build v1.2.3 / checked 1.2.3", names
+    assert names["call"] == "build v1.2.3", names  # the caller's own row too
 
 
 def test_the_jobs_token_reaches_called_workflows_whatever_is_passed(

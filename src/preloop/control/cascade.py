@@ -6,6 +6,7 @@ ending runs). `Store` drives it; the lock order it keeps is documented in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ from preloop.control.rows import (
     _unit_result,
 )
 from preloop.control.schema import QUEUE_MAX, if_true_when_clean
+from preloop.workflow.expressions import interpolate
 from preloop.workflow.plan import (
     TRUE_WHEN_CLEAN,
     Cohort,
@@ -519,8 +521,21 @@ class _Cascade:
         """A caller now folding: its `with:` is evaluated, its inner root jobs
         may start."""
         run_id = int(row["run_id"])
+        contexts = self.job_contexts(row)
+        named = self.tx.one(
+            "SELECT name FROM jobs WHERE run_id = ? AND id = ?", (run_id, row["id"])
+        )
+        if named is not None and "${{" in named["name"]:
+            # A name using the caller's `needs` (yarl's `Build dists v${{
+            # needs.pre-setup.outputs.dist-version }}`), now known, as GitHub
+            # shows it; as written when it cannot be evaluated.
+            with contextlib.suppress(ExpressionError):
+                self.tx.execute(
+                    "UPDATE jobs SET name = ? WHERE run_id = ? AND id = ?",
+                    (interpolate(named["name"], contexts), run_id, row["id"]),
+                )
         try:
-            start_caller(self.tx, row, self.job_contexts(row))
+            start_caller(self.tx, row, contexts)
         except (ExpressionError, PlanError) as exc:
             self.skip_inner(run_id, row["id"], "skipped")
             self.conclude(row, "failure", {}, f"caller {row['id']!r}: with: {exc}")

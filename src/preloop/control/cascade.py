@@ -6,7 +6,6 @@ ending runs). `Store` drives it; the lock order it keeps is documented in
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from typing import TYPE_CHECKING, Any
@@ -522,18 +521,7 @@ class _Cascade:
         may start."""
         run_id = int(row["run_id"])
         contexts = self.job_contexts(row)
-        named = self.tx.one(
-            "SELECT name FROM jobs WHERE run_id = ? AND id = ?", (run_id, row["id"])
-        )
-        if named is not None and "${{" in named["name"]:
-            # A name using the caller's `needs` (yarl's `Build dists v${{
-            # needs.pre-setup.outputs.dist-version }}`), now known, as GitHub
-            # shows it; as written when it cannot be evaluated.
-            with contextlib.suppress(ExpressionError):
-                self.tx.execute(
-                    "UPDATE jobs SET name = ? WHERE run_id = ? AND id = ?",
-                    (interpolate(named["name"], contexts), run_id, row["id"]),
-                )
+        self._name_caller(row, contexts)
         try:
             start_caller(self.tx, row, contexts)
         except (ExpressionError, PlanError) as exc:
@@ -549,6 +537,31 @@ class _Cascade:
         )
         if unit is not None:
             self.work.append(("end_unit", (run_id, unit)))
+
+    def _name_caller(self, row: Row, contexts: dict[str, Any]) -> None:
+        """A caller's name using its `needs` (yarl's `Build dists v${{
+        needs.pre-setup.outputs.dist-version }}`), known once it starts: its
+        own row's, and the prefix of every job inside it (`<caller> /
+        <job>`, nested ones too), as GitHub shows them; as written when it
+        cannot be evaluated."""
+        run_id, caller = int(row["run_id"]), str(row["id"])
+        named = self.tx.one("SELECT name FROM jobs WHERE run_id = ? AND id = ?", (run_id, caller))
+        if named is None or "${{" not in named["name"]:
+            return
+        template = str(named["name"])
+        try:
+            name = interpolate(template, contexts)
+        except ExpressionError:
+            return
+        self.tx.execute(
+            "UPDATE jobs SET name = ? WHERE run_id = ? AND id = ?", (name, run_id, caller)
+        )
+        inside, prefix = f"{caller}/", f"{template} / "
+        self.tx.execute(
+            "UPDATE jobs SET name = ? || substr(name, ?) WHERE run_id = ? "
+            "AND substr(id, 1, ?) = ? AND substr(name, 1, ?) = ?",
+            (f"{name} / ", len(prefix) + 1, run_id, len(inside), inside, len(prefix), prefix),
+        )
 
     def _do_fold(self, caller: Row) -> None:
         """A caller whose inner jobs all ended: its conclusion and outputs."""

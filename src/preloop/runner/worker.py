@@ -477,19 +477,7 @@ class Runner:
                 self.store, lambda: self.store.job_context(lease.run_id, lease.job_id)
             )
             scope = {**contexts, "inputs": lease.spec.get("inputs", contexts.get("inputs"))}
-            name = lease.name
-            called = lease.spec.get("caller_name") or {}
-            caller, caller_name = str(called.get("job", "")), str(called.get("name", ""))
-            if caller and name.startswith(f"{caller_name} / "):
-                # A reusable workflow's job: its caller's part of the name
-                # is the caller's (`name: v${{ needs.setup.outputs.v }}`).
-                outer = await store_call(
-                    self.store, lambda: self.store.job_context(lease.run_id, caller)
-                )
-                own = ex.interpolate(name.removeprefix(f"{caller_name} / "), scope)
-                name = f"{ex.interpolate(caller_name, outer)} / {own}"
-            else:
-                name = ex.interpolate(name, scope)
+            name = ex.interpolate(lease.name, scope)
             await store_call(self.store, lambda: self.store.name_job(lease, name))
         except (PreloopError, OSError):
             return lease, None

@@ -419,11 +419,6 @@ class _Planner:
             # No callee to plan: a job that ends skipped, outputs empty.
             spec.update({"skipped_call": job.skipped_call, "uses": job.uses, "runs-on": None})
             runs_on = ()
-        caller_name = scope.contexts.get("_caller_name")
-        if scope.caller is not None and isinstance(caller_name, str) and "${{" in caller_name:
-            # The caller's part of the name uses the caller's contexts (its
-            # `needs`), evaluated when this job starts (`Runner._named`).
-            spec["caller_name"] = {"job": scope.caller, "name": caller_name}
         if scope.chain:
             spec["secrets_chain"] = list(scope.chain)
         self.jobs.append(

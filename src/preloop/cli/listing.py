@@ -11,7 +11,8 @@ import click
 from rich.table import Table
 
 from preloop.cli.app import cli, emit_json, make_console
-from preloop.cli.plan import _find_root, action_option, remote_workflows, stages
+from preloop.cli.plan import _find_root, remote_workflows, stages
+from preloop.cli.secret_args import action_option
 from preloop.errors import UsageError
 from preloop.workflow import PlanError, WorkflowError, load_workflow, plan, workflow_files
 from preloop.workflow.github_context import local_github_context

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
 from preloop.actions.reference import parse_overrides
 from preloop.actions.workflows import PlanRun
 from preloop.cli.app import cli, emit_json, plural
-from preloop.cli.secret_args import parse_vars, var_options
+from preloop.cli.secret_args import action_option, parse_vars, var_options
 from preloop.errors import UsageError
 from preloop.workflow import (
     Plan,
@@ -39,21 +38,7 @@ from preloop.workflow.loader import EVENTS
 from preloop.workflow.triggers import Trigger, check_event_name, evaluate_trigger
 from preloop.workflow.yamltree import Diagnostic
 
-__all__ = ["action_option", "plan_command", "remote_workflows", "stages"]
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def action_option(fn: F) -> F:
-    """`--action`, as `preloop run` takes it: a remote reusable workflow is
-    read from a local directory, or its caller skipped."""
-    return click.option(
-        "--action",
-        "actions",
-        multiple=True,
-        metavar="OWNER/REPO[@REF]=DIR|skip[:REASON]",
-        help="Read a remote reusable workflow from a local directory, or skip it (repeatable).",
-    )(fn)
+__all__ = ["plan_command", "remote_workflows", "stages"]
 
 
 def remote_workflows(actions: tuple[str, ...]) -> PlanRun:

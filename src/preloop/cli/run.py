@@ -21,6 +21,7 @@ from preloop import config
 from preloop.actions.reference import Overrides, parse_overrides
 from preloop.cli.app import cli, echo_error, emit_json, make_console, plural
 from preloop.cli.secret_args import (
+    action_option,
     parse_secrets,
     parse_vars,
     sandbox_options,
@@ -420,13 +421,7 @@ async def _run(engine: Engine, progress: _Progress) -> RunsOutcome | None:
 @secret_options
 @var_options
 @sandbox_options
-@click.option(
-    "--action",
-    "actions",
-    multiple=True,
-    metavar="OWNER/REPO[@REF]=DIR|skip[:REASON]",
-    help="Run a local directory in place of a remote action, or skip it (repeatable).",
-)
+@action_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document at the end.")
 @click.option(
     "--input", "inputs", multiple=True, metavar="NAME=VALUE", help="A workflow_dispatch input."

@@ -1,6 +1,7 @@
 """Secrets given to `preloop run` / `preloop runner`: `--secret` and
-`--secret-file`; and the `vars` context's configuration variables,
-`--var NAME=VALUE` and `--var-file FILE` (`preloop run`, `preloop plan`).
+`--secret-file`; and the options other commands share with `preloop run`:
+the `vars` context's `--var NAME=VALUE` and `--var-file FILE`, and
+`--action` overrides.
 
 `--secret NAME=VALUE` puts the value in the process list (`ps`,
 `/proc/<pid>/cmdline`, readable by every local user), so it draws a one-time
@@ -34,6 +35,7 @@ import click
 from preloop.errors import UsageError
 
 __all__ = [
+    "action_option",
     "parse_secret_file",
     "parse_secrets",
     "parse_vars",
@@ -176,6 +178,19 @@ def parse_vars(values: Iterable[str], files: Iterable[Path] = ()) -> dict[str, s
             raise UsageError(f"--var {item}: use NAME=VALUE (a name is letters, digits and _)")
         found[name] = value
     return found
+
+
+def action_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`--action`, shared by `preloop run`, `plan` and `list`: a remote
+    action or reusable workflow read from a local directory, or skipped."""
+    return click.option(
+        "--action",
+        "actions",
+        multiple=True,
+        metavar="OWNER/REPO[@REF]=DIR|skip[:REASON]",
+        help="Run a local directory in place of a remote action or reusable workflow, or "
+        "skip it (repeatable).",
+    )(fn)
 
 
 def var_options(fn: Callable[..., Any]) -> Callable[..., Any]:

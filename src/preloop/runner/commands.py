@@ -246,10 +246,6 @@ class WorkflowCommandParser:
         host_path: Callable[[Path], Path] | None = None,
     ) -> None:
         self.masker = masker
-        # An annotation's `file=` under it is made relative to it, as
-        # GitHub's runner does (IssueCommandExtension): `src/a.py`, not the
-        # job directory's absolute path that a linter prints.
-        self._workspace = workspace
         self._debug = debug  # show `::debug::` lines (step debug logging)
         # ACTIONS_ALLOW_UNSECURE_COMMANDS: `::set-env` / `::add-path` allowed
         self._allow_unsecure = allow_unsecure
@@ -257,17 +253,17 @@ class WorkflowCommandParser:
         self._job = job
         self._step = step
         self._stopped: str | None = None
-        # the job's problem matchers (a step's own parser without a job has none)
-        self._matchers = StepMatchers(matchers or ProblemMatchers(), workspace)
-        self._host_path = host_path or (lambda path: path)
+        # the job's problem matchers (a step's own parser without a job has
+        # none), and the step's view of the workspace and host paths
+        self._matchers = StepMatchers(matchers or ProblemMatchers(), workspace, host_path)
 
     def _relative(self, file: str | None) -> str | None:
-        if not file or self._workspace is None or not os.path.isabs(file):
+        """An annotation's absolute `file=` under the workspace, relative to
+        it, as GitHub's runner makes it (IssueCommandExtension): `src/a.py`,
+        not the job directory's path a linter prints."""
+        if not file or not os.path.isabs(file):
             return file
-        path = self._host_path(Path(os.path.normpath(file)))
-        if path != self._workspace and path.is_relative_to(self._workspace):
-            return path.relative_to(self._workspace).as_posix()
-        return file
+        return self._matchers.relative(file) or file
 
     def lines(self, raws: list[str]) -> list[str]:
         """The lines of `raws` to log, as `line()` returns them (hidden ones
@@ -382,11 +378,11 @@ class WorkflowCommandParser:
             )
         try:
             if name == "add-matcher":
-                self._matchers.add(self._host_path(self._matchers.resolve(data)))
+                self._matchers.add(self._matchers.resolve(data))
             elif owner:
                 self._matchers.remove([owner])
             else:
-                path = self._host_path(self._matchers.resolve(data))
+                path = self._matchers.resolve(data)
                 self._matchers.remove([c.owner for c in load_matchers(path, validate=False)])
         except MatcherError as exc:
             return self._refused(text, str(exc))

@@ -19,7 +19,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -261,9 +261,16 @@ class StepMatchers:
     """The job's matchers as one step's output sees them: multi-line state
     starts afresh with each step, as GitHub's per-step OutputManager does."""
 
-    def __init__(self, registry: ProblemMatchers, workspace: Path | None) -> None:
+    def __init__(
+        self,
+        registry: ProblemMatchers,
+        workspace: Path | None,
+        host_path: Callable[[Path], Path] | None = None,
+    ) -> None:
         self.registry = registry
         self.workspace = workspace
+        # Where a path the step sees is on the host (the sandbox's own /tmp).
+        self._host_path = host_path or (lambda path: path)
         self._matchers = [_Matcher(c) for c in registry.configs]
 
     @property
@@ -271,11 +278,22 @@ class StepMatchers:
         return bool(self._matchers)
 
     def resolve(self, data: str) -> Path:
-        """A matcher file's path: relative ones are in the workspace."""
+        """A path a step names (a matcher file), on the host: relative ones
+        are in the workspace."""
         path = Path(data)
         if not path.is_absolute() and self.workspace is not None:
             path = self.workspace / path
-        return path
+        return self._host_path(path)
+
+    def relative(self, file: str) -> str | None:
+        """`file` (a step's absolute path, or one relative to the workspace)
+        relative to the workspace when it is inside it, else None."""
+        if self.workspace is None:
+            return None
+        path = Path(os.path.normpath(self.resolve(file)))
+        if path != self.workspace and path.is_relative_to(self.workspace):
+            return path.relative_to(self.workspace).as_posix()
+        return None
 
     def add(self, path: Path) -> None:
         configs = load_matchers(path)
@@ -319,16 +337,12 @@ class StepMatchers:
     def file_of(self, match: IssueMatch) -> str | None:
         """The issue's file relative to the workspace, when it is a file
         there (GitHub drops a file outside the workflow's repository)."""
-        if not (match.file or "").strip() or self.workspace is None:
-            return None
         file = match.file or ""
+        if not file.strip() or self.workspace is None:
+            return None
         if match.from_path and not os.path.isabs(file):
             parent = os.path.dirname(match.from_path)
             if parent:
                 file = os.path.join(parent, file)
-        if not os.path.isabs(file):
-            file = os.path.join(self.workspace, file)
-        full = Path(os.path.normpath(file))
-        if not full.is_file() or not full.is_relative_to(self.workspace):
-            return None
-        return full.relative_to(self.workspace).as_posix()
+        inside = self.relative(file)
+        return inside if inside is not None and (self.workspace / inside).is_file() else None

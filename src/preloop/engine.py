@@ -90,7 +90,12 @@ from preloop.snapshot.holders import (
     release_run_repository,
 )
 from preloop.snapshot.owner import ProcessIdentity
-from preloop.snapshot.transport import Published, publish_snapshot, snapshot_transport
+from preloop.snapshot.transport import (
+    Published,
+    publish_snapshot,
+    restore_snapshot,
+    snapshot_transport,
+)
 from preloop.workflow import Plan, PlanError, WorkflowError, load_workflow, plan, workflow_files
 from preloop.workflow.changes import LocalEvent, event_facts
 from preloop.workflow.event_inputs import (
@@ -165,6 +170,11 @@ class RunRequest:
     # known (the pre-push hook); default: the merge base the changes count from.
     before: str | None = None
     platforms: dict[str, str] = field(default_factory=dict)  # runs-on label -> "host"
+    # `preloop rerun`: the ended run to run again (on its own snapshot and
+    # plan; the workspace and the selection fields above are not read), and
+    # whether every job runs again rather than the failed ones and dependents.
+    rerun: int | None = None
+    rerun_all_jobs: bool = False
 
 
 _NO_SELECTED_JOB = "has none of the --job jobs"
@@ -217,6 +227,8 @@ class EngineEvents:
     on_job_end: Callable[[Lease, JobResult], None] | None = None
     on_recovered: Callable[[int], None] | None = None  # a dead run's id, cancelled
     on_selected: Callable[[Selection], None] | None = None  # before the capture
+    # A re-run submitted: (its id, the run it re-runs, the workflow's name, its jobs)
+    on_rerun: Callable[[int, int, str, list[JobInfo]], None] | None = None
 
 
 @dataclass(slots=True)
@@ -606,6 +618,8 @@ class Engine:
 
     async def run_all(self) -> RunsOutcome:
         req = self.request
+        if req.rerun is not None:
+            return await self._rerun(req.rerun)
         selection = await self.prepare()
         if _may_call_services(selection.plans):
             preload_server()  # served once a step connects: imported meanwhile
@@ -624,16 +638,7 @@ class Engine:
         run_key = self.run_key
         held = False
         try:
-            contexts = await anyio.to_thread.run_sync(store.unfinished_run_contexts)
-            recovered = await recover_abandoned_runs(store, self.state_dir, contexts)
-            for old in recovered:
-                if self.events.on_recovered is not None:
-                    self.events.on_recovered(old)
-            live = {k: v for k, v in contexts.items() if k not in recovered}
-            keep_run_repositories(self.state_dir, run_repositories_in_use(live, self.state_dir))
-            await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
-            await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir)
-            await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir)
+            await self._recover_and_sweep(store)
             # Held before the capture, released after the removal: a crash in
             # between leaves a dead holder that the next sweep or prune cleans.
             holder = hold_run_repository(self.state_dir, run_key)
@@ -660,6 +665,7 @@ class Engine:
                 str(snap.repository),
                 "snapshot",
                 snap.commit,
+                repo_key=snap.cache_key,  # `preloop rerun` finds its objects by it
                 tags=await anyio.to_thread.run_sync(tags.result) if snap.parents else (),
                 head_branch=branch,
                 checkout=snap.parents[0] if snap.on_head else "",
@@ -700,13 +706,7 @@ class Engine:
                     "sha": location.checked_out,
                     SNAPSHOT_CONTEXT_KEY: location.to_dict(),
                     SERVICES_CONTEXT_KEY: services_scope(str(root), ref, default_ref, base_ref),
-                    ENGINE_CONTEXT_KEY: {
-                        "host": socket.gethostname(),
-                        "pid": os.getpid(),
-                        # with the pid, so a recycled pid never passes for this engine
-                        "start_ticks": ProcessIdentity.current().start_ticks,
-                        "run_key": run_key,
-                    },
+                    ENGINE_CONTEXT_KEY: self._engine_context(),
                     "event_name": req.event,
                     "workflow": planned.github_workflow or planned.name,
                 }
@@ -724,37 +724,153 @@ class Engine:
                     self.state_dir, str(root), ref, default_ref, base_ref, run_key, store
                 ) as services:
                     await self._drive(store, list(self.run_ids), services)
-            outcomes: list[RunOutcome] = []
-            for run_id, planned in zip(self.run_ids, selection.plans, strict=False):
-                if self._interrupted:
-                    await settle_cancelled(store, run_id, f"cancelled by {self._interrupted_by}")
-                info = await anyio.to_thread.run_sync(store.get_run, run_id)
-                jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
-                conclusion = info.conclusion or ("cancelled" if self._interrupted else "failure")
-                outcomes.append(
-                    RunOutcome(
-                        run_id=run_id,
-                        workflow=planned.workflow,
-                        conclusion=conclusion,
-                        jobs=[self._record(run_id, j) for j in jobs],
-                        interrupted=self._interrupted,
-                        state_dir=self.state_dir,
-                        name=planned.name,
-                        interrupted_by=self._interrupted_by,
-                    )
-                )
+            outcomes = [
+                await self._outcome(store, run_id, planned.workflow, planned.name)
+                for run_id, planned in zip(self.run_ids, selection.plans, strict=False)
+            ]
             return RunsOutcome(outcomes, selection.skipped, self._interrupted, selection.invalid)
         finally:
-            with anyio.CancelScope(shield=True):
-                self.store = None  # the live view's poll stops reading it
-                if bundles is not None:
-                    # The runs ended: their bundles may be evicted. If the store
-                    # is unreachable now, the reaper releases the hold later.
-                    with contextlib.suppress(PreloopError):
-                        await anyio.to_thread.run_sync(bundles.release, run_key)
-                await anyio.to_thread.run_sync(store.close)
-                if held:
-                    await anyio.to_thread.run_sync(release_run_repository, self.state_dir, run_key)
+            await self._close(store, bundles, held)
+
+    async def _rerun(self, old_id: int) -> RunsOutcome:
+        """`preloop rerun`: runs the ended run `old_id` again on its snapshot
+        (brought back from the object cache), as GitHub's re-run does: with
+        `rerun_all_jobs` every job, else the failed and cancelled ones and
+        their dependents, the rest kept as they ended. The run number stays,
+        `github.run_attempt` counts up; secrets and runner options are this
+        invocation's."""
+        req = self.request
+        config.validate()
+        if req.local_runners is not None and req.local_runners < 0:
+            raise UsageError(f"-j {req.local_runners}: the number of local runners must be >= 0")
+        store_url = self.store_url()
+        transport = snapshot_transport("pg" if store_url.startswith("postgres") else "lite")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        store = await anyio.to_thread.run_sync(open_user_store, store_url, req.store_url)
+        self.store = store
+        bundles = SnapshotBundles(store) if transport == "store" else None
+        held = False
+        try:
+            info = await anyio.to_thread.run_sync(store.get_run, old_id)
+            if info.status != "completed":
+                raise UsageError(
+                    f"run {old_id} is still {info.status}: wait for it to end, or cancel it "
+                    f"(`preloop cancel {old_id}`), before re-running it"
+                )
+            if not req.rerun_all_jobs:
+                ended = await anyio.to_thread.run_sync(store.list_jobs, old_id)
+                if not any(j.conclusion in ("failure", "cancelled") for j in ended):
+                    raise UsageError(
+                        f"run {old_id} has no failed or cancelled job: nothing to re-run "
+                        "(--all runs every job again)"
+                    )
+            await self._recover_and_sweep(store)
+            github = (await anyio.to_thread.run_sync(store.run_context, old_id)).get("github") or {}
+            where = f"run {old_id}"
+            location = SnapshotLocation.from_context(github, where)
+            if not location.repo_key:
+                raise UsageError(
+                    f"{where} was submitted by an older preloop, which did not record where "
+                    "its snapshot's objects are: run the workflow again with `preloop run`"
+                )
+            commits = [location.commit, *([location.checkout] if location.checkout else [])]
+            repository = await restore_snapshot(
+                self.state_dir, location.repo_key, commits, self.run_key, where
+            )
+            held = True
+            location = replace(location, repository=str(repository), transport="path", bundles=())
+            if bundles is not None:
+                # Runners that do not see this state directory fetch it from the store.
+                await anyio.to_thread.run_sync(bundles.release_ended)
+                self.published = await publish_snapshot(
+                    bundles, repository, location.repo_key, location.commit, self.run_key
+                )
+                location = replace(location, transport="store", bundles=self.published.chain)
+            rerun = functools.partial(
+                store.rerun,
+                old_id,
+                failed_only=not req.rerun_all_jobs,
+                github={
+                    SNAPSHOT_CONTEXT_KEY: location.to_dict(),
+                    ENGINE_CONTEXT_KEY: self._engine_context(),
+                },
+            )
+            run_id = await anyio.to_thread.run_sync(rerun)
+            self.run_ids.append(run_id)
+            jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
+            self._planned.update((run_id, j.id) for j in jobs)
+            if self.events.on_rerun is not None:
+                self.events.on_rerun(run_id, old_id, info.name, jobs)
+            scope = github.get(SERVICES_CONTEXT_KEY)
+            scope = scope if isinstance(scope, dict) else {}
+            if not self._interrupted:
+                with run_services(
+                    self.state_dir,
+                    str(scope.get("repo") or ""),
+                    str(scope.get("ref") or github.get("ref") or ""),
+                    str(scope.get("default_ref") or "refs/heads/main"),
+                    str(scope.get("base_ref") or ""),
+                    self.run_key,
+                    store,
+                ) as services:
+                    await self._drive(store, [run_id], services)
+            outcome = await self._outcome(store, run_id, info.workflow, info.name)
+            return RunsOutcome([outcome], [], self._interrupted, [])
+        finally:
+            await self._close(store, bundles, held)
+
+    async def _recover_and_sweep(self, store: Store) -> None:
+        """Before a run: cancels the runs of dead engines, and sweeps what
+        crashed captures, workspaces and expired artifacts left."""
+        contexts = await anyio.to_thread.run_sync(store.unfinished_run_contexts)
+        recovered = await recover_abandoned_runs(store, self.state_dir, contexts)
+        for old in recovered:
+            if self.events.on_recovered is not None:
+                self.events.on_recovered(old)
+        live = {k: v for k, v in contexts.items() if k not in recovered}
+        keep_run_repositories(self.state_dir, run_repositories_in_use(live, self.state_dir))
+        await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
+        await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir)
+        await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir)
+
+    def _engine_context(self) -> dict[str, Any]:
+        """`github.preloop_engine`: who drives the run (a dead one's runs are
+        recovered by the next start)."""
+        return {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            # with the pid, so a recycled pid never passes for this engine
+            "start_ticks": ProcessIdentity.current().start_ticks,
+            "run_key": self.run_key,
+        }
+
+    async def _outcome(self, store: Store, run_id: int, workflow: str, name: str) -> RunOutcome:
+        if self._interrupted:
+            await settle_cancelled(store, run_id, f"cancelled by {self._interrupted_by}")
+        info = await anyio.to_thread.run_sync(store.get_run, run_id)
+        jobs = await anyio.to_thread.run_sync(store.list_jobs, run_id)
+        return RunOutcome(
+            run_id=run_id,
+            workflow=workflow,
+            conclusion=info.conclusion or ("cancelled" if self._interrupted else "failure"),
+            jobs=[self._record(run_id, j) for j in jobs],
+            interrupted=self._interrupted,
+            state_dir=self.state_dir,
+            name=name,
+            interrupted_by=self._interrupted_by,
+        )
+
+    async def _close(self, store: Store, bundles: SnapshotBundles | None, held: bool) -> None:
+        with anyio.CancelScope(shield=True):
+            self.store = None  # the live view's poll stops reading it
+            if bundles is not None:
+                # The runs ended: their bundles may be evicted. If the store
+                # is unreachable now, the reaper releases the hold later.
+                with contextlib.suppress(PreloopError):
+                    await anyio.to_thread.run_sync(bundles.release, self.run_key)
+            await anyio.to_thread.run_sync(store.close)
+            if held:
+                await anyio.to_thread.run_sync(release_run_repository, self.state_dir, self.run_key)
 
     def _record(self, run_id: int, j: JobInfo) -> JobRecord:
         key = (run_id, j.id)

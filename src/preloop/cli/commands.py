@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "list": "preloop.cli.listing",
     "logs": "preloop.cli.runs",
     "plan": "preloop.cli.plan",
+    "rerun": "preloop.cli.run",
     "run": "preloop.cli.run",
     "runner": "preloop.cli.runner",
     "snapshot": "preloop.cli.snapshot",

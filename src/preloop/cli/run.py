@@ -321,6 +321,19 @@ class _Progress:
         )
         return Group(head, table)
 
+    def rerun(self, run_id: int, old_id: int, name: str, jobs: list[JobInfo]) -> None:
+        self.workflows[run_id] = name
+        again = [j for j in jobs if j.kind != "caller" and j.status != "completed"]
+        kept = [j for j in jobs if j.kind != "caller" and j.status == "completed"]
+        self.observe(run_id, jobs)
+        if not self.quiet and not self.live_mode:
+            self.console.print(
+                f"run {run_id}: {name} (re-run of run {old_id}: "
+                f"{plural(len(again), 'job')} again, {len(kept)} kept)",
+                markup=False,
+            )
+        self._changed()
+
     def recovered(self, run_id: int) -> None:
         click.echo(
             f"preloop: run {run_id} was left unfinished by a `preloop run` that died; "
@@ -332,6 +345,7 @@ class _Progress:
         return EngineEvents(
             on_recovered=self.recovered,
             on_submitted=self.submitted,
+            on_rerun=self.rerun,
             on_job_start=self.start,
             on_job_line=self.line,
             on_job_end=self.end,
@@ -390,6 +404,9 @@ async def _run(engine: Engine, progress: _Progress) -> RunsOutcome | None:
     return outcome
 
 
+_PLATFORM_HELP = "Run jobs with this runs-on label (windows-*, macos-*) on this host anyway."
+
+
 @cli.command("run")
 @click.option(
     "-f",
@@ -443,7 +460,7 @@ async def _run(engine: Engine, progress: _Progress) -> RunsOutcome | None:
     "platforms",
     multiple=True,
     metavar="LABEL=host",
-    help="Run jobs with this runs-on label (windows-*, macos-*) on this host anyway.",
+    help=_PLATFORM_HELP,
 )
 @click.option("--ref", help="The ref the event is about (default: the current branch).")
 @click.option(
@@ -484,10 +501,7 @@ def run_command(
     status: 0 every run succeeded, 1 a run failed or a workflow is invalid, 130
     interrupted (Ctrl-C cancels the runs and kills every step's process group).
     """
-    platform_map = parse_pairs("--platform", platforms)
-    for label, where in platform_map.items():
-        if where.lower() != "host":
-            raise UsageError(f"--platform {label}={where}: only LABEL=host is supported")
+    platform_map = _platform_map(platforms)
     request = RunRequest(
         workspace=Path.cwd(),
         workflow=workflow,
@@ -509,6 +523,83 @@ def run_command(
         base=base,
     )
     # Bad action settings fail here, once, rather than in every job.
+    Overrides.from_env(os.environ)
+    sys.exit(execute(request, as_json=as_json))
+
+
+def _platform_map(platforms: tuple[str, ...]) -> dict[str, str]:
+    platform_map = parse_pairs("--platform", platforms)
+    for label, where in platform_map.items():
+        if where.lower() != "host":
+            raise UsageError(f"--platform {label}={where}: only LABEL=host is supported")
+    return platform_map
+
+
+@cli.command("rerun")
+@click.argument("run_id", type=int)
+@click.option(
+    "--all",
+    "all_jobs",
+    is_flag=True,
+    help="Run every job again (default: the failed and cancelled jobs and their dependents).",
+)
+@click.option(
+    "-j",
+    "--jobs",
+    "parallel",
+    type=int,
+    help="Local runners (default: CPU count; 0: only `preloop runner` processes).",
+)
+@click.option("--store", help="Store URL (default: $PRELOOP_STORE_URL, else the lite store).")
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="State directory (default: $PRELOOP_STATE_DIR).",
+)
+@secret_options
+@sandbox_options
+@action_option
+@click.option("--platform", "platforms", multiple=True, metavar="LABEL=host", help=_PLATFORM_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document at the end.")
+def rerun_command(
+    run_id: int,
+    all_jobs: bool,
+    parallel: int | None,
+    store: str | None,
+    state_dir: Path | None,
+    secret: tuple[str, ...],
+    secret_files: tuple[Path, ...],
+    sandbox: bool,
+    sandbox_network: str,
+    actions: tuple[str, ...],
+    platforms: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Run the ended run RUN_ID again, as GitHub's "Re-run failed jobs" (or,
+    with --all, "Re-run all jobs").
+
+    The re-run is a new run with the same run number and the next
+    `github.run_attempt`: it runs on RUN_ID's snapshot (not the work tree as
+    it is now), with its workflow, event, inputs and vars as they were
+    planned. Jobs that succeeded, with everything they need, are kept with
+    their outputs; the failed, cancelled and skipped-for-failure ones and
+    their dependents run again. Secrets are not stored: give them again
+    (--secret). The snapshot comes back from this host's object cache; a run
+    whose cache entry was pruned cannot be re-run. Exit status as `preloop run`.
+    """
+    request = RunRequest(
+        workspace=Path.cwd(),
+        local_runners=parallel,
+        store_url=store,
+        state_dir=state_dir or config.state_dir(),
+        secrets=parse_secrets(secret, secret_files),
+        sandbox=sandbox,
+        sandbox_network=sandbox_network,
+        action_overrides=parse_overrides(actions, "--action"),
+        platforms=_platform_map(platforms),
+        rerun=run_id,
+        rerun_all_jobs=all_jobs,
+    )
     Overrides.from_env(os.environ)
     sys.exit(execute(request, as_json=as_json))
 

@@ -84,7 +84,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -345,12 +345,19 @@ class Store:
 
         return self._db.transaction("number_run", tx_fn)
 
-    def rerun(self, run_id: int, *, failed_only: bool = True) -> int:
+    def rerun(
+        self,
+        run_id: int,
+        *,
+        failed_only: bool = True,
+        github: Mapping[str, Any] | None = None,
+    ) -> int:
         """A new run from an ended one (GitHub's re-run). With `failed_only`,
         jobs that succeeded with every ancestor succeeding are kept as they
         ended (outputs included) and the rest run again; otherwise every job
-        runs again (deferred matrices are expanded anew). Set-based over the
-        old run's rows: no graph load."""
+        runs again (deferred matrices are expanded anew). `github` replaces
+        entries of the run's `github` context (where the re-run's snapshot
+        and engine are). Set-based over the old run's rows: no graph load."""
         groups: set[str] = set()
         keep = 1 if failed_only else 0
 
@@ -372,6 +379,8 @@ class Store:
                 ctx_row = tx.one(Q["rerun_select_runs_context"], (first,))
             counted = tx.one(Q["rerun_upsert_run_attempts"], (first, attempt_of(context) + 1))
             assert counted is not None
+            if github:
+                context = {**context, "github": {**(context.get("github") or {}), **github}}
             row = tx.one(
                 Q["rerun_insert_runs"],
                 (_dumps(with_attempt(context, int(counted["last"]))), time.time(), run_id),

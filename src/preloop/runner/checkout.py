@@ -106,8 +106,9 @@ class SnapshotLocation:
             "commit": self.commit,
             "transport": self.transport,
         }
-        if self.transport == "store":
+        if self.repo_key:  # a re-run finds the snapshot's objects by it
             out["repo_key"] = self.repo_key
+        if self.transport == "store":
             out["bundles"] = list(self.bundles)
         if self.tags:
             out["tags"] = [list(tag) for tag in self.tags]

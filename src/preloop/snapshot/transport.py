@@ -68,6 +68,7 @@ __all__ = [
     "Published",
     "fetch_snapshot",
     "publish_snapshot",
+    "restore_snapshot",
     "snapshot_transport",
 ]
 
@@ -327,21 +328,7 @@ async def fetch_snapshot(
         lock.release()
     name = f"fetched-{commit[:12]}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        hold_run_repository(state_dir, name)
-        create_run_repository(
-            layout.run_repository(state_dir, name),
-            [repository / "objects"],
-            object_format=_object_format(commit),
-            run_id=name,
-            nonce=secrets.token_hex(8),
-            kind="workspace",
-            namespace="default",
-            source=f"store:{repo_key}",
-        )
-        write_snapshot_ref(layout.run_repository(state_dir, name), commit)
-    except BaseException:
-        release_run_repository(state_dir, name)
-        raise
+        _held_run_repository(state_dir, name, repository, commit, f"store:{repo_key}")
     finally:
         pin.drop()  # the run repository's alternates protect the entry from here on
     if fetched:
@@ -349,6 +336,63 @@ async def fetch_snapshot(
         # to a runner's cache too; entries its run repositories use are kept.
         await run_after_capture(state_dir, repo_key)
     return name
+
+
+def _held_run_repository(state_dir: Path, name: str, entry: Path, commit: str, source: str) -> None:
+    """Writes the run repository `<state>/snapshots/<name>`, held by this
+    process, over the objects of cache entry `entry` (pinned by the caller),
+    branch `snapshot` at `commit`; on failure nothing is left held."""
+    try:
+        hold_run_repository(state_dir, name)
+        create_run_repository(
+            layout.run_repository(state_dir, name),
+            [entry / "objects"],
+            object_format=_object_format(commit),
+            run_id=name,
+            nonce=secrets.token_hex(8),
+            kind="workspace",
+            namespace="default",
+            source=source,
+        )
+        write_snapshot_ref(layout.run_repository(state_dir, name), commit)
+    except BaseException:
+        release_run_repository(state_dir, name)
+        raise
+
+
+async def restore_snapshot(
+    state_dir: Path, repo_key: str, commits: list[str], name: str, where: str
+) -> Path:
+    """For a re-run: the run repository `<state>/snapshots/<name>` (held by
+    this process; `release_run_repository(state_dir, name)` removes it) with
+    branch `snapshot` at `commits[0]`, an ended run's snapshot, over the
+    objects object-cache entry `repo_key` still has. Every one of `commits`
+    must be there (a capture's commits are never pruned from an entry, but a
+    whole entry may be evicted): else a `SnapshotError` saying so."""
+    state_dir = Path(state_dir).absolute()
+    gone = (
+        f"{where}: its snapshot {commits[0][:12]} is no longer in this host's object cache "
+        "(the cache was pruned, or the run was submitted from another host): run the "
+        "workflow again with `preloop run`"
+    )
+    try:
+        repository = layout.cache_repository(state_dir, repo_key)
+    except ValueError:
+        raise SnapshotError(gone) from None
+    lock = await acquire_cache_lock_async(state_dir, repo_key)
+    try:
+        if not repository.is_dir() or await _absent(repository, commits):
+            raise SnapshotError(gone)
+        pin = CachePin.create(state_dir, repo_key)
+    finally:
+        lock.release()
+    try:
+        _held_run_repository(state_dir, name, repository, commits[0], f"rerun:{repo_key}")
+    finally:
+        pin.drop()  # the run repository's alternates protect the entry from here on
+    # A use of the entry, for the object-cache cap's LRU order.
+    await run_after_capture(state_dir, repo_key)
+    return layout.run_repository(state_dir, name)
 
 
 async def _fetch_chain(

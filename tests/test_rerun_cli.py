@@ -104,6 +104,12 @@ def test_rerun_failed_jobs_on_the_runs_snapshot(tmp_path: Path, store_args: list
         cwd=repo, state=state, check_code=0,
     )  # fmt: skip
     run3 = json.loads(whole.stdout)
+    status = preloop("status", "--json", *store_args, cwd=repo, state=state, check_code=0)
+    assert [(r["id"], r["rerun_of"]) for r in json.loads(status.stdout)] == [
+        (run3["run_id"], run2["run_id"]),
+        (run2["run_id"], run1["run_id"]),
+        (run1["run_id"], None),
+    ]
     assert (out / "builds").read_text() == "build\nbuild\n"
     assert _seen(repo, state, run3["run_id"], store_args) == (
         "seen: attempt=3 number=1 from=built-3 data=submitted"

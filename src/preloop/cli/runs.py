@@ -73,7 +73,8 @@ def status_command(
                 return
             table = Table("run", "workflow", "event", "status", "result")
             for r in runs:
-                table.add_row(str(r.id), r.name, r.event, r.status, r.conclusion or "")
+                run = str(r.id) if r.rerun_of is None else f"{r.id} (re-run of {r.rerun_of})"
+                table.add_row(run, r.name, r.event, r.status, r.conclusion or "")
             console.print(table)
             return
         info = db.get_run(run_id)
@@ -98,8 +99,9 @@ def status_command(
             }
         )
         return
+    again = "" if info.rerun_of is None else f" (re-run of {info.rerun_of})"
     console.print(
-        f"run {info.id} · {info.name} · {info.event} · {info.status}"
+        f"run {info.id}{again} · {info.name} · {info.event} · {info.status}"
         + (f" · {info.conclusion}" if info.conclusion else ""),
         markup=False,
     )
@@ -110,7 +112,16 @@ def status_command(
 
 
 def _run_dict(r: object) -> dict[str, object]:
-    fields = ("id", "workflow", "name", "event", "status", "conclusion", "cancel_requested")
+    fields = (
+        "id",
+        "workflow",
+        "name",
+        "event",
+        "status",
+        "conclusion",
+        "cancel_requested",
+        "rerun_of",
+    )
     return {f: getattr(r, f) for f in fields}
 
 

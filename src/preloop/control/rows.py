@@ -45,6 +45,7 @@ def _run_info(row: Row) -> RunInfo:
         conclusion=row["conclusion"],
         cancel_requested=bool(row["cancel_requested"]),
         remaining_jobs=int(row["remaining_jobs"]),
+        rerun_of=None if row["rerun_of"] is None else int(row["rerun_of"]),
     )
 
 

@@ -101,6 +101,7 @@ class RunInfo:
     conclusion: str | None
     cancel_requested: bool
     remaining_jobs: int
+    rerun_of: int | None = None  # the run this one re-runs (`Store.rerun`)
 
 
 @dataclass(frozen=True, slots=True)

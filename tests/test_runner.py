@@ -1389,6 +1389,47 @@ def test_legacy_commands_and_colons_in_properties_parse_as_on_github(tmp_path: P
     assert not any("add-matcher" in line or "::echo" in line for line in lines[1:])
 
 
+def test_echo_on_shows_command_lines_as_githubs_runner_does(tmp_path: Path) -> None:
+    """`::echo::on` makes the runner show the command lines it processes
+    (those without OmitEcho: set-output, group, echo itself...; add-mask as
+    `::add-mask::***`, issue and debug commands never) until `::echo::off`,
+    within the step; a value other than on/off fails the step."""
+    result, lines = run_job(
+        tmp_path,
+        [
+            {
+                "id": "s",
+                "run": textwrap.dedent(
+                    """\
+                    echo "::set-output name=a::1"
+                    echo "::echo::on"
+                    echo "::set-output name=b::2"
+                    echo "::add-mask::s3cret"
+                    echo "::warning::careful"
+                    echo "::echo::off"
+                    echo "::set-output name=c::3"
+                    echo "::add-mask::"
+                    """
+                ),
+            },
+            {"run": 'echo "::set-output name=d::4"'},
+            {"run": 'echo "::echo::loud"'},
+        ],
+        outputs={"b": "${{ steps.s.outputs.b }}"},
+    )
+    assert result.conclusion == "failure"
+    assert result.outputs == {"b": "2"}
+    commands = [line for line in lines if line.startswith("::")]
+    assert commands == ["::set-output name=b::2", "::add-mask::***", "::echo::off"]
+    assert [(a.level, a.message) for a in result.annotations] == [
+        ("warning", "careful"),
+        ("warning", "Can't add secret mask for empty string in ##[add-mask] command."),
+        ("error", "Unable to process command '::echo::loud' successfully."),
+        ("error", "Invalid echo command value. Possible values can be: 'on', 'off'. "
+         "Current value is: 'loud'."),
+    ]  # fmt: skip
+
+
 def test_github_token_is_in_the_github_context_and_is_the_given_secret(tmp_path: Path) -> None:
     """On GitHub `github.token` and `secrets.GITHUB_TOKEN` are the job's token
     (actions default their `token` input to `${{ github.token }}`; a dump of

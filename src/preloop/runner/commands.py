@@ -171,6 +171,21 @@ _REGISTERED = frozenset(
         "echo",
     }
 )
+# The commands whose line GitHub's runner shows as it is while `::echo::on`
+# holds (the extensions without OmitEcho); add-mask shows `::add-mask::***`.
+_ECHOED = frozenset(
+    {
+        "set-env",
+        "set-output",
+        "save-state",
+        "add-path",
+        "add-matcher",
+        "remove-matcher",
+        "group",
+        "endgroup",
+        "echo",
+    }
+)
 # Where a line of a batch might hold a command (`line()` strips leading
 # whitespace first); `\s*` may cross lines, which only finds more.
 _COMMAND_START = re.compile(r"^\s*::", re.MULTILINE)
@@ -253,6 +268,7 @@ class WorkflowCommandParser:
         self._job = job
         self._step = step
         self._stopped: str | None = None
+        self._echo = False  # `::echo::on`: the step's command lines are shown
         # the job's problem matchers (a step's own parser without a job has
         # none), and the step's view of the workspace and host paths
         self._matchers = StepMatchers(matchers or ProblemMatchers(), workspace, host_path)
@@ -294,9 +310,18 @@ class WorkflowCommandParser:
         if command is None:
             return self._output(text)
         name, props, data = command
+        if self._echo and name in _ECHOED:
+            shown = self._command(text, name, props, data)
+            echoed = self.masker.mask(text)
+            return echoed if shown is None else f"{echoed}\n{shown}"
+        return self._command(text, name, props, data)
+
+    def _command(self, text: str, name: str, props: dict[str, str], data: str) -> str | None:
         if name == "add-mask":
+            if not data.strip():
+                return self._warn("Can't add secret mask for empty string in ##[add-mask] command.")
             self.masker.add(data)
-            return None
+            return "::add-mask::***" if self._echo else None
         if name == "stop-commands":
             self._stopped = data
             return None
@@ -322,7 +347,15 @@ class WorkflowCommandParser:
             # the join of two properties.
             return self.masker.mask(ann.render())
         if name == "echo":
-            return None  # `::echo::on|off`: GitHub's command echo, not shown itself
+            value = data.strip().lower()
+            if value not in ("on", "off"):
+                return self._refused(
+                    text,
+                    "Invalid echo command value. Possible values can be: 'on', 'off'. "
+                    f"Current value is: '{data}'.",
+                )
+            self._echo = value == "on"
+            return None
         if name == "debug":
             return self.masker.mask(f"debug: {data}") if self._debug else None
         if name == "set-output" and "name" in props:

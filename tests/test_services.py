@@ -79,6 +79,44 @@ def _data_repo(tmp_path: Path, jobs: str) -> Path:
     return repo
 
 
+def test_a_rerun_reads_the_artifacts_its_kept_jobs_uploaded(tmp_path: Path, store_url: str) -> None:
+    """On GitHub a re-run is an attempt of the same run: a re-run test job
+    downloads what the kept build job uploaded. Here the re-run is a new run
+    whose jobs read the runs it re-runs after their own (their own upload of
+    a name wins); another run's artifacts stay out of reach."""
+    jobs = """
+  up:
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          mkdir -p report && echo "from up" > report/r.txt
+          node $JS/artifacts_up.cjs dir:data:data dir:report:report
+  down:
+    needs: up
+    runs-on: ubuntu-latest
+    steps:
+      - run: |
+          node $JS/artifacts_down.cjs data got
+          diff -r data got/data
+          mkdir -p report && echo "from down" > report/r.txt
+          node $JS/artifacts_up.cjs dir:report:report
+          node $JS/artifacts_down.cjs report mine
+          cat mine/report/r.txt
+          test -n "${{ secrets.PASS }}"
+"""
+    repo = _data_repo(tmp_path, jobs)
+    state = tmp_path / "state"
+    first, _ = run_engine(repo, store_url, state)
+    assert results(first) == {"up": "success", "down": "failure"}
+    again, h = run_engine(repo, store_url, state, rerun=first.run_id, secrets={"PASS": "yes"})
+    text = h.all_text()
+    assert results(again) == {"up": "success", "down": "success"}, text
+    assert "downloaded data digestMismatch=false" in text
+    # both runs have a `report`: the re-run's own, uploaded by its job, is the one read
+    assert "listed data,report" in text and "from down" in text
+    assert "from up" not in text
+
+
 def test_artifacts_upload_then_download_in_a_dependent_job(tmp_path: Path, store_url: str) -> None:
     jobs = """
   up:

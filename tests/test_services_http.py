@@ -129,6 +129,33 @@ def test_one_runs_token_never_reads_another_runs_artifacts(services: ServiceAcce
     assert [a["name"] for a in listed["artifacts"]] == ["secret-stuff"]
 
 
+def test_a_rerun_token_reads_the_runs_it_reruns_and_writes_only_its_own(
+    services: ServiceAccess,
+) -> None:
+    zip_bytes = b"PK\x05\x06" + b"\0" * 18
+    _upload_artifact(services, "1", "dist", zip_bytes)
+    _upload_artifact(services, "1", "report", zip_bytes)
+    _upload_artifact(services, "3", "unrelated", zip_bytes)
+    _upload_artifact(services, "2", "report", zip_bytes)
+    claims = Claims("2", "job", services.repo, services.ref, services.default_ref, earlier=("1",))
+    token = mint(services.secret, claims)
+    status, listed = _call(services, ART + "ListArtifacts", {"workflowRunBackendId": "2"}, token)
+    assert status == 200
+    # its own `report` first; run 1's `dist`; run 3 is not one it re-runs
+    assert [(a["name"], a["workflowRunBackendId"]) for a in listed["artifacts"]] == [
+        ("report", "2"),
+        ("dist", "1"),
+    ]
+    body = {"workflowRunBackendId": "1", "name": "dist"}
+    status, signed = _call(services, ART + "GetSignedArtifactURL", body, token)
+    assert status == 200 and "/artifact/1/" in signed["signedUrl"], signed
+    body = {"workflowRunBackendId": "3", "name": "unrelated"}
+    assert _call(services, ART + "GetSignedArtifactURL", body, token)[0] == 403
+    for method in ("DeleteArtifact", "CreateArtifact"):
+        body = {"workflowRunBackendId": "1", "name": "dist", "version": 4}
+        assert _call(services, ART + method, body, token)[0] == 403, method
+
+
 def _save_cache(acc: ServiceAccess, token: str, key: str, data: bytes) -> None:
     body = {"key": key, "version": "v1"}
     status, created = _call(acc, CACHE + "CreateCacheEntry", body, token)

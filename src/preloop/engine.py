@@ -80,6 +80,7 @@ from preloop.services import (
     preload_server,
     remove_expired_artifacts,
     run_services,
+    scope_access,
     services_scope,
 )
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
@@ -786,6 +787,15 @@ class Engine:
                     bundles, repository, location.repo_key, location.commit, self.run_key
                 )
                 location = replace(location, transport="store", bundles=self.published.chain)
+            scope = github.get(SERVICES_CONTEXT_KEY)
+            scope = scope if isinstance(scope, dict) else {}
+            before = scope.get("earlier")
+            # Its jobs read the artifacts the kept jobs uploaded (on GitHub
+            # a re-run is an attempt of the same run, sharing them).
+            earlier = (str(old_id), *(before if isinstance(before, list) else ()))
+            access = scope_access("", b"", scope)
+            ref = access.ref or str(github.get("ref") or "")
+            default_ref = access.default_ref or "refs/heads/main"
             rerun = functools.partial(
                 store.rerun,
                 old_id,
@@ -793,6 +803,9 @@ class Engine:
                 github={
                     SNAPSHOT_CONTEXT_KEY: location.to_dict(),
                     ENGINE_CONTEXT_KEY: self._engine_context(),
+                    SERVICES_CONTEXT_KEY: services_scope(
+                        access.repo, ref, default_ref, access.base_ref, earlier
+                    ),
                 },
             )
             run_id = await anyio.to_thread.run_sync(rerun)
@@ -801,17 +814,16 @@ class Engine:
             self._planned.update((run_id, j.id) for j in jobs)
             if self.events.on_rerun is not None:
                 self.events.on_rerun(run_id, old_id, info.name, jobs)
-            scope = github.get(SERVICES_CONTEXT_KEY)
-            scope = scope if isinstance(scope, dict) else {}
             if not self._interrupted:
                 with run_services(
                     self.state_dir,
-                    str(scope.get("repo") or ""),
-                    str(scope.get("ref") or github.get("ref") or ""),
-                    str(scope.get("default_ref") or "refs/heads/main"),
-                    str(scope.get("base_ref") or ""),
+                    access.repo,
+                    ref,
+                    default_ref,
+                    access.base_ref,
                     self.run_key,
                     store,
+                    earlier,
                 ) as services:
                     await self._drive(store, [run_id], services)
             outcome = await self._outcome(store, run_id, info.workflow, info.name)

@@ -56,6 +56,7 @@ __all__ = [
     "remove_expired_artifacts",
     "run_services",
     "runner_services",
+    "scope_access",
     "services_scope",
 ]
 
@@ -71,15 +72,42 @@ class ServiceAccess:
     ref: str
     default_ref: str
     base_ref: str = ""  # a pull request's base branch (refs/heads/...), else ""
+    earlier: tuple[str, ...] = ()  # the runs a re-run re-runs: their artifacts are read too
 
 
-#: The run's cache scope in its github context: {"repo", "ref", "default_ref", "base_ref"}.
+#: The run's service scope in its github context: {"repo", "ref",
+#: "default_ref", "base_ref"} and, for a re-run, "earlier" (`services_scope`).
 SERVICES_CONTEXT_KEY = "preloop_services"
 
 
-def services_scope(repo: str, ref: str, default_ref: str, base_ref: str = "") -> dict[str, str]:
-    """What `preloop run` stores under `SERVICES_CONTEXT_KEY` for remote runners."""
-    return {"repo": repo, "ref": ref, "default_ref": default_ref, "base_ref": base_ref}
+def services_scope(
+    repo: str, ref: str, default_ref: str, base_ref: str = "", earlier: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """What `preloop run` stores under `SERVICES_CONTEXT_KEY` for remote
+    runners; `earlier`: the runs a re-run re-runs, newest first."""
+    scope: dict[str, Any] = {
+        "repo": repo,
+        "ref": ref,
+        "default_ref": default_ref,
+        "base_ref": base_ref,
+    }
+    if earlier:
+        scope["earlier"] = list(earlier)
+    return scope
+
+
+def scope_access(url: str, secret: bytes, scope: Mapping[str, Any]) -> ServiceAccess:
+    """The `ServiceAccess` of a run whose service scope is `scope`."""
+    earlier = scope.get("earlier")
+    return ServiceAccess(
+        url,
+        secret,
+        str(scope.get("repo") or ""),
+        str(scope.get("ref") or ""),
+        str(scope.get("default_ref") or ""),
+        str(scope.get("base_ref") or ""),
+        tuple(str(r) for r in earlier) if isinstance(earlier, list) else (),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +129,7 @@ class ServiceEndpoint:
                 "ref": github.get("ref") or "",
                 "default_ref": "refs/heads/main",
             }
-        return ServiceAccess(
-            self.url,
-            self.secret,
-            str(scope.get("repo") or ""),
-            str(scope.get("ref") or ""),
-            str(scope.get("default_ref") or ""),
-            str(scope.get("base_ref") or ""),
-        )
+        return scope_access(self.url, self.secret, scope)
 
 
 def job_environment(
@@ -141,7 +162,13 @@ def job_environment(
     env = {"RUNNER_TOOL_CACHE": str(root)}
     if access is not None:
         claims = Claims(
-            str(run_id), job_id, access.repo, access.ref, access.default_ref, access.base_ref
+            str(run_id),
+            job_id,
+            access.repo,
+            access.ref,
+            access.default_ref,
+            access.base_ref,
+            access.earlier,
         )
         env.update(
             ACTIONS_RUNTIME_TOKEN=mint(access.secret, claims),
@@ -223,6 +250,7 @@ def run_services(
     base_ref: str = "",
     run_key: str | None = None,
     store: Store | None = None,
+    earlier: tuple[str, ...] = (),
 ) -> Iterator[ServiceAccess]:
     """Starts the artifact and cache services for one run on 127.0.0.1 and
     stops them when the block ends. Jobs read the caches of `ref`, then of
@@ -230,9 +258,10 @@ def run_services(
     PostgreSQL `store` they keep artifacts and caches in it (so remote
     runners' jobs of the run share them); else on this host's disk, where
     `run_key` (`github.preloop_engine.run_key`) tells the runs' artifacts
-    from those of another store's runs with the same ids."""
+    from those of another store's runs with the same ids. A re-run's jobs
+    read the artifacts of the runs it re-runs (`earlier`) after its own."""
     with _serving(open_storage(state_dir, store, run_key)) as server:
-        yield ServiceAccess(server.url, server.secret, repo, ref, default_ref, base_ref)
+        yield ServiceAccess(server.url, server.secret, repo, ref, default_ref, base_ref, earlier)
 
 
 @contextlib.contextmanager

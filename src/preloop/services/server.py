@@ -43,6 +43,7 @@ from aiohttp import web
 from preloop.services.listener import BACKLOG
 from preloop.services.storage import (
     ARTIFACT_ZIP,
+    ArtifactRecord,
     ServiceStorage,
     StorageConflict,
     StorageError,
@@ -251,10 +252,13 @@ class ServiceServer:
             return _twirp_error(400, "invalid_argument", str(exc))
 
     @staticmethod
-    def _same_run(claims: Claims, body: dict[str, Any]) -> None:
-        run = str(_field(body, "workflowRunBackendId") or "")
-        if run and run != claims.run:
+    def _same_run(claims: Claims, body: dict[str, Any], *, reading: bool = False) -> str:
+        """The run the request names (its token's own when none); a write
+        is to its own run only, a read also to a run it re-runs."""
+        run = str(_field(body, "workflowRunBackendId") or "") or claims.run
+        if run != claims.run and not (reading and run in claims.earlier):
             raise _TwirpError(403, "permission_denied", "the token does not belong to that run")
+        return run
 
     @staticmethod
     def _name(body: dict[str, Any]) -> str:
@@ -300,7 +304,7 @@ class ServiceServer:
         return {"ok": True, "artifactId": str(record.id)}
 
     async def _list_artifacts(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
-        self._same_run(c, body)
+        self._same_run(c, body, reading=True)
         name = _field(body, "nameFilter")
         ident = _field(body, "idFilter")
         if isinstance(name, dict):
@@ -308,10 +312,7 @@ class ServiceServer:
         if isinstance(ident, dict):
             ident = ident.get("value")
         records = await self._call(
-            self.storage.list_artifacts,
-            c.run,
-            str(name) if name else None,
-            int(ident) if ident else None,
+            self._artifacts, c, str(name) if name else None, int(ident) if ident else None
         )
         return {
             "artifacts": [
@@ -329,11 +330,28 @@ class ServiceServer:
         }
 
     async def _signed_artifact_url(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
-        self._same_run(c, body)
-        records = await self._call(self.storage.list_artifacts, c.run, self._name(body))
+        run = self._same_run(c, body, reading=True)
+        if run == c.run:
+            records = await self._call(self._artifacts, c, self._name(body), None)
+        else:  # a listed artifact of a run it re-runs, by that run
+            records = await self._call(self.storage.list_artifacts, run, self._name(body))
         if not records:
             raise _TwirpError(404, "not_found", f"run {c.run} has no artifact {body['name']!r}")
-        return {"signedUrl": self.signed(f"artifact/{quote(c.run, safe='')}/{records[0].id}")}
+        found = records[0]
+        return {"signedUrl": self.signed(f"artifact/{quote(found.run, safe='')}/{found.id}")}
+
+    def _artifacts(self, c: Claims, name: str | None, ident: int | None) -> list[ArtifactRecord]:
+        """The artifacts the token's run sees: its own, then those of the
+        runs it re-runs whose names it has not uploaded itself (on GitHub the
+        attempts of a run share its artifacts; a re-run job's upload is newer)."""
+        seen: set[str] = set()
+        out: list[ArtifactRecord] = []
+        for run in c.artifact_runs():
+            found = self.storage.list_artifacts(run, name, ident)
+            out += [r for r in found if r.name not in seen]
+            seen.update(r.name for r in found)
+        # ids count per run here: an id names the first run's (its own first)
+        return out[:1] if ident is not None else out
 
     async def _delete_artifact(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
         self._same_run(c, body)

@@ -34,6 +34,13 @@ class Claims:
     default_ref: str  # caches of the default branch are readable from every ref
     # a pull request's base branch: its caches are read after the run's own ref's
     base_ref: str = ""
+    # the runs this one re-runs, newest first: their artifacts are read after
+    # its own (a re-run is one workflow run on GitHub, its attempts share them)
+    earlier: tuple[str, ...] = ()
+
+    def artifact_runs(self) -> list[str]:
+        """The runs whose artifacts this token reads, its own first."""
+        return [self.run, *self.earlier]
 
     def cache_refs(self) -> list[str]:
         """The refs whose caches this token reads, in GitHub's order: the
@@ -62,6 +69,7 @@ def mint(secret: bytes, claims: Claims, ttl: float = 24 * 3600.0) -> str:
             "ref": claims.ref,
             "default_ref": claims.default_ref,
             "base_ref": claims.base_ref,
+            "earlier": list(claims.earlier),
         },
     }
     head = _b64(json.dumps({"alg": "HS256", "typ": "JWT"}).encode())
@@ -87,6 +95,7 @@ def verify(secret: bytes, token: str) -> Claims:
     p = payload.get("preloop")
     if not isinstance(p, dict):
         raise TokenError("token without preloop claims")
+    earlier = p.get("earlier")
     return Claims(
         str(p.get("run", "")),
         str(p.get("job", "")),
@@ -94,4 +103,5 @@ def verify(secret: bytes, token: str) -> Claims:
         str(p.get("ref", "")),
         str(p.get("default_ref", "")),
         str(p.get("base_ref", "")),
+        tuple(str(r) for r in earlier) if isinstance(earlier, list) else (),
     )

@@ -98,6 +98,13 @@ def test_rerun_failed_jobs_on_the_runs_snapshot(tmp_path: Path, store_args: list
         "seen: attempt=2 number=1 from=built-1 data=submitted"
     )
 
+    # A kept job's log is the one of the run it ran in.
+    kept = preloop(
+        "logs", str(run2["run_id"]), "build", *store_args, cwd=repo, state=state, check_code=0
+    )
+    assert '▶ Run echo "v=built-$GITHUB_RUN_ATTEMPT"' in kept.stdout
+    assert f"as it ended in run {run1['run_id']}: its log there" in kept.stderr
+
     # Re-run all jobs of the re-run: everything runs, the attempt counts on.
     whole = preloop(
         "rerun", str(run2["run_id"]), "--all", "--json", "--secret", "TOKEN=good", *store_args,

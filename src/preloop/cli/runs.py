@@ -165,12 +165,26 @@ def logs_command(
     db, state = _open(store, state_dir)
     with db:
         try:
-            db.get_run(run_id)
+            info = db.get_run(run_id)
             jobs = db.list_jobs(run_id)
             context = db.run_context(run_id)
         except UnknownRun:
             raise PreloopError(f"no run {run_id} in {db.url}: see `preloop status`") from None
         target = _target_job(run_id, jobs, job)
+        asked = run_id
+        while target is not None and info.rerun_of is not None and _kept(target):
+            # Its log is the run's it was kept from (GitHub shows a re-run's
+            # kept jobs with the earlier attempt's logs).
+            run_id = info.rerun_of
+            info, jobs = db.get_run(run_id), db.list_jobs(run_id)
+            context = db.run_context(run_id)
+            target = _target_job(run_id, jobs, target.id)
+        if run_id != asked and target is not None:
+            click.echo(
+                f"preloop: run {asked} kept {target.name!r} as it ended in run {run_id}: "
+                "its log there",
+                err=True,
+            )
         stored = JobLogStore(db)
         in_store = stored.jobs_with_logs(run_id) or set(stored.results(run_id))
         if in_store or (follow and db.dialect == "pg"):
@@ -191,6 +205,11 @@ def _target_job(run_id: int, jobs: list[JobInfo], job: str | None) -> JobInfo | 
         known = ", ".join(j.id for j in jobs if j.kind == "job")
         raise PreloopError(f"run {run_id} has no job {job!r} (jobs: {known})")
     return match[0]
+
+
+def _kept(job: JobInfo) -> bool:
+    """A job a re-run kept as it ended (it never ran in the re-run)."""
+    return job.kind == "job" and job.status == "completed" and job.runner is None
 
 
 def _names(jobs: list[JobInfo]) -> dict[str, str]:

@@ -767,26 +767,9 @@ class Engine:
                     )
             await self._recover_and_sweep(store)
             github = (await anyio.to_thread.run_sync(store.run_context, old_id)).get("github") or {}
-            where = f"run {old_id}"
-            location = SnapshotLocation.from_context(github, where)
-            if not location.repo_key:
-                raise UsageError(
-                    f"{where} was submitted by an older preloop, which did not record where "
-                    "its snapshot's objects are: run the workflow again with `preloop run`"
-                )
-            commits = [location.commit, *([location.checkout] if location.checkout else [])]
-            repository = await restore_snapshot(
-                self.state_dir, location.repo_key, commits, self.run_key, where
-            )
-            held = True
-            location = replace(location, repository=str(repository), transport="path", bundles=())
-            if bundles is not None:
-                # Runners that do not see this state directory fetch it from the store.
-                await anyio.to_thread.run_sync(bundles.release_ended)
-                self.published = await publish_snapshot(
-                    bundles, repository, location.repo_key, location.commit, self.run_key
-                )
-                location = replace(location, transport="store", bundles=self.published.chain)
+            location = SnapshotLocation.from_context(github, f"run {old_id}")
+            held = True  # from here a failure may leave the repository: released below
+            location = await self._restore(location, f"run {old_id}", bundles)
             scope = github.get(SERVICES_CONTEXT_KEY)
             scope = scope if isinstance(scope, dict) else {}
             before = scope.get("earlier")
@@ -830,6 +813,30 @@ class Engine:
             return RunsOutcome([outcome], [], self._interrupted, [])
         finally:
             await self._close(store, bundles, held)
+
+    async def _restore(
+        self, location: SnapshotLocation, where: str, bundles: SnapshotBundles | None
+    ) -> SnapshotLocation:
+        """An ended run's snapshot at `location`, brought back from the
+        object cache as this engine's run repository (and, on the `store`
+        transport, published again for remote runners): the location of it."""
+        if not location.repo_key:
+            raise UsageError(
+                f"{where} was submitted by an older preloop, which did not record where "
+                "its snapshot's objects are: run the workflow again with `preloop run`"
+            )
+        commits = [location.commit, *([location.checkout] if location.checkout else [])]
+        repository = await restore_snapshot(
+            self.state_dir, location.repo_key, commits, self.run_key, where
+        )
+        location = replace(location, repository=str(repository), transport="path", bundles=())
+        if bundles is not None:
+            await anyio.to_thread.run_sync(bundles.release_ended)
+            self.published = await publish_snapshot(
+                bundles, repository, location.repo_key, location.commit, self.run_key
+            )
+            location = replace(location, transport="store", bundles=self.published.chain)
+        return location
 
     async def _recover_and_sweep(self, store: Store) -> None:
         """Before a run: cancels the runs of dead engines, and sweeps what

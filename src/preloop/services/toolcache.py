@@ -1014,14 +1014,19 @@ def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str |
     if any(_matches(e.version, spec) for e in fitting):
         return None
     versions = list(dict.fromkeys(e.version for e in entries))
-    have = ", ".join(versions) if versions else "none"
     spec = spec or asked
     # `3.x` / `20.*`: the version to install is what comes before the wildcard.
     version = re.sub(r"(\.(x|\*))+$", "", spec.lstrip("v"))
     version += "t" if arch else ""
     install = _INSTALL_ADVICE.get(tool, "Install {spec} on the host").format(spec=version)
     what = f"free-threaded {tool}" if arch else tool
+    if not versions:
+        return (
+            f"{action}: this host has no {what} matching {asked!r}, and the tool cache "
+            f"({root}) has no {tool} at all. {install}; `preloop toolcache` lists what it has"
+        )
     return (
         f"{action}: this host has no {what} matching {asked!r}; the tool cache ({root}) has "
-        f"{tool} {have}. {install}, or ask for one of these; `preloop toolcache` lists them"
+        f"{tool} {', '.join(versions)}. {install}, or ask for one of these; "
+        "`preloop toolcache` lists them"
     )

@@ -530,6 +530,34 @@ def test_override_directory_and_skip(env: Env, tmp_path: Path) -> None:
     assert not (env.state / "actions" / "repos").exists()  # nothing was fetched
 
 
+def test_an_override_with_a_path_applies_to_that_action_of_the_repository_only(
+    env: Env,
+) -> None:
+    """`--action acme/kit/fetch=skip`: asottile/workflows' fast-checkout
+    (a custom checkout fetching from github.com) is skipped while another
+    action of the same repository runs; a path override wins over the
+    repository's, whatever their order."""
+    files = {f"{name}/{rel}": text for name in ("fetch", "build") for rel, text in
+             _echo_action(name).items()}  # fmt: skip
+    publish_action(env.remotes, "acme/kit", files)
+    local = env.tmp / "kit-checkout"
+    for rel, text in _echo_action("local build").items():
+        (local / "build" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (local / "build" / rel).write_text(text)
+    result, lines = env.run(
+        [{"uses": "acme/kit/fetch@v1"}, {"uses": "acme/kit/build@v1"}],
+        overrides=f"acme/kit@v1=skip:all of it; acme/kit/build=skip:no; "
+        f"acme/kit/build@v1={local}; acme/kit/fetch=skip:fetches from github.com",
+    )
+    assert result.conclusion == "success", lines
+    assert "version local build" in lines and "version fetch" not in lines
+    notices = [a.message for a in result.annotations if a.level == "notice"]
+    assert notices == ["acme/kit/fetch@v1 skipped by an override: fetches from github.com"]
+    (only,) = parse_overrides(["acme/kit/a/b@releases/v2=skip"], "--action")
+    assert (only.path, only.ref) == ("a/b", "releases/v2")
+    assert only.describe() == "acme/kit/a/b@releases/v2=skip"
+
+
 TOKEN_ACTION = {
     "action.yml": """\
         name: api

@@ -242,8 +242,8 @@ KNOBS: dict[str, Knob] = {
             "PRELOOP_ACTION_OVERRIDES",
             "",
             str,
-            "Local overrides of remote actions, `;`-separated: owner/repo[@ref]=DIR or "
-            "owner/repo[@ref]=skip[:reason] (like `preloop run --action`).",
+            "Local overrides of remote actions, `;`-separated: owner/repo[/path][@ref]=DIR or "
+            "owner/repo[/path][@ref]=skip[:reason] (like `preloop run --action`).",
         ),
         Knob(
             "PRELOOP_NODE",

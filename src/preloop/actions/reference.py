@@ -4,7 +4,7 @@
   or, at job level, a reusable workflow file in another repository).
 - `parse_uses(text)`: `./dir` (local), `docker://image`, or a `RemoteRef`;
   anything else is a `UsesError` naming the text and the accepted forms.
-- Overrides (`--action owner/repo[@ref]=DIR|skip[:reason]`, and
+- Overrides (`--action owner/repo[/path][@ref]=DIR|skip[:reason]`, and
   `PRELOOP_ACTION_OVERRIDES`, entries separated by `;` or newlines): a
   local directory runs in place of the remote action, `skip` turns every step
   using it into a no-op with a notice.
@@ -113,28 +113,34 @@ def parse_uses(text: str) -> LocalRef | DockerRef | RemoteRef:
 
 @dataclass(frozen=True, slots=True)
 class Override:
-    """`owner/repo[@ref]=DIR` or `owner/repo[@ref]=skip[:reason]`."""
+    """`owner/repo[/path][@ref]=DIR` or `owner/repo[/path][@ref]=skip[:reason]`:
+    DIR is a checkout of the repository; with `path`, only the action or
+    reusable workflow at that path of it is overridden."""
 
     owner: str
     repo: str
     ref: str | None
     directory: Path | None  # None: skip
     reason: str = ""
+    path: str | None = None  # None: every action and workflow of the repository
 
     def matches(self, ref: RemoteRef) -> bool:
-        return (self.owner.lower(), self.repo.lower()) == ref.key and (
-            self.ref is None or self.ref == ref.ref
+        return (
+            (self.owner.lower(), self.repo.lower()) == ref.key
+            and (self.ref is None or self.ref == ref.ref)
+            and (self.path is None or self.path == ref.path.strip("/"))
         )
 
     def describe(self) -> str:
         at = f"@{self.ref}" if self.ref else ""
+        path = f"/{self.path}" if self.path else ""
         target = str(self.directory) if self.directory is not None else "skip"
         if self.directory is None and self.reason:
             target += f":{self.reason}"
-        return f"{self.owner}/{self.repo}{at}={target}"
+        return f"{self.owner}/{self.repo}{path}{at}={target}"
 
 
-_OVERRIDE_KEY = re.compile(rf"({_NAME})/({_NAME})(?:@(.+))?")
+_OVERRIDE_KEY = re.compile(rf"({_NAME})/({_NAME})((?:/[^@/]+)+)?(?:@(.+))?")
 
 
 def _parse_override(entry: str, where: str) -> Override:
@@ -142,17 +148,18 @@ def _parse_override(entry: str, where: str) -> Override:
     m = _OVERRIDE_KEY.fullmatch(key.strip())
     if not sep or m is None or not target.strip():
         raise UsageError(
-            f"{where}: {entry!r} is not an override: use owner/repo[@ref]=DIR or "
-            "owner/repo[@ref]=skip[:reason]"
+            f"{where}: {entry!r} is not an override: use owner/repo[/path][@ref]=DIR or "
+            "owner/repo[/path][@ref]=skip[:reason]"
         )
     target = target.strip()
-    owner, repo, ref = m.group(1), m.group(2), m.group(3)
+    owner, repo, ref = m.group(1), m.group(2), m.group(4)
+    path = m.group(3).strip("/") if m.group(3) else None
     if target == "skip" or target.startswith("skip:"):
-        return Override(owner, repo, ref, None, target[5:].strip())
+        return Override(owner, repo, ref, None, target[5:].strip(), path)
     directory = Path(target).expanduser().absolute()
     if not directory.is_dir():
         raise UsageError(f"{where}: {entry!r}: {directory} is not a directory")
-    return Override(owner, repo, ref, directory)
+    return Override(owner, repo, ref, directory, path=path)
 
 
 def parse_overrides(entries: Iterable[str], where: str) -> tuple[Override, ...]:
@@ -180,7 +187,7 @@ class Overrides:
         return cls((*extra, *from_env))
 
     def find(self, ref: RemoteRef) -> Override | None:
-        with_ref = [o for o in self.entries if o.ref is not None and o.matches(ref)]
-        if with_ref:
-            return with_ref[0]
-        return next((o for o in self.entries if o.matches(ref)), None)
+        """The most specific override matching `ref`: one naming the path
+        beats one that does not, then one naming the ref; else the first."""
+        found = [o for o in self.entries if o.matches(ref)]
+        return min(found, key=lambda o: (o.path is None, o.ref is None), default=None)

@@ -187,7 +187,7 @@ def action_option(fn: Callable[..., Any]) -> Callable[..., Any]:
         "--action",
         "actions",
         multiple=True,
-        metavar="OWNER/REPO[@REF]=DIR|skip[:REASON]",
+        metavar="OWNER/REPO[/PATH][@REF]=DIR|skip[:REASON]",
         help="Run a local directory in place of a remote action or reusable workflow, or "
         "skip it (repeatable).",
     )(fn)

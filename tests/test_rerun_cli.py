@@ -4,11 +4,13 @@ and "Re-run all jobs" on the ended run's own snapshot."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 from tests.run_support import git, make_repo, workflow
-from tests.test_run_cli import preloop
+from tests.test_run_cli import PRELOOP, _env, preloop, read_fifo
 
 # `build` counts its runs in a file outside the workspace (vars.OUT); `test`
 # fails unless the secret is good and shows what it ran on; `report` always runs.
@@ -33,6 +35,7 @@ CI = """\
           - uses: actions/checkout@v4
           - run: |
               echo "seen: attempt=$GITHUB_RUN_ATTEMPT number=$GITHUB_RUN_NUMBER" \\
+                "id=$GITHUB_RUN_ID/${{ github.run_id }}" \\
                 "from=${{ needs.build.outputs.v }} data=$(cat data.txt)"
               test "$TOKEN" = good
             env:
@@ -94,8 +97,10 @@ def test_rerun_failed_jobs_on_the_runs_snapshot(tmp_path: Path, store_args: list
     assert _jobs(run2) == {"build": "success", "test": "success", "report": "success"}
     # `build` succeeded: kept with its outputs, not run again; the run number stays.
     assert (out / "builds").read_text() == "build\n"
+    # `github.run_id` stays the first run's, as GitHub's attempts share it
+    first_id = run1["run_id"]
     assert _seen(repo, state, run2["run_id"], store_args) == (
-        "seen: attempt=2 number=1 from=built-1 data=submitted"
+        f"seen: attempt=2 number=1 id={first_id}/{first_id} from=built-1 data=submitted"
     )
 
     # A kept job's log is the one of the run it ran in.
@@ -119,8 +124,12 @@ def test_rerun_failed_jobs_on_the_runs_snapshot(tmp_path: Path, store_args: list
     ]
     assert (out / "builds").read_text() == "build\nbuild\n"
     assert _seen(repo, state, run3["run_id"], store_args) == (
-        "seen: attempt=3 number=1 from=built-3 data=submitted"
+        f"seen: attempt=3 number=1 id={first_id}/{first_id} from=built-3 data=submitted"
     )
+    # GitHub re-runs a run's latest attempt only.
+    old = preloop("rerun", str(run1["run_id"]), "--all", *store_args, cwd=repo, state=state)
+    assert old.returncode == 1, (old.stdout, old.stderr)
+    assert f"was re-run already, as run {run2['run_id']}: re-run the latest" in old.stderr
 
 
 def test_rerun_errors_are_one_line_and_change_nothing(
@@ -154,3 +163,39 @@ def test_rerun_errors_are_one_line_and_change_nothing(
     )  # fmt: skip
     nothing = preloop("rerun", str(good["run_id"]), *store_args, cwd=repo, state=state)
     assert nothing.returncode != 0 and "nothing to re-run (--all" in nothing.stderr
+
+
+def test_a_run_whose_preloop_run_died_can_be_rerun(tmp_path: Path) -> None:
+    """The re-run cancels the dead engine's run first (the recovery every
+    start does), instead of refusing it as still running."""
+    fifo = tmp_path / "pids.fifo"
+    os.mkfifo(fifo)
+    hang = f"""\
+        on: push
+        jobs:
+          once:
+            runs-on: ubuntu-latest
+            steps:
+              - run: |
+                  if [ "$GITHUB_RUN_ATTEMPT" = 1 ]; then
+                    sleep 1000 &
+                    echo "$$ $!" > {fifo}
+                    wait
+                  fi
+                  echo "attempt $GITHUB_RUN_ATTEMPT done"
+        """
+    repo = make_repo(tmp_path / "repo", workflow(hang))
+    state = tmp_path / "state"
+    first = subprocess.Popen(
+        [*PRELOOP, "run", "--json"], cwd=repo, env=_env(state),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        read_fifo(fifo, [first])
+        first.kill()  # a crash: nothing of preloop's cleanup runs
+    finally:
+        first.kill()
+        first.wait()
+    again = preloop("rerun", "1", "--json", cwd=repo, state=state, check_code=0)
+    assert "run 1 was left unfinished" in again.stderr
+    assert _jobs(json.loads(again.stdout)) == {"once": "success"}

@@ -81,28 +81,27 @@ def _data_repo(tmp_path: Path, jobs: str) -> Path:
 
 def test_a_rerun_reads_the_artifacts_its_kept_jobs_uploaded(tmp_path: Path, store_url: str) -> None:
     """On GitHub a re-run is an attempt of the same run: a re-run test job
-    downloads what the kept build job uploaded. Here the re-run is a new run
-    whose jobs read the runs it re-runs after their own (their own upload of
-    a name wins); another run's artifacts stay out of reach."""
+    downloads what the kept build job uploaded, and uploading a name an
+    earlier attempt has is refused (409) as there. Here the re-run is a new
+    run whose jobs read the runs it re-runs after their own; on disk ids
+    count per run, so the listing keeps them apart (the re-run's first
+    upload has the id the kept one has in its run)."""
     jobs = """
   up:
     runs-on: ubuntu-latest
     steps:
-      - run: |
-          mkdir -p report && echo "from up" > report/r.txt
-          node $JS/artifacts_up.cjs dir:data:data dir:report:report
+      - run: node $JS/artifacts_up.cjs dir:data:data
   down:
     needs: up
     runs-on: ubuntu-latest
     steps:
       - run: |
-          node $JS/artifacts_down.cjs data got
-          diff -r data got/data
-          mkdir -p report && echo "from down" > report/r.txt
-          node $JS/artifacts_up.cjs dir:report:report
-          node $JS/artifacts_down.cjs report mine
-          cat mine/report/r.txt
           test -n "${{ secrets.PASS }}"
+          mkdir -p r && echo mine > r/x.txt
+          node $JS/artifacts_up.cjs dir:report:r
+          node $JS/artifacts_down.cjs pattern all '^data$'
+          diff -r data all
+          node $JS/artifacts_up.cjs dir:data:r || echo "second data refused"
 """
     repo = _data_repo(tmp_path, jobs)
     state = tmp_path / "state"
@@ -111,10 +110,9 @@ def test_a_rerun_reads_the_artifacts_its_kept_jobs_uploaded(tmp_path: Path, stor
     again, h = run_engine(repo, store_url, state, rerun=first.run_id, secrets={"PASS": "yes"})
     text = h.all_text()
     assert results(again) == {"up": "success", "down": "success"}, text
-    assert "downloaded data digestMismatch=false" in text
-    # both runs have a `report`: the re-run's own, uploaded by its job, is the one read
-    assert "listed data,report" in text and "from down" in text
-    assert "from up" not in text
+    # by id (download-artifact's pattern: list, then download each by its id)
+    assert "listed data,report" in text and "downloaded data" in text
+    assert "(409) Conflict" in text and "second data refused" in text
 
 
 def test_artifacts_upload_then_download_in_a_dependent_job(tmp_path: Path, store_url: str) -> None:

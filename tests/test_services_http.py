@@ -141,11 +141,20 @@ def test_a_rerun_token_reads_the_runs_it_reruns_and_writes_only_its_own(
     token = mint(services.secret, claims)
     status, listed = _call(services, ART + "ListArtifacts", {"workflowRunBackendId": "2"}, token)
     assert status == 200
-    # its own `report` first; run 1's `dist`; run 3 is not one it re-runs
+    # its own `report` first; run 1's `dist`, under an id of its own (ids
+    # count per run on disk); run 3 is not one it re-runs
     assert [(a["name"], a["workflowRunBackendId"]) for a in listed["artifacts"]] == [
         ("report", "2"),
         ("dist", "1"),
     ]
+    dist = listed["artifacts"][1]["databaseId"]
+    body = {"workflowRunBackendId": "2", "idFilter": dist}
+    status, by_id = _call(services, ART + "ListArtifacts", body, token)
+    assert [a["name"] for a in by_id["artifacts"]] == ["dist"], by_id
+    # an earlier attempt's name: refused as GitHub refuses it, until deleted
+    # (upload-artifact's `overwrite: true` deletes it first)
+    create = {"workflowRunBackendId": "2", "name": "dist", "version": 4}
+    assert _call(services, ART + "CreateArtifact", create, token)[0] == 409
     body = {"workflowRunBackendId": "1", "name": "dist"}
     status, signed = _call(services, ART + "GetSignedArtifactURL", body, token)
     assert status == 200 and "/artifact/1/" in signed["signedUrl"], signed

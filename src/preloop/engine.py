@@ -83,6 +83,7 @@ from preloop.services import (
     scope_access,
     services_scope,
 )
+from preloop.services.storage import artifact_run_name
 from preloop.snapshot import capture_workspace, sweep_workspace_snapshots
 from preloop.snapshot.bundles import SnapshotBundles
 from preloop.snapshot.holders import (
@@ -91,12 +92,8 @@ from preloop.snapshot.holders import (
     release_run_repository,
 )
 from preloop.snapshot.owner import ProcessIdentity
-from preloop.snapshot.transport import (
-    Published,
-    publish_snapshot,
-    restore_snapshot,
-    snapshot_transport,
-)
+from preloop.snapshot.restore import restore_snapshot
+from preloop.snapshot.transport import Published, publish_snapshot, snapshot_transport
 from preloop.workflow import Plan, PlanError, WorkflowError, load_workflow, plan, workflow_files
 from preloop.workflow.changes import LocalEvent, event_facts
 from preloop.workflow.event_inputs import (
@@ -462,9 +459,7 @@ class Engine:
     async def prepare(self) -> Selection:
         """Validates the request and chooses what to run (nothing is captured)."""
         req = self.request
-        config.validate()  # a bad PRELOOP_* value: exit 2 now, not a traceback later
-        if req.local_runners is not None and req.local_runners < 0:
-            raise UsageError(f"-j {req.local_runners}: the number of local runners must be >= 0")
+        self._validate()
         check_event_name(req.event, EVENTS)
         root = await _repo_root(req.workspace)
         payload = load_payload(req.event_path) if req.event_path is not None else None
@@ -683,20 +678,13 @@ class Engine:
             default_ref = selection.default_ref
             base = str(selection.github.get("base_ref") or "")
             base_ref = f"refs/heads/{base}" if base else ""  # pull requests only
-            if store.dialect == "pg":
-                await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir, store)
             if bundles is not None:
                 # Runners that do not see this state directory fetch it from the store.
                 await anyio.to_thread.run_sync(bundles.release_ended)
                 self.published = await publish_snapshot(
                     bundles, snap.repository, snap.cache_key, snap.commit, run_key
                 )
-                location = replace(
-                    location,
-                    transport="store",
-                    repo_key=snap.cache_key,
-                    bundles=self.published.chain,
-                )
+                location = replace(location, transport="store", bundles=self.published.chain)
             for planned in selection.plans:
                 if self._interrupted:
                     break
@@ -741,9 +729,7 @@ class Engine:
         `github.run_attempt` counts up; secrets and runner options are this
         invocation's."""
         req = self.request
-        config.validate()
-        if req.local_runners is not None and req.local_runners < 0:
-            raise UsageError(f"-j {req.local_runners}: the number of local runners must be >= 0")
+        self._validate()
         store_url = self.store_url()
         transport = snapshot_transport("pg" if store_url.startswith("postgres") else "lite")
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -752,6 +738,9 @@ class Engine:
         bundles = SnapshotBundles(store) if transport == "store" else None
         held = False
         try:
+            info = await anyio.to_thread.run_sync(store.get_run, old_id)
+            # A run whose engine died is cancelled here: then it can be re-run.
+            await self._recover_and_sweep(store)
             info = await anyio.to_thread.run_sync(store.get_run, old_id)
             if info.status != "completed":
                 raise UsageError(
@@ -765,7 +754,6 @@ class Engine:
                         f"run {old_id} has no failed or cancelled job: nothing to re-run "
                         "(--all runs every job again)"
                     )
-            await self._recover_and_sweep(store)
             github = (await anyio.to_thread.run_sync(store.run_context, old_id)).get("github") or {}
             location = SnapshotLocation.from_context(github, f"run {old_id}")
             held = True  # from here a failure may leave the repository: released below
@@ -775,7 +763,10 @@ class Engine:
             before = scope.get("earlier")
             # Its jobs read the artifacts the kept jobs uploaded (on GitHub
             # a re-run is an attempt of the same run, sharing them).
-            earlier = (str(old_id), *(before if isinstance(before, list) else ()))
+            earlier = (
+                *self._artifact_run(store, old_id, github),
+                *(str(r) for r in (before if isinstance(before, list) else ())),
+            )
             access = scope_access("", b"", scope)
             ref = access.ref or str(github.get("ref") or "")
             default_ref = access.default_ref or "refs/heads/main"
@@ -783,6 +774,7 @@ class Engine:
                 store.rerun,
                 old_id,
                 failed_only=not req.rerun_all_jobs,
+                latest_only=True,
                 github={
                     SNAPSHOT_CONTEXT_KEY: location.to_dict(),
                     ENGINE_CONTEXT_KEY: self._engine_context(),
@@ -838,6 +830,20 @@ class Engine:
             location = replace(location, transport="store", bundles=self.published.chain)
         return location
 
+    def _artifact_run(
+        self, store: Store, run_id: int, github: Mapping[str, Any]
+    ) -> tuple[str, ...]:
+        """How the services name the artifacts of the ended run `run_id`
+        (github context `github`): its id in the store on PostgreSQL; on
+        disk the directory of that run of that engine, which another store's
+        run with the same id may have moved aside (none: nothing to read)."""
+        if store.dialect == "pg":
+            return (str(run_id),)
+        owner = github.get(ENGINE_CONTEXT_KEY)
+        key = owner.get("run_key") if isinstance(owner, dict) else None
+        name = artifact_run_name(self.state_dir, str(run_id), str(key) if key else None)
+        return (name,) if name is not None else ()
+
     async def _recover_and_sweep(self, store: Store) -> None:
         """Before a run: cancels the runs of dead engines, and sweeps what
         crashed captures, workspaces and expired artifacts left."""
@@ -851,6 +857,15 @@ class Engine:
         await anyio.to_thread.run_sync(sweep_workspace_snapshots, self.state_dir)
         await anyio.to_thread.run_sync(sweep_work_dir, self.state_dir)
         await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir)
+        if store.dialect == "pg":
+            await anyio.to_thread.run_sync(remove_expired_artifacts, self.state_dir, store)
+
+    def _validate(self) -> None:
+        """A bad PRELOOP_* value or -j: exit 2 now, not a traceback later."""
+        config.validate()
+        n = self.request.local_runners
+        if n is not None and n < 0:
+            raise UsageError(f"-j {n}: the number of local runners must be >= 0")
 
     def _engine_context(self) -> dict[str, Any]:
         """`github.preloop_engine`: who drives the run (a dead one's runs are

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from preloop import config
 from preloop.cli.app import cli, emit_json, make_console, state_dir_option
-from preloop.control import JobInfo, Store, UnknownRun
+from preloop.control import JobInfo, RunInfo, Store, UnknownRun
 from preloop.control.joblogs import JobLogStore
 from preloop.control.wakeups import LOGS
 from preloop.engine import default_store_url, open_user_store
@@ -172,7 +172,15 @@ def logs_command(
             raise PreloopError(f"no run {run_id} in {db.url}: see `preloop status`") from None
         target = _target_job(run_id, jobs, job)
         asked = run_id
-        while target is not None and info.rerun_of is not None and _kept(target):
+        if target is None and info.rerun_of is not None:
+            for j in jobs:
+                if _kept(j, info):
+                    click.echo(
+                        f"preloop: run {run_id} kept {j.name!r} as it ended in run "
+                        f"{info.rerun_of}: `preloop logs {run_id} {j.id}` shows its log",
+                        err=True,
+                    )
+        while target is not None and info.rerun_of is not None and _kept(target, info):
             # Its log is the run's it was kept from (GitHub shows a re-run's
             # kept jobs with the earlier attempt's logs).
             run_id = info.rerun_of
@@ -207,9 +215,15 @@ def _target_job(run_id: int, jobs: list[JobInfo], job: str | None) -> JobInfo | 
     return match[0]
 
 
-def _kept(job: JobInfo) -> bool:
-    """A job a re-run kept as it ended (it never ran in the re-run)."""
-    return job.kind == "job" and job.status == "completed" and job.runner is None
+def _kept(job: JobInfo, run: RunInfo) -> bool:
+    """A job of the re-run `run` kept as it ended in the run it re-runs: it
+    ended before the re-run began (one it skipped or ran ended after)."""
+    return (
+        job.kind == "job"
+        and job.status == "completed"
+        and job.completed_at is not None
+        and job.completed_at < run.created_at
+    )
 
 
 def _names(jobs: list[JobInfo]) -> dict[str, str]:

@@ -40,6 +40,10 @@ SELECT context, rerun_of FROM runs WHERE id = ?
 -- store: Store.rerun.tx_fn (the next attempt of the first run of a chain of re-runs)
 INSERT INTO run_attempts (first_run, last) VALUES (?, ?) ON CONFLICT (first_run) DO UPDATE SET last = run_attempts.last + 1 RETURNING last
 
+-- rerun_select_later_runs --
+-- store: Store.rerun.tx_fn (latest_only: a run that re-runs this one already)
+SELECT id FROM runs WHERE rerun_of = ? ORDER BY id DESC LIMIT 1
+
 -- rerun_insert_runs --
 -- store: Store.rerun.tx_fn
 INSERT INTO runs (workflow, name, event, status, remaining_jobs, conc_group, conc_cancel, conc_queue_max, context, created_at, rerun_of) SELECT workflow, name, event, 'running', 0, conc_group, conc_cancel, conc_queue_max, ?, ?, id FROM runs WHERE id = ? RETURNING id

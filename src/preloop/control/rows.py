@@ -46,6 +46,7 @@ def _run_info(row: Row) -> RunInfo:
         cancel_requested=bool(row["cancel_requested"]),
         remaining_jobs=int(row["remaining_jobs"]),
         rerun_of=None if row["rerun_of"] is None else int(row["rerun_of"]),
+        created_at=float(row["created_at"]),
     )
 
 
@@ -63,6 +64,7 @@ def _job_info(row: Row) -> JobInfo:
         runner=row["runner"],
         cancel_requested=bool(row["cancel_requested"]),
         inner_job_ids=tuple(json.loads(row["inner_job_ids"])),
+        completed_at=None if row["completed_at"] is None else float(row["completed_at"]),
     )
 
 

@@ -294,6 +294,7 @@ class Store:
         if "run_number" not in github:
             repository = str(github.get("repository") or "")
             github["run_number"] = str(self._number_run(repository, plan.workflow))
+        github.setdefault("run_attempt", "1")  # `if: github.run_attempt == '1'` as on GitHub
         context = {"env": plan.env, "inputs": plan.inputs, "github": github, "vars": plan.vars}
         cascade_groups: set[str] = set()
 
@@ -351,13 +352,18 @@ class Store:
         *,
         failed_only: bool = True,
         github: Mapping[str, Any] | None = None,
+        latest_only: bool = False,
     ) -> int:
         """A new run from an ended one (GitHub's re-run). With `failed_only`,
         jobs that succeeded with every ancestor succeeding are kept as they
         ended (outputs included) and the rest run again; otherwise every job
         runs again (deferred matrices are expanded anew). `github` replaces
         entries of the run's `github` context (where the re-run's snapshot
-        and engine are). Set-based over the old run's rows: no graph load."""
+        and engine are); `github.run_id` stays the first run's, as GitHub's
+        attempts share their run's id. With `latest_only`, a run already
+        re-run is refused (GitHub re-runs a run's latest attempt only), in
+        the same transaction: two re-runs at once never fork the chain.
+        Set-based over the old run's rows: no graph load."""
         groups: set[str] = set()
         keep = 1 if failed_only else 0
 
@@ -370,6 +376,13 @@ class Store:
                     f"run {run_id} is still {old['status']}: cancel it or wait for it to end "
                     "before re-running"
                 )
+            if latest_only:
+                later = tx.one(Q["rerun_select_later_runs"], (run_id,))
+                if later is not None:
+                    raise StoreError(
+                        f"run {run_id} was re-run already, as run {later['id']}: re-run "
+                        "the latest attempt (see `preloop status`)"
+                    )
             ctx_row = tx.one(Q["rerun_select_runs_context"], (run_id,))
             assert ctx_row is not None
             context = _loads(ctx_row["context"])
@@ -379,8 +392,10 @@ class Store:
                 ctx_row = tx.one(Q["rerun_select_runs_context"], (first,))
             counted = tx.one(Q["rerun_upsert_run_attempts"], (first, attempt_of(context) + 1))
             assert counted is not None
-            if github:
-                context = {**context, "github": {**(context.get("github") or {}), **github}}
+            context = {
+                **context,
+                "github": {"run_id": str(first), **(context.get("github") or {}), **(github or {})},
+            }
             row = tx.one(
                 Q["rerun_insert_runs"],
                 (_dumps(with_attempt(context, int(counted["last"]))), time.time(), run_id),

@@ -102,6 +102,7 @@ class RunInfo:
     cancel_requested: bool
     remaining_jobs: int
     rerun_of: int | None = None  # the run this one re-runs (`Store.rerun`)
+    created_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,3 +119,4 @@ class JobInfo:
     runner: str | None
     cancel_requested: bool
     inner_job_ids: tuple[str, ...]
+    completed_at: float | None = None

@@ -268,7 +268,9 @@ class WorkflowCommandParser:
         self._job = job
         self._step = step
         self._stopped: str | None = None
-        self._echo = False  # `::echo::on`: the step's command lines are shown
+        # `::echo::on`: the step's command lines are shown (from the start
+        # with step debug logging, as GitHub's runner has it)
+        self._echo = debug
         # the job's problem matchers (a step's own parser without a job has
         # none), and the step's view of the workspace and host paths
         self._matchers = StepMatchers(matchers or ProblemMatchers(), workspace, host_path)

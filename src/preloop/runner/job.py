@@ -475,7 +475,8 @@ class _Execution:
             "GITHUB_ACTIONS": "true",
             "GITHUB_WORKSPACE": str(self.host.workspace),
             "GITHUB_JOB": self.job_key,
-            "GITHUB_RUN_ID": str(self.host.run_id),
+            # a re-run's is its first run's, as GitHub's attempts share one
+            "GITHUB_RUN_ID": _str(gh.get("run_id", self.host.run_id)),
             "GITHUB_RUN_NUMBER": _str(gh.get("run_number", "1")),
             "GITHUB_RUN_ATTEMPT": _str(gh.get("run_attempt", "1")),
             "GITHUB_EVENT_NAME": _str(gh.get("event_name", "")),

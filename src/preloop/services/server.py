@@ -53,6 +53,9 @@ from preloop.services.tokens import Claims, TokenError, verify
 
 __all__ = ["ServiceServer"]
 
+# Above any id a store gives an artifact (see `ServiceServer._artifacts`).
+_RUN_ID_STRIDE = 10**12
+
 _log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -269,6 +272,15 @@ class ServiceServer:
 
     async def _create_artifact(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
         self._same_run(c, body)
+        name = self._name(body)
+        for run in c.earlier:
+            # GitHub's attempts share the run's artifacts: a re-run job's
+            # upload of a name an earlier attempt has is refused alike.
+            if await self._call(self.storage.list_artifacts, run, name):
+                raise StorageConflict(
+                    f"an artifact named {name!r} already exists in run {run.split('.')[0]}, "
+                    "which this run re-runs: upload-artifact's `overwrite: true` replaces it"
+                )
         expires = _field(body, "expiresAt")
         mime = _field(body, "mimeType")  # a StringValue: the string, or {"value": ...}
         if isinstance(mime, dict):
@@ -282,7 +294,7 @@ class ServiceServer:
             self.storage.create_artifact,
             c.run,
             c.job,
-            self._name(body),
+            name,
             str(expires) if expires else None,
             mime,
         )
@@ -319,47 +331,59 @@ class ServiceServer:
                 {
                     "workflowRunBackendId": r.run,
                     "workflowJobRunBackendId": r.job,
-                    "databaseId": str(r.id),
+                    "databaseId": str(ident),
                     "name": r.name,
                     "size": str(r.size),
                     "createdAt": r.created_at,
                     **({"digest": r.digest} if r.digest else {}),
                 }
-                for r in records
+                for r, ident in records
             ]
         }
 
     async def _signed_artifact_url(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
         run = self._same_run(c, body, reading=True)
         if run == c.run:
-            records = await self._call(self._artifacts, c, self._name(body), None)
+            found = [r for r, _ in await self._call(self._artifacts, c, self._name(body), None)]
         else:  # a listed artifact of a run it re-runs, by that run
-            records = await self._call(self.storage.list_artifacts, run, self._name(body))
-        if not records:
+            found = await self._call(self.storage.list_artifacts, run, self._name(body))
+        if not found:
             raise _TwirpError(404, "not_found", f"run {c.run} has no artifact {body['name']!r}")
-        found = records[0]
-        return {"signedUrl": self.signed(f"artifact/{quote(found.run, safe='')}/{found.id}")}
+        return {"signedUrl": self.signed(f"artifact/{quote(found[0].run, safe='')}/{found[0].id}")}
 
-    def _artifacts(self, c: Claims, name: str | None, ident: int | None) -> list[ArtifactRecord]:
-        """The artifacts the token's run sees: its own, then those of the
-        runs it re-runs whose names it has not uploaded itself (on GitHub the
-        attempts of a run share its artifacts; a re-run job's upload is newer)."""
+    def _artifacts(
+        self, c: Claims, name: str | None, ident: int | None
+    ) -> list[tuple[ArtifactRecord, int]]:
+        """The artifacts the token's run sees, with the id each is listed
+        under: its own, then those of the runs it re-runs (on GitHub the
+        attempts of a run share its artifacts). Ids count per run on disk:
+        the k-th run's are listed as k * _RUN_ID_STRIDE + the id."""
+        runs = c.artifact_runs()
+        if ident is not None:
+            k, own = divmod(ident, _RUN_ID_STRIDE)
+            if k >= len(runs):
+                return []
+            return [(r, ident) for r in self.storage.list_artifacts(runs[k], name, own)]
         seen: set[str] = set()
-        out: list[ArtifactRecord] = []
-        for run in c.artifact_runs():
-            found = self.storage.list_artifacts(run, name, ident)
-            out += [r for r in found if r.name not in seen]
+        out: list[tuple[ArtifactRecord, int]] = []
+        for k, run in enumerate(runs):
+            found = self.storage.list_artifacts(run, name, None)
+            out += [(r, k * _RUN_ID_STRIDE + r.id) for r in found if r.name not in seen]
             seen.update(r.name for r in found)
-        # ids count per run here: an id names the first run's (its own first)
-        return out[:1] if ident is not None else out
+        return out
 
     async def _delete_artifact(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
+        """Deletes the run's own artifact of that name, else (upload-artifact's
+        `overwrite: true` in a re-run) the one of an earlier attempt."""
         self._same_run(c, body)
-        try:
-            ident = await self._call(self.storage.delete_artifact, c.run, self._name(body))
-        except StorageError as exc:
-            raise _TwirpError(404, "not_found", str(exc)) from None
-        return {"ok": True, "artifactId": str(ident)}
+        name = self._name(body)
+        for run in c.artifact_runs():
+            try:
+                ident = await self._call(self.storage.delete_artifact, run, name)
+            except StorageError:
+                continue
+            return {"ok": True, "artifactId": str(ident)}
+        raise _TwirpError(404, "not_found", f"run {c.run} has no artifact named {name!r}")
 
     async def _create_cache(self, c: Claims, body: dict[str, Any]) -> dict[str, Any]:
         key, version = str(body.get("key") or ""), str(body.get("version") or "")

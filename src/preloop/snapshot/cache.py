@@ -89,7 +89,8 @@ async def _inline(work: BlockingWork | None, point: str, fn: Callable[..., T], *
     return await work.run(point, fn, *args)
 
 
-async def _missing(repository: Path, oids: Sequence[str]) -> list[str]:
+async def missing_objects(repository: Path, oids: Sequence[str]) -> list[str]:
+    """Which of `oids` the repository at `repository` (with its alternates) lacks."""
     if not oids:
         return []
     result = await git(
@@ -151,7 +152,7 @@ async def ensure_object_cache(
             if want and record_head:
                 await _inline(work, "last-head", write_text_atomic, last_head_path, want[0] + "\n")
         elif want and not (record_head and want[0] == last_head and len(want) == 1):
-            missing = await _missing(repository, want)
+            missing = await missing_objects(repository, want)
             if missing:
                 refspecs = [f"+{oid}:refs/preloop/want/{oid}" for oid in missing]
                 await git(

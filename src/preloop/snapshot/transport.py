@@ -54,13 +54,13 @@ from preloop.errors import PreloopError, UsageError
 from preloop.process import CommandFailed, run_command_status
 from preloop.snapshot import layout
 from preloop.snapshot.bundles import BUNDLE_KIND, BundleRow, SnapshotBundles
-from preloop.snapshot.cache import init_cache_entry
-from preloop.snapshot.capture import SNAPSHOT_REF, create_run_repository, write_snapshot_ref
+from preloop.snapshot.cache import init_cache_entry, missing_objects
+from preloop.snapshot.capture import SNAPSHOT_REF
 from preloop.snapshot.errors import SnapshotError
 from preloop.snapshot.gitcmd import BASE_CONFIG, git, git_env
-from preloop.snapshot.holders import hold_run_repository, release_run_repository
 from preloop.snapshot.hooks import run_after_capture
 from preloop.snapshot.locks import CachePin, acquire_cache_lock_async
+from preloop.snapshot.restore import held_run_repository, object_format_of
 
 __all__ = [
     "MAX_DEPTH",
@@ -68,7 +68,6 @@ __all__ = [
     "Published",
     "fetch_snapshot",
     "publish_snapshot",
-    "restore_snapshot",
     "snapshot_transport",
 ]
 
@@ -112,10 +111,6 @@ class Published:
     uploaded: BlobInfo | None
 
 
-def _object_format(commit: str) -> str:
-    return "sha256" if len(commit) == 64 else "sha1"
-
-
 def _object_dirs(git_dir: Path) -> list[Path]:
     dirs = [git_dir / "objects"]
     with contextlib.suppress(OSError):
@@ -130,21 +125,14 @@ async def _absent(git_dir: Path, oids: list[str]) -> set[str]:
     # them so): a stat each spares a git process on the upload's path.
     dirs = _object_dirs(git_dir)
     oids = [o for o in oids if not any((d / o[:2] / o[2:]).exists() for d in dirs)]
-    if not oids:
-        return set()
-    result = await git(
-        ["cat-file", "--batch-check=%(objectname)"],
-        env=git_env({"GIT_DIR": str(git_dir)}),
-        stdin="".join(f"{o}\n" for o in oids).encode(),
-    )
-    return {ln.split()[0] for ln in result.stdout_text().splitlines() if ln.endswith(" missing")}
+    return set(await missing_objects(git_dir, oids))
 
 
 async def write_bundle(git_dir: Path, commit: str, not_tips: list[str], dest: Path) -> None:
     """Writes a bundle of `commit` (as `refs/heads/snapshot`) to `dest`,
     without the objects reachable from `not_tips` nor those of their trees;
     `not_tips` are its prerequisites."""
-    fmt = _object_format(commit)
+    fmt = object_format_of(commit)
     header = "# v2 git bundle\n" if fmt == "sha1" else f"# v3 git bundle\n@object-format={fmt}\n"
     header += "".join(f"-{t}\n" for t in not_tips)
     header += f"{commit} {SNAPSHOT_REF}\n\n"
@@ -328,7 +316,7 @@ async def fetch_snapshot(
         lock.release()
     name = f"fetched-{commit[:12]}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        _held_run_repository(state_dir, name, repository, commit, f"store:{repo_key}")
+        held_run_repository(state_dir, name, repository, commit, f"store:{repo_key}")
     finally:
         pin.drop()  # the run repository's alternates protect the entry from here on
     if fetched:
@@ -336,63 +324,6 @@ async def fetch_snapshot(
         # to a runner's cache too; entries its run repositories use are kept.
         await run_after_capture(state_dir, repo_key)
     return name
-
-
-def _held_run_repository(state_dir: Path, name: str, entry: Path, commit: str, source: str) -> None:
-    """Writes the run repository `<state>/snapshots/<name>`, held by this
-    process, over the objects of cache entry `entry` (pinned by the caller),
-    branch `snapshot` at `commit`; on failure nothing is left held."""
-    try:
-        hold_run_repository(state_dir, name)
-        create_run_repository(
-            layout.run_repository(state_dir, name),
-            [entry / "objects"],
-            object_format=_object_format(commit),
-            run_id=name,
-            nonce=secrets.token_hex(8),
-            kind="workspace",
-            namespace="default",
-            source=source,
-        )
-        write_snapshot_ref(layout.run_repository(state_dir, name), commit)
-    except BaseException:
-        release_run_repository(state_dir, name)
-        raise
-
-
-async def restore_snapshot(
-    state_dir: Path, repo_key: str, commits: list[str], name: str, where: str
-) -> Path:
-    """For a re-run: the run repository `<state>/snapshots/<name>` (held by
-    this process; `release_run_repository(state_dir, name)` removes it) with
-    branch `snapshot` at `commits[0]`, an ended run's snapshot, over the
-    objects object-cache entry `repo_key` still has. Every one of `commits`
-    must be there (a capture's commits are never pruned from an entry, but a
-    whole entry may be evicted): else a `SnapshotError` saying so."""
-    state_dir = Path(state_dir).absolute()
-    gone = (
-        f"{where}: its snapshot {commits[0][:12]} is no longer in this host's object cache "
-        "(the cache was pruned, or the run was submitted from another host): run the "
-        "workflow again with `preloop run`"
-    )
-    try:
-        repository = layout.cache_repository(state_dir, repo_key)
-    except ValueError:
-        raise SnapshotError(gone) from None
-    lock = await acquire_cache_lock_async(state_dir, repo_key)
-    try:
-        if not repository.is_dir() or await _absent(repository, commits):
-            raise SnapshotError(gone)
-        pin = CachePin.create(state_dir, repo_key)
-    finally:
-        lock.release()
-    try:
-        _held_run_repository(state_dir, name, repository, commits[0], f"rerun:{repo_key}")
-    finally:
-        pin.drop()  # the run repository's alternates protect the entry from here on
-    # A use of the entry, for the object-cache cap's LRU order.
-    await run_after_capture(state_dir, repo_key)
-    return layout.run_repository(state_dir, name)
 
 
 async def _fetch_chain(

@@ -290,6 +290,76 @@ def test_checkout_of_the_runs_repository_after_another_replaced_the_workspace(
     assert "root hi no-tool" in lines, lines
 
 
+def test_checkout_submodules_of_the_runs_repository(
+    tmp_path: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`submodules: true|recursive` checks the submodules out at the commits
+    the snapshot records, as GitHub's checkout does (they were left empty):
+    a relative URL from the repository's own place under
+    PRELOOP_ACTIONS_URL, `https://github.com/o/n.git` from `<base>/o/n`;
+    `true` leaves a submodule's own submodules empty, no input leaves them
+    all empty, and a commit its URL does not have is a one-line error."""
+    mirrors = tmp_path / "mirrors"
+    (mirrors / "acme").mkdir(parents=True)
+    deep = make_repo(tmp_path / "deep-src", {"deep.txt": "deep-file\n"})
+    git(tmp_path, "clone", "-q", "--bare", str(deep), str(mirrors / "acme" / "deep"))
+    lib = make_repo(tmp_path / "lib-src", {"lib.txt": "lib-file\n"})
+    git(lib, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(deep), "deep")
+    git(
+        lib, "config", "-f", ".gitmodules", "submodule.deep.url", "https://github.com/acme/deep.git"
+    )
+    git(lib, "commit", "-q", "-am", "deep")
+    git(tmp_path, "clone", "-q", "--bare", str(lib), str(mirrors / "acme" / "lib"))
+    show = 'echo "lib=$(cat vendor/lib/lib.txt) deep=$(cat vendor/lib/deep/deep.txt)" 2>/dev/null'
+    repo = make_repo(
+        tmp_path / "widget",
+        workflow(
+            f"""\
+            on: push
+            jobs:
+              recursive:
+                runs-on: ubuntu-latest
+                steps:
+                  - uses: actions/checkout@v4
+                    with: {{submodules: recursive}}
+                  - run: {show}
+              top:
+                runs-on: ubuntu-latest
+                steps:
+                  - uses: actions/checkout@v4
+                    with: {{submodules: true, path: copy}}
+                  - run: {show}
+                    working-directory: copy
+              none:
+                runs-on: ubuntu-latest
+                steps:
+                  - uses: actions/checkout@v4
+                  - run: {show}
+            """
+        ),
+    )
+    git(repo, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "vendor/lib")
+    git(repo, "config", "-f", ".gitmodules", "submodule.vendor/lib.url", "../lib.git")
+    git(repo, "commit", "-q", "-am", "lib")
+    git(repo, "remote", "add", "origin", "https://github.com/acme/widget.git")
+    monkeypatch.setenv("PRELOOP_ACTIONS_URL", f"file://{mirrors}")
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "success", "\n".join(h.all_text().splitlines())
+    assert "lib=lib-file deep=deep-file" in h.lines["recursive"], h.lines["recursive"]
+    assert "lib=lib-file deep=" in h.lines["top"], h.lines["top"]
+    assert "lib= deep=" in h.lines["none"], h.lines["none"]
+    # A submodule commit that was never pushed: the step fails, saying why.
+    sub = repo / "vendor" / "lib"
+    (sub / "lib.txt").write_text("local only\n")
+    git(sub, "commit", "-q", "-am", "unpushed")
+    git(repo, "commit", "-q", "-am", "bump lib")
+    outcome, h = run_engine(repo, store_url, tmp_path / "state")
+    assert outcome.conclusion == "failure"
+    text = "\n".join(h.lines["recursive"])
+    assert "actions/checkout: submodules could not be checked out:" in text, text
+    assert "Traceback" not in h.all_text()
+
+
 def test_dirty_tree_visible_and_source_untouched(tmp_path: Path, store_url: str) -> None:
     repo = make_repo(
         tmp_path / "repo",

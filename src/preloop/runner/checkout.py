@@ -35,7 +35,12 @@ import anyio
 
 from preloop.errors import PreloopError
 from preloop.process import CommandFailed, CommandTimeout, run_command
-from preloop.runner.remote_checkout import RefNotFound, checkout_repository, repository_url
+from preloop.runner.remote_checkout import (
+    RefNotFound,
+    checkout_repository,
+    repository_url,
+    update_submodules,
+)
 from preloop.runner.workspaces import clear_tree, empty_directory, stale_workspaces
 from preloop.snapshot.bundles import SnapshotBundles
 from preloop.snapshot.gitcmd import git, git_env
@@ -306,6 +311,8 @@ async def checkout_step(
             await _checkout_other(other, inputs, workspace, log)
         else:
             await _checkout_into(path, workspace, log, recheckout, ref)
+        own = None if current.startswith("local/") else current  # no GitHub remote
+        await _submodules(inputs, _destination(path, workspace), other or own, log)
     except CommandTimeout:
         raise CheckoutError(
             f"actions/checkout into {path!r} timed out after {_CHECKOUT_TIMEOUT:g} s"
@@ -394,11 +401,28 @@ async def _checkout_other(
     log(f"actions/checkout: {repository}@{source.ref} ({source.commit[:12]}) into {where}")
     unhonoured = [
         name
-        for name in ("submodules", "lfs", "sparse-checkout")
+        for name in ("lfs", "sparse-checkout")
         if inputs.get(name, "").strip().lower() not in ("", "false")
     ]
     if unhonoured:
         log(f"actions/checkout: {', '.join(unhonoured)} not honoured for {repository}")
+
+
+async def _submodules(
+    inputs: Mapping[str, str], dest: Path, repository: str | None, log: Callable[[str], None]
+) -> None:
+    """`submodules: true|recursive` of a checkout at `dest`: its submodules
+    checked out (`update_submodules`); any other value leaves them empty, as
+    actions/checkout does."""
+    mode = inputs.get("submodules", "").strip().lower()
+    if mode not in ("true", "recursive"):
+        return
+    try:
+        paths = await update_submodules(dest, recursive=mode == "recursive", repository=repository)
+    except ValueError as exc:
+        raise CheckoutError(f"actions/checkout: {exc}") from None
+    if paths:
+        log(f"actions/checkout: submodules checked out: {', '.join(paths)}")
 
 
 async def _checkout_into(

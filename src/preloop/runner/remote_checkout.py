@@ -8,10 +8,18 @@ As actions/checkout does: `fetch-depth` 1 unless given (0 fetches every
 branch and tag), a branch checked out as a local branch tracking
 `origin/<branch>`, a tag or a commit detached, the remote's default branch
 when no `ref:` is given.
+
+`submodules: true|recursive` (`update_submodules`, for the run's own
+repository too): the checkout's submodules at the commits its tree records,
+from the URLs `.gitmodules` gives, with `https://github.com/` read as
+`$PRELOOP_ACTIONS_URL` and relative URLs resolved against the repository's
+own `$PRELOOP_ACTIONS_URL/<owner>/<name>`, as GitHub resolves them against
+github.com.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +29,13 @@ from preloop.process import CommandFailed, CommandTimeout
 from preloop.runner.workspaces import empty_directory
 from preloop.snapshot.gitcmd import git, git_env, git_failure
 
-__all__ = ["CheckoutSource", "RefNotFound", "checkout_repository", "repository_url"]
+__all__ = [
+    "CheckoutSource",
+    "RefNotFound",
+    "checkout_repository",
+    "repository_url",
+    "update_submodules",
+]
 
 _SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 # GitHub's owner and repository names: no `..`, no URL or option syntax.
@@ -138,3 +152,67 @@ async def checkout_repository(
             raise RefNotFound(f"{url}: {exc}") from None
         raise ValueError(f"{url}: {git_failure(exc)}") from None
     return CheckoutSource(url, full, commit)
+
+
+_GITHUB = "https://github.com"
+
+
+async def update_submodules(
+    dest: Path, *, recursive: bool, repository: str | None, timeout: float | None = None
+) -> list[str]:
+    """`git submodule update --init` in the checkout `dest`, as actions/checkout
+    does for `submodules: true` (`recursive`: theirs too, at any depth); the
+    submodule paths checked out, relative to `dest`. `repository`
+    (`owner/name`, or None: the checkout's own origin) is what relative
+    submodule URLs are resolved against. Raises ValueError with git's
+    one-line diagnosis and what to do."""
+    limit = float(timeout or config.get("PRELOOP_ACTIONS_FETCH_TIMEOUT"))
+    origin = None
+    if repository is not None:
+        with contextlib.suppress(ValueError):  # a local repository: as git resolves them
+            origin = repository_url(repository)
+    try:
+        return await _update_submodules(dest, Path(), recursive, origin, limit)
+    except (CommandFailed, CommandTimeout) as exc:
+        raise ValueError(
+            f"submodules could not be checked out: {git_failure(exc)}; a submodule's commit "
+            "must be fetchable from its URL (pushed), or give the step `submodules: false`"
+        ) from None
+
+
+async def _update_submodules(
+    root: Path, rel: Path, recursive: bool, origin: str | None, limit: float
+) -> list[str]:
+    checkout = root / rel
+    if not (checkout / ".gitmodules").is_file():
+        return []
+    base = config.get("PRELOOP_ACTIONS_URL").rstrip("/")
+    options: list[str] = []
+    if base.startswith(("file:", "/")):
+        # git refuses file:// submodules unless told (CVE-2022-39253); the
+        # mirror is the user's own, as PRELOOP_ACTIONS_URL says.
+        options += ["-c", "protocol.file.allow=always"]
+    if origin is not None:
+        options += ["-c", f"remote.origin.url={origin}"]
+    env = git_env()
+    await git([*options, "submodule", "init"], env=env, cwd=checkout)
+    urls = await git(
+        ["config", "--get-regexp", r"^submodule\..*\.url$"], env=env, cwd=checkout, check=False
+    )
+    for line in urls.stdout_text().splitlines():
+        key, _, url = line.partition(" ")
+        for prefix in {_GITHUB, base}:
+            rest = url.removeprefix(f"{prefix}/")
+            if rest != url and url != (mirrored := f"{base}/{rest.removesuffix('.git')}"):
+                # <base>/<owner>/<name>, where actions and repositories come from
+                await git(["config", key, mirrored], env=env, cwd=checkout)
+                break
+    await git([*options, "submodule", "update", "--init", "--force"],
+              env=env, cwd=checkout, timeout=limit)  # fmt: skip
+    listed = await git(["submodule", "status"], env=env, cwd=checkout)
+    paths = [rel / line.split()[1] for line in listed.stdout_text().splitlines() if line.split()]
+    done = [str(p) for p in paths]
+    if recursive:
+        for path in paths:
+            done += await _update_submodules(root, path, recursive, None, limit)
+    return done

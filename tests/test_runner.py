@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import subprocess
 import textwrap
 from collections.abc import Callable
@@ -349,11 +350,57 @@ def test_user_local_bin_is_on_path_as_on_githubs_images(tmp_path: Path) -> None:
     assert result.conclusion == "success", lines
     assert "user-tool-ran" in lines
     user_bin = str(home / ".local" / "bin")
+    # (as root without sudo, PATH ends with the sudo stand-in: see below)
+    stand_in = f"{os.pathsep}{tmp_path / 'temp' / '_runner_sudo'}"
+    lines = [line.removesuffix(stand_in) for line in lines]
     assert f"path={user_bin}{os.pathsep}{os.environ['PATH']}" in lines
     assert "own=/usr/bin:/bin" in lines
     base["PATH"] = f"/usr/bin{os.pathsep}{user_bin}"
     result, lines = run_job(tmp_path, [{"run": 'echo "path=$PATH"'}], base_env=base)
+    lines = [line.removesuffix(stand_in) for line in lines]
     assert f"path=/usr/bin{os.pathsep}{user_bin}" in lines, lines
+
+
+def _tools_dir(where: Path, names: list[str]) -> str:
+    """A PATH directory holding only the host's `names` (symlinks)."""
+    where.mkdir(parents=True)
+    for name in names:
+        found = shutil.which(name)
+        assert found is not None, name
+        (where / name).symlink_to(found)
+    return str(where)
+
+
+def test_sudo_runs_the_command_when_the_job_is_root_without_sudo(tmp_path: Path) -> None:
+    """GitHub's images have passwordless sudo (`sudo apt-get install -y ...`,
+    hynek/build-and-inspect-python-package's `sudo apt-get install tree`): a
+    job running as root on a host without sudo (a container) gets a stand-in
+    at the end of PATH that drops sudo's options and runs the command; a sudo
+    on PATH is used as it is, and a job that is not root gets none."""
+    tools = _tools_dir(tmp_path / "tools", ["bash", "sh", "env", "id", "echo"])
+    base = {**os.environ, "PATH": tools}
+    steps: list[dict[str, Any]] = [
+        {"run": "sudo -E -H LEVEL=deep sh -c 'echo \"uid=$(id -u) level=$LEVEL\"'"},
+        {"run": "sudo -u root -- echo as-root"},
+        {"run": "sudo -u nobody id", "continue-on-error": True},
+        {"run": "command -v sudo >/dev/null || echo no-sudo"},
+    ]
+    result, lines = run_job(tmp_path, steps, base_env=base)
+    assert result.conclusion == "success", lines
+    if os.geteuid() == 0:
+        assert "uid=0 level=deep" in lines and "as-root" in lines, lines
+        assert any("cannot run a command as nobody" in line for line in lines), lines
+        assert [s.outcome for s in result.steps][2] == "failure"
+    else:
+        assert "no-sudo" in lines, lines
+    # A sudo of the host's is the one steps run.
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "sudo").write_text("#!/bin/sh\necho host-sudo\n")
+    (own / "sudo").chmod(0o755)
+    base["PATH"] = f"{tools}{os.pathsep}{own}"
+    result, lines = run_job(tmp_path, [{"run": "sudo true"}], base_env=base)
+    assert result.conclusion == "success" and "host-sudo" in lines, lines
 
 
 def test_working_directory_and_defaults(tmp_path: Path) -> None:

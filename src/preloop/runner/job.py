@@ -282,6 +282,45 @@ class _Scope:
     action: str = ""
 
 
+# GitHub's images have passwordless `sudo`, and workflows use it (`sudo apt-get
+# install -y ...`). A job that runs as root on a host without sudo (a
+# container) gets this stand-in: it drops sudo's options and runs the
+# command, already root; another user is refused, saying so.
+_SUDO = """#!/bin/sh
+# preloop's sudo: the job runs as root already
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -u|--user)
+      case "$2" in
+        root|0|'#0') shift 2;;
+        *) echo "sudo: the job runs as root; preloop cannot run a command as $2" >&2; exit 1;;
+      esac;;
+    -g|--group|-C|-h|-p|-r|-t|-T|-U) shift 2;;
+    --) shift; break;;
+    -*) shift;;
+    *) break;;
+  esac
+done
+[ $# -gt 0 ] || exit 0
+exec env "$@"
+"""
+
+
+def _sudo_stand_in(host: JobHost) -> str | None:
+    """The directory of the `sudo` stand-in (`_SUDO`) appended to the job's
+    PATH, when the job runs unsandboxed as root and its PATH has no sudo."""
+    if host.sandbox is not None or os.geteuid() != 0:
+        return None
+    env = host.base_env if host.base_env is not None else os.environ
+    if shutil.which("sudo", path=env.get("PATH", os.defpath)) is not None:
+        return None
+    where = host.temp / "_runner_sudo"
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "sudo").write_text(_SUDO, encoding="utf-8")
+    (where / "sudo").chmod(0o755)
+    return str(where)
+
+
 class _Execution:
     def __init__(
         self,
@@ -319,6 +358,7 @@ class _Execution:
         )
         self.commands_dir = host.temp / "_runner_file_commands"
         self.commands_dir.mkdir(parents=True, exist_ok=True)
+        self.sudo_dir = _sudo_stand_in(host)
         for value in secrets.values():
             masker.add(value)
         # GitHub shows `::debug::` lines only with step debug logging on (the
@@ -530,6 +570,8 @@ class _Execution:
                 out["PATH"] = os.pathsep.join([user_bin, host_path]) if host_path else user_bin
         if self.path_prepend:
             out["PATH"] = os.pathsep.join([*reversed(self.path_prepend), out.get("PATH", "")])
+        if self.sudo_dir is not None:
+            out["PATH"] = os.pathsep.join([out.get("PATH", "") or os.defpath, self.sudo_dir])
         return out
 
     # -- steps -------------------------------------------------------------------

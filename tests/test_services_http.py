@@ -683,6 +683,14 @@ def test_setup_action_hint_names_the_versions_the_host_has(tmp_path: Path) -> No
     for spec in ("3.11", "3.x", "3", "3.12.1"):
         assert setup_action_hint(root, "actions/setup-python@v5", {"python-version": spec}) is None
     assert setup_action_hint(root, "actions/setup-python@v5", {}) is None
+    # readme_renderer's `check-latest: true` failed offline on the versions
+    # manifest (getaddrinfo ENOTFOUND) with no word on the host's 3.12.1.
+    latest = {"python-version": "3.12", "check-latest": "true"}
+    hint = setup_action_hint(root, "actions/setup-python@v7", latest)
+    assert hint is not None and "`check-latest: true` asks the network" in hint
+    assert "has Python 3.12.1" in hint
+    latest["check-latest"] = "false"
+    assert setup_action_hint(root, "actions/setup-python@v7", latest) is None
     assert setup_action_hint(root, "actions/cache@v4", {"python-version": "3.9"}) is None
     node = setup_action_hint(root, "actions/setup-node@v4", {"node-version": "22"})
     assert node is not None and "has no node at all" in node and "ask for one" not in node

@@ -981,9 +981,10 @@ def _matches(version: str, spec: str) -> bool:
 def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str | None:
     """For a failed `uses:` step of a setup action asking for a version the
     host lacks: a message naming the versions the tool cache has (and what to
-    do). None when the action is not one the tool cache serves, when no plain
-    version was asked for, or when the version is there (the step failed for
-    another reason)."""
+    do); for one it has, asked for with `check-latest: true` (which needs the
+    network), that the host's is used without it. None when the action is not
+    one the tool cache serves, when no plain version was asked for, or when
+    the version is there (the step failed for another reason)."""
     action = _action_name(uses)
     if action not in SETUP_ACTIONS:
         return None
@@ -1011,8 +1012,16 @@ def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str |
         for e in entries
         if (e.arch.endswith(f"-{arch}") if arch else not e.arch.endswith("-freethreaded"))
     ]
-    if any(_matches(e.version, spec) for e in fitting):
-        return None
+    if matching := [e.version for e in fitting if _matches(e.version, spec)]:
+        if str(inputs.get("check-latest") or "").strip().lower() != "true":
+            return None  # the step failed for another reason
+        # readme_renderer's `check-latest: true`: the action asks GitHub's
+        # versions manifest for the newest first, even when the host has one.
+        return (
+            f"{action}: `check-latest: true` asks the network for the newest {tool} "
+            f"matching {asked!r}; the tool cache ({root}) has {tool} {matching[0]}, which "
+            "the step uses without `check-latest` where the network is out of reach"
+        )
     versions = list(dict.fromkeys(e.version for e in entries))
     spec = spec or asked
     # `3.x` / `20.*`: the version to install is what comes before the wildcard.

@@ -407,6 +407,38 @@ def test_sandboxed_job_runs_a_host_tool_installed_under_tmp(
     assert "uv 0." in text, text
 
 
+def test_sandboxed_matcher_files_under_a_state_directory_in_tmp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state directory under /tmp (PRELOOP_HOME=/tmp/...) is bound at its
+    own path over the sandbox's private /tmp: a matcher file there (setup-
+    python's in the action cache, one in RUNNER_TEMP) is read where it is,
+    not looked for in the private /tmp (`Unable to process command
+    '##[add-matcher]...' ... No such file`); one in the private /tmp still is."""
+    matcher = (
+        '{"problemMatcher": [{"owner": "OWNER", "pattern": '
+        '[{"regexp": "^OWNER: (.+)$", "message": 1}]}]}'
+    )
+    conclusion, text = run_boxed_steps(
+        tmp_path,
+        monkeypatch,
+        f"""\
+        - run: |
+            echo '{matcher.replace("OWNER", "temp")}' > "$RUNNER_TEMP/m.json"
+            echo "::add-matcher::$RUNNER_TEMP/m.json"
+            echo '{matcher.replace("OWNER", "own")}' > /tmp/m.json
+            echo "::add-matcher::/tmp/m.json"
+        - run: |
+            echo "temp: in runner temp"
+            echo "own: in private tmp"
+        """,
+    )
+    assert str(tmp_path).startswith("/tmp/"), tmp_path
+    assert conclusion == "success", text
+    assert "temp: in runner temp" in text and "own: in private tmp" in text, text
+    assert "Unable to process" not in text, text
+
+
 def test_sandboxed_jobs_home_local_bin_is_on_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -160,17 +160,22 @@ class StepSandbox:
     """How a job's steps run under bwrap: `wrap(argv, cwd)` is the argv to
     spawn (from any directory of the host) for a step that works in `cwd` as
     the step sees it; `host_path(path)` is where a path a step sees is on
-    the host (its private `/tmp` and `/var/tmp` are in the job directory);
-    `home` is the `HOME` the step sees."""
+    the host (its private `/tmp` and `/var/tmp` are in the job directory,
+    but what is bound at its own place over them, such as a state directory
+    under /tmp and the actions in it, is where it is); `home` is the `HOME`
+    the step sees."""
 
     prefix: tuple[str, ...]  # ends with "--"
     private: tuple[tuple[Path, Path], ...]  # (seen at, on the host)
     home: Path | None = None
+    own_place: tuple[Path, ...] = ()  # bound at their own path after `private`
 
     def wrap(self, argv: list[str], cwd: str) -> list[str]:
         return [*self.prefix[:-1], "--chdir", cwd, "--", *argv]
 
     def host_path(self, path: Path) -> Path:
+        if any(path.is_relative_to(own) for own in self.own_place):
+            return path
         for seen, host in self.private:
             if path == seen or path.is_relative_to(seen):
                 return host / path.relative_to(seen)
@@ -204,4 +209,9 @@ def bubblewrap_wrapper(
     )
     job_dir = Path(os.path.realpath(job_dir))
     private = tuple((Path(seen), job_dir / name) for seen, name in PRIVATE_DIRS)
-    return StepSandbox(tuple(prefix), private, job_dir / "home")
+    # What the argv binds after the private /tmp and /var/tmp (everything a
+    # step sees under the state directory is bound at its own path).
+    own = [Path(os.path.realpath(state_dir)), Path(coordination)]
+    if workspace is not None:
+        own.append(Path(os.path.realpath(workspace)).parent)
+    return StepSandbox(tuple(prefix), private, job_dir / "home", tuple(own))

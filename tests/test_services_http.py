@@ -691,6 +691,13 @@ def test_setup_action_hint_names_the_versions_the_host_has(tmp_path: Path) -> No
     assert "has Python 3.12.1" in hint
     latest["check-latest"] = "false"
     assert setup_action_hint(root, "actions/setup-python@v7", latest) is None
+    # sqlalchemy's `architecture: arm64` on an x64 host: that one is missing.
+    arm = {"python-version": "3.12", "architecture": "arm64"}
+    hint = setup_action_hint(root, "actions/setup-python@v7", arm)
+    assert hint is not None and "no arm64 Python matching '3.12'" in hint, hint
+    assert "Python 3.12.1 (x64), 3.11.7 (x64)" in hint and "runs on an arm64 host" in hint
+    arm["architecture"] = "x64"
+    assert setup_action_hint(root, "actions/setup-python@v7", arm) is None
     assert setup_action_hint(root, "actions/cache@v4", {"python-version": "3.9"}) is None
     node = setup_action_hint(root, "actions/setup-node@v4", {"node-version": "22"})
     assert node is not None and "has no node at all" in node and "ask for one" not in node

@@ -1012,6 +1012,10 @@ def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str |
         for e in entries
         if (e.arch.endswith(f"-{arch}") if arch else not e.arch.endswith("-freethreaded"))
     ]
+    # `architecture: arm64` (sqlalchemy's arm legs) is met only by that one.
+    machine = str(inputs.get("architecture") or "").strip().lower()
+    if machine:
+        fitting = [e for e in fitting if e.arch.partition("-")[0].lower() == machine]
     if matching := [e.version for e in fitting if _matches(e.version, spec)]:
         if str(inputs.get("check-latest") or "").strip().lower() != "true":
             return None  # the step failed for another reason
@@ -1029,6 +1033,11 @@ def setup_action_hint(root: Path, uses: str, inputs: Mapping[str, str]) -> str |
     version += "t" if arch else ""
     install = _INSTALL_ADVICE.get(tool, "Install {spec} on the host").format(spec=version)
     what = f"free-threaded {tool}" if arch else tool
+    if machine:
+        what = f"{machine} {what}"
+        versions = list(dict.fromkeys(f"{e.version} ({e.arch})" for e in entries))
+        if any(_matches(e.version, spec) for e in entries):
+            install = f"An {machine} {tool} runs on an {machine} host"
     if not versions:
         return (
             f"{action}: this host has no {what} matching {asked!r}, and the tool cache "

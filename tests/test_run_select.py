@@ -313,6 +313,39 @@ def test_matrix_selection_applies_to_a_matrix_computed_at_run_time(
     )
 
 
+OBJECT_LEGS = """\
+on: push
+jobs:
+  linux:
+    strategy:
+      matrix:
+        PYTHON:
+          - {VERSION: "3.13", NOXSESSION: "mypy"}
+          - {VERSION: "3.12", NOXSESSION: "tests"}
+          - {VERSION: "3.13", NOXSESSION: "tests", RUST_VERSION: "beta"}
+    runs-on: ubuntu-latest
+    steps:
+      - run: echo "ran ${{ matrix.PYTHON.VERSION }} ${{ matrix.PYTHON.NOXSESSION }}"
+"""
+
+
+def test_matrix_selection_of_an_object_value_in_the_workflows_own_form(
+    tmp_path: Path, store_url: str
+) -> None:
+    """bcrypt's legs are objects: `--matrix 'PYTHON={VERSION: "3.12",
+    NOXSESSION: tests}'`, as the workflow writes it (its key order, YAML flow
+    style) or as JSON in any key order, selects the leg; only the exact
+    sorted compact JSON the error message shows did."""
+    repo = make_repo(tmp_path / "repo", {WF + "o.yml": OBJECT_LEGS})
+    for n, value in enumerate(
+        ['{VERSION: "3.12", NOXSESSION: tests}', '{ "VERSION": "3.12", "NOXSESSION": "tests" }']
+    ):
+        out, h = run_all(repo, store_url, tmp_path / f"state{n}", matrix={"PYTHON": value})
+        assert out.ok, h.all_text()
+        assert [j.conclusion for j in out.runs[0].jobs] == ["success"], out.runs[0].jobs
+        assert "ran 3.12 tests" in h.all_text() and "ran 3.13" not in h.all_text()
+
+
 PLATFORMS = """\
 on: push
 jobs:

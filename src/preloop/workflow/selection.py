@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import yaml
+
 from preloop.errors import PreloopError, UsageError
 from preloop.workflow import expressions as ex
 from preloop.workflow.plan import Plan, PlannedJob
@@ -93,8 +95,23 @@ def matrix_filter(pairs: Sequence[tuple[str, str]]) -> dict[str, tuple[str, ...]
 
 
 def _wanted(wanted: Mapping[str, Sequence[str] | str]) -> dict[str, tuple[str, ...]]:
-    """Each key's values; a plain string is the one value (never its letters)."""
-    return {k: (v,) if isinstance(v, str) else tuple(v) for k, v in wanted.items()}
+    """Each key's values; a plain string is the one value (never its letters).
+    An object or array value is compared as the leg's is shown (`_text`):
+    bcrypt's `--matrix 'PYTHON={VERSION: "3.12", NOXSESSION: tests}'` in the
+    workflow's own key order and flow style, or as JSON."""
+    return {
+        k: tuple(_value(x) for x in ((v,) if isinstance(v, str) else v)) for k, v in wanted.items()
+    }
+
+
+def _value(text: str) -> str:
+    if not text.lstrip().startswith(("{", "[")):
+        return text
+    try:
+        parsed = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return _text(parsed) if isinstance(parsed, dict | list) else text
 
 
 def _asked(key: str, values: Sequence[str]) -> str:

@@ -612,6 +612,10 @@ def test_cli_plans_a_pull_request_with_the_runs_github_context(repo: Path) -> No
     assert [j["name"] for j in doc["jobs"]] == ["a refs/pull/1/merge main"]
     res = run_cli(repo, "--json")  # a push of the branch
     assert json.loads(res.stdout)[0]["concurrency"]["group"] == "refs/heads/feature-"
+    # The footer names the base a pull request's ref is (not `ref refs/heads/main`).
+    res = run_cli(repo, "--event", "pull_request", "--base", "main")
+    assert res.stdout.splitlines()[-1].startswith("(pull request into refs/heads/main; ")
+    assert run_cli(repo).stdout.splitlines()[-1].startswith("(ref refs/heads/feature; ")
 
 
 def test_cli_shows_a_run_scoped_group_evaluated_with_a_run_id_placeholder(repo: Path) -> None:

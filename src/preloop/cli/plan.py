@@ -239,7 +239,10 @@ def plan_command(
     if local.facts.event in ("push", "pull_request", "pull_request_target"):
         changed = local.facts.changed_paths
         seen = "changed paths unknown" if changed is None else plural(len(changed), "changed path")
-        click.echo(f"(ref {local.facts.ref or 'unknown'}; {seen}: {local.note})")
+        # A pull request's ref here is its base branch (what branch filters
+        # match): on cleo's `feature` branch this said `ref refs/heads/main`.
+        what = "ref" if local.facts.event == "push" else "pull request into"
+        click.echo(f"({what} {local.facts.ref or 'unknown'}; {seen}: {local.note})")
     if invalid is not None:  # the valid workflows are shown; the status says not all are
         raise invalid
 

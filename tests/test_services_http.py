@@ -634,6 +634,37 @@ def test_versioned_installer_scripts_are_the_venvs_own(tmp_path: Path) -> None:
     assert [p.name for p in bindir.glob("easy_install*")] == ["easy_install"]
 
 
+@pytest.mark.parametrize("kind", ["pyenv", "system"])
+def test_the_python_on_path_resolves_into_the_jobs_venv(tmp_path: Path, kind: str) -> None:
+    """On GitHub the tool cache Python is a real install: a tool that
+    resolves `python3` on PATH with realpath and reads
+    `../lib/pythonX.Y/site-packages` beside it (zuban does) finds what the
+    job installed. The job's venv has the interpreter's binary itself (a hard
+    link or a copy), so that path stays in the venv, and it still runs as it."""
+    prefix = host_python_prefix(tmp_path / "pyenv", system=kind == "system")
+    env = {"PATH": "", "HOME": str(tmp_path), "PYENV_ROOT": str(tmp_path / "pyenv")}
+    env["UV_PYTHON_INSTALL_DIR"] = str(tmp_path / "none")
+    if kind == "system":
+        env["PATH"] = str(prefix / "bin")
+    shared = tmp_path / "toolcache"
+    refresh_tool_cache(shared, env)
+    venv = job_tool_cache(shared, tmp_path / "job") / "Python" / VERSION / "x64"
+    installed = venv / "lib" / f"python{XY}" / "site-packages" / "installed_by_job.py"
+    installed.write_text("")
+    for name in ("python", "python3", f"python{XY}"):
+        real = Path(os.path.realpath(venv / "bin" / name))
+        assert real.parent.parent == venv, f"{name} -> {real}"
+        assert (real.parent.parent / installed.relative_to(venv)).exists()
+    out = _run(venv / "bin" / "python3", "-c", _PREFIXES, env=dict(os.environ)).split()
+    assert out == [str(venv), str(prefix), "True"]
+
+
+_PREFIXES = (
+    "import sys, os, installed_by_job; "
+    "print(sys.prefix, sys.base_prefix, os.path.exists(sys._base_executable))"
+)
+
+
 def _old_python() -> Path | None:
     """A CPython before 3.11 on this host (pyenv's), or None."""
     versions = Path(os.path.expanduser("~/.pyenv/versions"))

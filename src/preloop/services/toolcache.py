@@ -563,6 +563,20 @@ def _interpreter(entry: str, xy: str, t: str) -> str | None:
     return None
 
 
+def _own_interpreter(exe: str, dest: str) -> None:
+    """The venv's `bin/python`: the base's interpreter binary, as a hard link
+    (a copy where the file system or its owner refuses one: `venv --copies`),
+    never a symlink. On GitHub the tool cache Python on PATH is a real
+    install: what resolves `python3` on PATH with realpath(3) and looks
+    beside it for `../lib/pythonX.Y/site-packages` (zuban does, to find the
+    packages a job installed) must land in this venv, not in the user's base
+    interpreter. Python finds the venv's `pyvenv.cfg` beside the binary either way."""
+    try:
+        os.link(exe, dest)
+    except OSError:
+        shutil.copy2(exe, dest)
+
+
 def _python_venv(entry: str, dest: str, version: str, arch: str) -> bool:
     """Writes at `dest` the virtual environment `python -m venv
     --system-site-packages --without-pip` would make over the interpreter of
@@ -604,9 +618,9 @@ def _python_venv(entry: str, dest: str, version: str, arch: str) -> bool:
             f"{lib}/python{xy}{t}/site-packages/_preloop_base_executable.pth",
             f"import sys; sys._base_executable = {exe!r}\n",
         )
-    os.symlink(exe, f"{bindir}/python")
+    _own_interpreter(exe, f"{bindir}/python")
     for name in [f"python{major}", f"python{xy}"] + ([f"python{xy}t"] if t else []):
-        # more names of that same link: a hard link costs a fraction of a
+        # more names of that same file: a hard link costs a fraction of a
         # new symlink's inode, and reads the same
         os.link(f"{bindir}/python", f"{bindir}/{name}", follow_symlinks=False)
     _write(f"{bindir}/pip", _shebang(f"{bindir}/python") + _PIP_SCRIPT, 0o755)

@@ -640,6 +640,59 @@ def test_a_jobs_pip_installs_stay_in_the_job(tmp_path: Path) -> None:
     ]
 
 
+def test_a_python_container_job_runs_with_that_python_in_its_own_venv(tmp_path: Path) -> None:
+    """`container: python:X.Y` (hypercorn's tox jobs, no setup-python): on
+    GitHub `python` and `pip` are the image's, and installs go with the
+    container. Here the job's tool cache Python of that version is first on
+    PATH: the wheel `pip install` writes lands in the job's venv, never in the
+    Python under it. An image version the host lacks says so."""
+    prefix = host_python_prefix(tmp_path / "pyenv")
+    state = tmp_path / "state"
+    entry = state / "toolcache" / "Python" / VERSION
+    entry.mkdir(parents=True)
+    (entry / "x64").symlink_to(prefix)
+    (entry / "x64.complete").write_text("")
+    before = tree_state(prefix)
+    jobs = f"""
+  tox:
+    runs-on: ubuntu-latest
+    container: python:${{{{ matrix.python }}}}
+    strategy:
+      matrix:
+        python: ["{XY}", "{XY}-slim"]
+    steps:
+      - run: |
+          pip wheel --no-index --no-build-isolation -w "$RUNNER_TEMP/dist" ./tiny
+          pip install --no-index "$RUNNER_TEMP/dist/tiny-1.0-py3-none-any.whl"
+          cd "$RUNNER_TEMP"
+          python -c "import sys, tiny; print('prefix', sys.prefix, tiny.VALUE)"
+  missing:
+    runs-on: ubuntu-latest
+    container: {{image: "python:2.1"}}
+    steps:
+      - run: echo on the host
+"""
+    files = {**_workflow(jobs), **tiny_project_files("tiny", "tiny/")}
+    files[".github/workflows/ci.yml"] = files[".github/workflows/ci.yml"].replace(
+        "env:\n",
+        "env:\n  PIP_DISABLE_PIP_VERSION_CHECK: '1'\n  PYTHONDONTWRITEBYTECODE: '1'\n"
+        f"  PIP_CACHE_DIR: {tmp_path / 'pip-cache'}\n",
+        1,
+    )
+    repo = make_repo(tmp_path / "repo", files)
+    outcome, h = run_engine(repo, f"sqlite:///{tmp_path / 'p.db'}", state)
+    text = h.all_text()
+    assert set(results(outcome).values()) == {"success"}, text
+    prefixes = [ln.split()[1:] for ln in text.splitlines() if ln.strip().startswith("prefix ")]
+    assert len(prefixes) == 2, text
+    for venv, value in prefixes:
+        assert Path(venv).parts[-3:] == ("Python", VERSION, "x64"), text
+        assert work_dir(state) in Path(venv).parents and value == "tiny", text
+    assert tree_state(prefix) == before
+    assert "first on PATH in place of that image" in text, text
+    assert "this host has no Python 2.1 for it" in text, text
+
+
 def test_a_download_in_a_jobs_tool_cache_is_there_for_the_job_after(tmp_path: Path) -> None:
     """What a job installs in its own tool cache as setup-python does (a
     Python the host lacks, a PyPy) is in the shared cache once the job

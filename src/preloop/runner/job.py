@@ -70,7 +70,7 @@ from preloop.runner.masking import Masker, mask_json
 from preloop.runner.sandbox import StepSandbox
 from preloop.runner.stream import run_streaming
 from preloop.runner.watchdog import kill_tracked_ids
-from preloop.services.toolcache import setup_action_hint, uv_base_bin
+from preloop.services.toolcache import container_python, setup_action_hint, uv_base_bin
 from preloop.workflow import expressions as ex
 from preloop.workflow.hashfiles import hash_files
 from preloop.workflow.plan import strategy_context
@@ -1041,18 +1041,40 @@ class _Execution:
 def _warn_unsupported(spec: Mapping[str, Any], run: _Execution) -> None:
     """`container:` and `services:` need a container engine, which preloop does
     not drive: say so in the log and the summary instead of silently running
-    the steps on the host as if they had been honoured."""
+    the steps on the host as if they had been honoured. A container of
+    Python's official image (`python:3.13`, hypercorn's tox jobs) gets the
+    job's tool cache Python of that version first on PATH, as setup-python
+    would put it: its `python` and `pip` are that version, and what they
+    install stays in the job's venv (not the host's interpreter)."""
     job = str(spec.get("job", ""))
     container = spec.get("container")
     if isinstance(container, str) and "${{" in container:
         # `container: ${{ matrix.container }}` with '' on some legs: none there.
         with contextlib.suppress(ex.ExpressionError):
             container = run.template(container, run.base)
+    image = container.get("image") if isinstance(container, Mapping) else container
+    if isinstance(image, str) and "${{" in image:
+        with contextlib.suppress(ex.ExpressionError):
+            image = run.template(image, run.base)
     if container:
         why = (
             f"job {job!r} declares `container:`; preloop runs its steps on this host, "
             "not in that image"
         )
+        python = container_python(str(image or ""), Path(run.runner_ctx["tool_cache"]))
+        if python is not None and python[1] is not None:
+            # As setup-python would: the job's venv of that version first on
+            # PATH, the base after it for uv (see show_uv_the_base).
+            venv = python[1]
+            base_bin = uv_base_bin(str(venv), run.runner_ctx["tool_cache"])
+            run.path_prepend.extend([*([base_bin] if base_bin else []), str(venv / "bin")])
+            why = (
+                f"job {job!r} declares `container:` ({image}); preloop runs its steps on this "
+                f"host, with the tool cache's Python {venv.parent.name} first on PATH in place "
+                "of that image"
+            )
+        elif python is not None:
+            why += f" (and this host has no Python {python[0]} for it: `preloop toolcache`)"
         run.log(f"warning: {why}")
         run.annotations.append(Annotation("warning", why, run.job_key))
     services = sorted(dict(spec.get("services") or {}))

@@ -60,6 +60,7 @@ from preloop.fs import write_text_atomic
 __all__ = [
     "ToolEntry",
     "adopt_job_tools",
+    "container_python",
     "default_tool_cache",
     "job_tool_cache",
     "job_uses_tool_cache",
@@ -764,6 +765,8 @@ def job_uses_tool_cache(spec: Mapping[str, Any]) -> bool:
 
     if config.get("PRELOOP_TOOL_CACHE_LAYOUT") == "always":
         return True
+    if "python" in json.dumps(spec.get("container"), default=str).lower():
+        return True  # `container: python:3.12`: see container_python
     steps = spec.get("steps") or []
     for step in steps:
         uses = step.get("uses") if isinstance(step, Mapping) else None
@@ -771,6 +774,29 @@ def job_uses_tool_cache(spec: Mapping[str, Any]) -> bool:
             return True
     text = json.dumps([steps, spec.get("env"), spec.get("defaults")], default=str)
     return _NAMES_TOOL_CACHE.search(text) is not None
+
+
+#: Docker Hub's official Python image, any variant (`python:3.12`,
+#: `python:3.12.4-slim-bookworm`, `docker.io/library/python:3.13`).
+_PYTHON_IMAGE = re.compile(r"(?:docker\.io/)?(?:library/)?python:(\d+\.\d+(?:\.\d+)?)(?:-[\w.-]+)?")
+
+
+def container_python(image: str, tool_cache: Path) -> tuple[str, Path | None] | None:
+    """For a job's `container:` image that is Python's official image:
+    `(version, venv)`, the version its tag names and the newest Python of
+    the job's tool cache `tool_cache` that matches it (a venv, see
+    `job_tool_cache`; None when the host has no such version). None for any
+    other image. GitHub runs such a job's steps in that image, where
+    `python` and `pip` are that version and what they install goes with the
+    container: the job's own venv is the nearest thing on this host."""
+    m = _PYTHON_IMAGE.fullmatch(image.strip())
+    if m is None:
+        return None
+    arch = tool_arch()
+    for e in list_tool_cache(tool_cache):
+        if e.tool == _PYTHON and e.arch == arch and _matches(e.version, m[1]):
+            return m[1], Path(e.path)
+    return m[1], None
 
 
 def _job_python(shared: Path, dest: Path, version: str) -> None:

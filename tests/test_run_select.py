@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -387,6 +388,41 @@ def test_other_platforms_are_skipped_with_a_reason(tmp_path: Path, store_url: st
     assert jobs["build (windows-latest)"].conclusion == "success"
     assert "built on windows-latest" in h.all_text()
     assert jobs["build (macos-14)"].conclusion == "skipped"
+
+
+ARM = """\
+on: push
+jobs:
+  test:
+    strategy:
+      matrix:
+        os: [ubuntu-latest, ubuntu-24.04-arm]
+    runs-on: ${{ matrix.os }}
+    steps:
+      - run: echo "tested on ${{ matrix.os }} ($RUNNER_ARCH)"
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86-64 host")
+def test_an_arm_runner_is_skipped_on_an_x86_host(tmp_path: Path, store_url: str) -> None:
+    # msgpack's and pyyaml's matrices have ubuntu-24.04-arm legs: run on this
+    # host they would pass as ARM64 builds that never were.
+    repo = make_repo(tmp_path / "repo", {WF + "arm.yml": ARM})
+    out, h = run_all(repo, store_url, tmp_path / "state")
+    jobs = {j.name: j for j in out.runs[0].jobs}
+    assert jobs["test (ubuntu-latest)"].conclusion == "success"
+    arm = jobs["test (ubuntu-24.04-arm)"]
+    assert arm.conclusion == "skipped"
+    assert arm.reason == (
+        "runs-on ubuntu-24.04-arm is an ARM64 runner; this host is X64 "
+        "(run it here anyway with --platform ubuntu-24.04-arm=host)"
+    )
+    assert "tested on ubuntu-24.04-arm" not in h.all_text()
+    out, h = run_all(
+        repo, store_url, tmp_path / "state", platforms={"ubuntu-24.04-arm": "host"}, matrix={}
+    )
+    assert {j.conclusion for j in out.runs[0].jobs} == {"success"}
+    assert "tested on ubuntu-24.04-arm" in h.all_text()
 
 
 RESOLVED_RUNS_ON = """on: push

@@ -10,7 +10,8 @@
   (`fromJSON(needs.x.outputs.y)`) is filtered when its legs are leased:
   `leg_not_selected(matrix, wanted)` is why such a leg is skipped.
 - `foreign_platform(labels, platforms)`: why a job whose `runs-on` names
-  another operating system (`windows-*`, `macos-*`) is not run here, unless
+  another operating system (`windows-*`, `macos-*`) or another architecture
+  (`ubuntu-24.04-arm`, `ARM64` on an x86-64 host) is not run here, unless
   `platforms` maps that label to `host`; `runs_on_labels(value, contexts)`
   are a leased job's labels, its templates evaluated.
 """
@@ -18,6 +19,8 @@
 from __future__ import annotations
 
 import json
+import platform
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -41,6 +44,15 @@ __all__ = [
 
 #: runs-on label prefixes of GitHub-hosted runners of other operating systems.
 FOREIGN_OS = {"windows": "Windows", "macos": "macOS"}
+
+#: runs-on labels naming a runner's architecture: GitHub's hosted
+#: `ubuntu-24.04-arm` / `ubuntu-22.04-arm`, a self-hosted runner's `ARM64` / `X64`.
+_ARCH_LABEL = re.compile(r"(?:.+-)?(arm|arm64|x64)", re.IGNORECASE)
+
+
+def _host_arch() -> str:
+    machine = platform.machine().lower()
+    return "ARM64" if machine in ("aarch64", "arm64") else "X64"
 
 
 def _rebuild(p: Plan, jobs: Sequence[PlannedJob]) -> Plan:
@@ -180,6 +192,14 @@ def foreign_platform(labels: Sequence[str], platforms: Mapping[str, str]) -> str
             if (low == prefix or low.startswith(prefix + "-")) and low not in host:
                 return (
                     f"runs-on {label} is a {name} runner; this host runs Linux "
+                    f"(run it here anyway with --platform {label}=host)"
+                )
+        arch = _ARCH_LABEL.fullmatch(label)
+        if arch is not None and low not in host:
+            wanted = "X64" if arch[1].lower() == "x64" else "ARM64"
+            if wanted != _host_arch():
+                return (
+                    f"runs-on {label} is an {wanted} runner; this host is {_host_arch()} "
                     f"(run it here anyway with --platform {label}=host)"
                 )
     return None

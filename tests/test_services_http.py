@@ -766,6 +766,10 @@ def test_setup_action_hint_reads_setup_pythons_dev_free_threaded_and_pypy_forms(
         other = hint(spec)
         assert other is not None and f"matching {spec!r}" in other, spec
     assert "has no PyPy at all" in (hint("pypy3.11") or "")
+    # installing one on the host would not help: only setup-python's download does
+    assert "downloads PyPy itself" in (hint("pypy-3.10") or "")
+    assert "Install" not in (hint("pypy-3.10") or "")
+    assert "downloads GraalPy itself" in (hint("graalpy-24.2") or "")
     (root / "PyPy" / "7.3.20" / "x64").mkdir(parents=True)
     (root / "PyPy" / "7.3.20" / "x64.complete").write_text("")
     assert hint("pypy3.11") is None  # which Python a PyPy is: not told by its directory

@@ -1008,6 +1008,12 @@ _INSTALL_ADVICE = {
     "go": "Put a Go {spec} toolchain's `go` first on PATH",
     "uv": "Put a uv {spec} first on PATH (e.g. `pip install uv=={spec}`)",
     "Java_Temurin-Hotspot_jdk": "Put a JDK {spec}'s `java` (with `javac`) first on PATH",
+    # The host's PyPy and GraalPy are not laid out (only CPython is): a
+    # download by setup-python itself is the one way in, kept once it worked.
+    "PyPy": "setup-python downloads PyPy itself (from downloads.python.org): check the network "
+    "(an interpreter installed on the host is not used)",
+    "GraalPy": "setup-python downloads GraalPy itself (from GitHub's releases): check the "
+    "network (an interpreter installed on the host is not used)",
 }
 
 

@@ -622,15 +622,9 @@ class Engine:
         if self.events.on_selected is not None:
             self.events.on_selected(selection)
         root = selection.root
-        store_url = self.store_url()
-        # Before the capture: PRELOOP_SNAPSHOT_TRANSPORT=store on the lite store fails here.
-        transport = snapshot_transport("pg" if store_url.startswith("postgres") else "lite")
-        self.state_dir.mkdir(parents=True, exist_ok=True)
         # The store before the sweeps: its unfinished runs say which run
         # repositories of dead holders a same-host runner may still use.
-        store = await anyio.to_thread.run_sync(open_user_store, store_url, req.store_url)
-        self.store = store
-        bundles = SnapshotBundles(store) if transport == "store" else None
+        store, bundles = await self._open_store()
         run_key = self.run_key
         held = False
         try:
@@ -730,12 +724,7 @@ class Engine:
         invocation's."""
         req = self.request
         self._validate()
-        store_url = self.store_url()
-        transport = snapshot_transport("pg" if store_url.startswith("postgres") else "lite")
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        store = await anyio.to_thread.run_sync(open_user_store, store_url, req.store_url)
-        self.store = store
-        bundles = SnapshotBundles(store) if transport == "store" else None
+        store, bundles = await self._open_store()
         held = False
         try:
             info = await anyio.to_thread.run_sync(store.get_run, old_id)
@@ -805,6 +794,17 @@ class Engine:
             return RunsOutcome([outcome], [], self._interrupted, [])
         finally:
             await self._close(store, bundles, held)
+
+    async def _open_store(self) -> tuple[Store, SnapshotBundles | None]:
+        """The run's store, and its snapshot bundles where runners fetch the
+        snapshot from the store (the `store` transport)."""
+        url = self.store_url()
+        # Before a capture: PRELOOP_SNAPSHOT_TRANSPORT=store on the lite store fails here.
+        transport = snapshot_transport("pg" if url.startswith("postgres") else "lite")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        store = await anyio.to_thread.run_sync(open_user_store, url, self.request.store_url)
+        self.store = store
+        return store, SnapshotBundles(store) if transport == "store" else None
 
     async def _restore(
         self, location: SnapshotLocation, where: str, bundles: SnapshotBundles | None

@@ -22,6 +22,7 @@ from preloop.actions.reference import Overrides, parse_overrides
 from preloop.cli.app import cli, echo_error, emit_json, make_console, plural
 from preloop.cli.secret_args import (
     action_option,
+    local_run_options,
     parse_secrets,
     parse_vars,
     sandbox_options,
@@ -422,19 +423,7 @@ _PLATFORM_HELP = "Run jobs with this runs-on label (windows-*, macos-*) on this 
     multiple=True,
     help="Run only this job (and the jobs it needs); repeatable.",
 )
-@click.option(
-    "-j",
-    "--jobs",
-    "parallel",
-    type=int,
-    help="Local runners (default: CPU count; 0: only `preloop runner` processes).",
-)
-@click.option("--store", help="Store URL (default: $PRELOOP_STORE_URL, else the lite store).")
-@click.option(
-    "--state-dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    help="State directory (default: $PRELOOP_STATE_DIR).",
-)
+@local_run_options
 @secret_options
 @var_options
 @sandbox_options
@@ -543,19 +532,7 @@ def _platform_map(platforms: tuple[str, ...]) -> dict[str, str]:
     is_flag=True,
     help="Run every job again (default: the failed and cancelled jobs and their dependents).",
 )
-@click.option(
-    "-j",
-    "--jobs",
-    "parallel",
-    type=int,
-    help="Local runners (default: CPU count; 0: only `preloop runner` processes).",
-)
-@click.option("--store", help="Store URL (default: $PRELOOP_STORE_URL, else the lite store).")
-@click.option(
-    "--state-dir",
-    type=click.Path(path_type=Path, file_okay=False),
-    help="State directory (default: $PRELOOP_STATE_DIR).",
-)
+@local_run_options
 @secret_options
 @sandbox_options
 @action_option

@@ -180,6 +180,26 @@ def parse_vars(values: Iterable[str], files: Iterable[Path] = ()) -> dict[str, s
     return found
 
 
+def local_run_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`-j/--jobs`, `--store` and `--state-dir`, shared by `preloop run` and
+    `preloop rerun`: where the run is stored and how many local runners run it."""
+    fn = click.option(
+        "--state-dir",
+        type=click.Path(path_type=Path, file_okay=False),
+        help="State directory (default: $PRELOOP_STATE_DIR).",
+    )(fn)
+    fn = click.option(
+        "--store", help="Store URL (default: $PRELOOP_STORE_URL, else the lite store)."
+    )(fn)
+    return click.option(
+        "-j",
+        "--jobs",
+        "parallel",
+        type=int,
+        help="Local runners (default: CPU count; 0: only `preloop runner` processes).",
+    )(fn)
+
+
 def action_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`--action`, shared by `preloop run`, `plan` and `list`: a remote
     action or reusable workflow read from a local directory, or skipped."""

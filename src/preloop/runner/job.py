@@ -74,6 +74,7 @@ from preloop.services.toolcache import container_python, setup_action_hint, uv_b
 from preloop.workflow import expressions as ex
 from preloop.workflow.hashfiles import hash_files
 from preloop.workflow.plan import strategy_context
+from preloop.workflow.selection import runner_arch
 from preloop.workflow.step_ids import step_action_names
 from preloop.workflow.templates import mapping_items
 
@@ -402,7 +403,7 @@ class _Execution:
         (host.temp / "_github_event.json").write_text(json.dumps(event), encoding="utf-8")
         self.runner_ctx = {
             "os": "Linux",
-            "arch": "X64",
+            "arch": runner_arch(),
             "name": host.runner_name,
             "temp": str(host.temp),
             "tool_cache": str(host.tool_cache or host.temp / "_tool"),
@@ -542,7 +543,7 @@ class _Execution:
             "GITHUB_ACTION": scope.action,
             "GITHUB_EVENT_PATH": str(gh["event_path"]),
             "RUNNER_OS": "Linux",
-            "RUNNER_ARCH": "X64",
+            "RUNNER_ARCH": self.runner_ctx["arch"],
             "RUNNER_NAME": self.host.runner_name,
             "RUNNER_TEMP": str(self.host.temp),
             "RUNNER_TOOL_CACHE": self.runner_ctx["tool_cache"],
@@ -1048,14 +1049,13 @@ def _warn_unsupported(spec: Mapping[str, Any], run: _Execution) -> None:
     install stays in the job's venv (not the host's interpreter)."""
     job = str(spec.get("job", ""))
     container = spec.get("container")
-    if isinstance(container, str) and "${{" in container:
-        # `container: ${{ matrix.container }}` with '' on some legs: none there.
-        with contextlib.suppress(ex.ExpressionError):
-            container = run.template(container, run.base)
     image = container.get("image") if isinstance(container, Mapping) else container
     if isinstance(image, str) and "${{" in image:
+        # `container: ${{ matrix.container }}` with '' on some legs: none there.
         with contextlib.suppress(ex.ExpressionError):
             image = run.template(image, run.base)
+    if isinstance(container, str):
+        container = image
     if container:
         why = (
             f"job {job!r} declares `container:`; preloop runs its steps on this host, "

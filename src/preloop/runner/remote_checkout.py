@@ -209,8 +209,13 @@ async def _update_submodules(
                 break
     await git([*options, "submodule", "update", "--init", "--force"],
               env=env, cwd=checkout, timeout=limit)  # fmt: skip
-    listed = await git(["submodule", "status"], env=env, cwd=checkout)
-    paths = [rel / line.split()[1] for line in listed.stdout_text().splitlines() if line.split()]
+    # The gitlinks of the index: each submodule's path, spaces and all.
+    listed = await git(["ls-files", "-z", "--stage"], env=env, cwd=checkout)
+    paths = [
+        rel / entry.partition("\t")[2]
+        for entry in listed.stdout_text().split("\0")
+        if entry.startswith("160000 ")
+    ]
     done = [str(p) for p in paths]
     if recursive:
         for path in paths:

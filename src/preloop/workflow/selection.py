@@ -37,6 +37,7 @@ __all__ = [
     "known_jobs",
     "leg_not_selected",
     "matrix_filter",
+    "runner_arch",
     "runs_on_labels",
     "select_jobs",
     "select_legs",
@@ -50,7 +51,9 @@ FOREIGN_OS = {"windows": "Windows", "macos": "macOS"}
 _ARCH_LABEL = re.compile(r"(?:.+-)?(arm|arm64|x64)", re.IGNORECASE)
 
 
-def _host_arch() -> str:
+def runner_arch() -> str:
+    """This host's architecture as GitHub's runner names it (`runner.arch`,
+    `RUNNER_ARCH`, the `ARM64`/`X64` runs-on labels)."""
     machine = platform.machine().lower()
     return "ARM64" if machine in ("aarch64", "arm64") else "X64"
 
@@ -197,9 +200,9 @@ def foreign_platform(labels: Sequence[str], platforms: Mapping[str, str]) -> str
         arch = _ARCH_LABEL.fullmatch(label)
         if arch is not None and low not in host:
             wanted = "X64" if arch[1].lower() == "x64" else "ARM64"
-            if wanted != _host_arch():
+            if wanted != runner_arch():
                 return (
-                    f"runs-on {label} is an {wanted} runner; this host is {_host_arch()} "
+                    f"runs-on {label} is an {wanted} runner; this host is {runner_arch()} "
                     f"(run it here anyway with --platform {label}=host)"
                 )
     return None

@@ -552,6 +552,16 @@ def test_every_job_uses_the_tool_cache_when_told(monkeypatch: pytest.MonkeyPatch
         job_uses_tool_cache({"steps": []})
 
 
+def _shared_python(state: Path, prefix: Path) -> Path:
+    """`prefix` as a complete x64 Python of `state`'s shared tool cache (as a
+    setup action leaves one); its `Python/<version>` directory."""
+    entry = state / "toolcache" / "Python" / VERSION
+    entry.mkdir(parents=True)
+    (entry / "x64").symlink_to(prefix)
+    (entry / "x64.complete").write_text("")
+    return entry
+
+
 def test_a_jobs_pip_installs_stay_in_the_job(tmp_path: Path) -> None:
     """A Python that a setup action installed in the shared tool cache (here
     a pyenv-style prefix of this test's own) is, in each job, a venv over it:
@@ -561,10 +571,7 @@ def test_a_jobs_pip_installs_stay_in_the_job(tmp_path: Path) -> None:
     byte for byte what it was."""
     prefix = host_python_prefix(tmp_path / "pyenv")
     state = tmp_path / "state"
-    entry = state / "toolcache" / "Python" / VERSION
-    entry.mkdir(parents=True)
-    (entry / "x64").symlink_to(prefix)
-    (entry / "x64.complete").write_text("")
+    entry = _shared_python(state, prefix)
     before = tree_state(prefix)
     setup = f"""
       - uses: ./.github/actions/find-python
@@ -648,10 +655,7 @@ def test_a_python_container_job_runs_with_that_python_in_its_own_venv(tmp_path: 
     Python under it. An image version the host lacks says so."""
     prefix = host_python_prefix(tmp_path / "pyenv")
     state = tmp_path / "state"
-    entry = state / "toolcache" / "Python" / VERSION
-    entry.mkdir(parents=True)
-    (entry / "x64").symlink_to(prefix)
-    (entry / "x64.complete").write_text("")
+    _shared_python(state, prefix)
     before = tree_state(prefix)
     jobs = f"""
   tox:
